@@ -1,0 +1,3 @@
+from warmroute.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""Request -> routing key: the text the engine will cache, in order, plus what must seed its hash.
+
+The key is what decides cache sharing inside the engine: the rendered conversation (roles and text of every
+message, tool definitions first, as chat templates place them), the completion prompt (text or token ids),
+or, for SageMaker-style /invocations, the raw body. The model name and any cache salt seed the hash, so
+prompts for different models or salts never look alike. The emulated engine renders prompts with the same
+functions, so router and engine agree on what a prefix is.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from warmroute.core.block_hash import BLOCK_BYTES_DEFAULT, block_hashes, seed_of
+
+BYTES_PER_TOKEN = 4  # ≈ characters per token for English text; token ids are packed as 4 bytes each
+
+# Routes whose body is OpenAI-style JSON, and what part of it the engine caches.
+CHAT_ROUTES = frozenset({"/v1/chat/completions"})
+PROMPT_ROUTES = frozenset({"/v1/completions"})
+EMBEDDING_ROUTES = frozenset({"/v1/embeddings"})
+RESPONSES_ROUTES = frozenset({"/v1/responses"})
+RAW_ROUTES = frozenset({"/invocations"})
+ROUTED_PATHS = CHAT_ROUTES | PROMPT_ROUTES | EMBEDDING_ROUTES | RESPONSES_ROUTES | RAW_ROUTES
+
+
+class KeyError_(ValueError):
+    """The body cannot be read as the route requires (shown to the client as a 400)."""
+
+
+@dataclass
+class RoutingKey:
+    seed: int  # from model name and cache salt
+    data: bytes  # what the engine caches, in order, as bytes
+    prefix_units: str | bytes  # what PrefixLength counts: characters of message text, or body bytes
+    session: str | None = None
+    model: str | None = None
+    _blocks: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        """Prompt length estimate in tokens (≈ 4 bytes per token)."""
+        return max(1, len(self.data) // BYTES_PER_TOKEN)
+
+    def blocks(self, block_bytes: int = BLOCK_BYTES_DEFAULT) -> list[int]:
+        """Chained hashes of the key's full blocks (computed once per block size)."""
+        got = self._blocks.get(block_bytes)
+        if got is None:
+            got = self._blocks[block_bytes] = block_hashes(self.data, self.seed, block_bytes)
+        return got
+
+    def prefix_hash(self, prefix_length: int) -> int:
+        """Hash of the first `prefix_length` characters (bytes for raw bodies): the reference's key."""
+        head = self.prefix_units[:prefix_length]
+        raw = head.encode("utf-8", "surrogatepass") if isinstance(head, str) else head
+        return xxhash.xxh3_64_intdigest(raw, self.seed)
+
+
+# -- rendering (shared with the emulated engine) ----------------------------------------------------------
+def content_text(content: Any) -> str:
+    """Text of a message's content: a string, or the text parts of a multimodal list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict):
+                if isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                elif part.get("type") in ("image_url", "input_image", "input_audio", "image"):
+                    # Non-text parts still occupy the prompt; identify them by their reference.
+                    parts.append(f"<{part.get('type')}:{json.dumps(part, sort_keys=True)[:256]}>")
+            else:
+                raise KeyError_("message content parts must be strings or objects")
+        return "".join(parts)
+    if isinstance(content, dict) and isinstance(content.get("text"), str):
+        return content["text"]
+    raise KeyError_("message content must be a string or a list of content parts")
+
+
+def render_messages(messages: Any, tools: Any = None) -> str:
+    """A chat conversation as the text the engine will prefill: tools, then each role and its text."""
+    if not isinstance(messages, list):
+        raise KeyError_("'messages' must be a list of message objects")
+    out = []
+    if tools:
+        out.append("<|tools|>\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "\n")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise KeyError_(f"messages[{i}] must be an object")
+        role = m.get("role", "user")
+        if not isinstance(role, str):
+            raise KeyError_(f"messages[{i}].role must be a string")
+        text = content_text(m.get("content"))
+        if m.get("tool_calls"):
+            text += json.dumps(m["tool_calls"], sort_keys=True, separators=(",", ":"))
+        out.append(f"<|{role}|>\n{text}\n")
+    return "".join(out)
+
+
+def render_prompt(prompt: Any) -> tuple[str | None, bytes]:
+    """A completions prompt: text (or list of texts), or token ids (packed 4 bytes per id)."""
+    if isinstance(prompt, str):
+        return prompt, prompt.encode("utf-8", "surrogatepass")
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, _pack_ids(prompt)
+        if all(isinstance(p, str) for p in prompt):
+            text = "\n".join(prompt)
+            return text, text.encode("utf-8", "surrogatepass")
+        if all(isinstance(p, list) for p in prompt):  # a batch of token-id prompts: key on the first
+            return render_prompt(prompt[0])
+    raise KeyError_("'prompt' must be a string, a list of strings, or a list of token ids")
+
+
+def _pack_ids(ids: list[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(ids)}I", *ids)
+    except struct.error:
+        raise KeyError_("token ids must be integers from 0 to 2^32-1") from None
+
+
+def render_responses_input(body: dict) -> str:
+    """OpenAI Responses API: instructions, then the input (a string or a list of message items)."""
+    text = ""
+    if isinstance(body.get("instructions"), str):
+        text += f"<|system|>\n{body['instructions']}\n"
+    inp = body.get("input")
+    if isinstance(inp, str):
+        return text + f"<|user|>\n{inp}\n"
+    if isinstance(inp, list):
+        return text + render_messages([m for m in inp if isinstance(m, dict)], body.get("tools"))
+    raise KeyError_("'input' must be a string or a list of input items")
+
+
+# -- extraction -----------------------------------------------------------------------------------------------
+def _seed(body: dict) -> tuple[int, str | None]:
+    model = body.get("model")
+    model = model if isinstance(model, str) else ""
+    salt = body.get("cache_salt")
+    lora = body.get("lora_adapter") or body.get("adapter")
+    return seed_of(model, salt if isinstance(salt, str) else "", lora if isinstance(lora, str) else ""), model or None
+
+
+def key_for_json(path: str, body: Any, session: str | None = None) -> RoutingKey:
+    """Routing key of an OpenAI-style JSON request on `path` (body already parsed)."""
+    if not isinstance(body, dict):
+        raise KeyError_("request body must be a JSON object")
+    seed, model = _seed(body)
+    session = session or (body.get("user") if isinstance(body.get("user"), str) else None)
+    if path in CHAT_ROUTES:
+        if "messages" not in body:
+            raise KeyError_("missing required field 'messages'")
+        text = render_messages(body["messages"], body.get("tools"))
+        return RoutingKey(seed, text.encode("utf-8", "surrogatepass"), text, session, model)
+    if path in PROMPT_ROUTES or path in EMBEDDING_ROUTES:
+        field_name = "prompt" if path in PROMPT_ROUTES else "input"
+        if field_name not in body:
+            raise KeyError_(f"missing required field '{field_name}'")
+        text, data = render_prompt(body[field_name])
+        return RoutingKey(seed, data, text if text is not None else data, session, model)
+    if path in RESPONSES_ROUTES:
+        text = render_responses_input(body)
+        return RoutingKey(seed, text.encode("utf-8", "surrogatepass"), text, session, model)
+    raise KeyError_(f"no routing key is defined for {path}")
+
+
+def key_for_raw(body: bytes, session: str | None = None) -> RoutingKey:
+    """Routing key of a raw invocation: the body's bytes, as the reference does for /invocations."""
+    return RoutingKey(seed_of("invocations"), body, body, session, None)
