@@ -1,0 +1,169 @@
+import collections
+import random
+
+import pytest
+
+from warmroute.core import rendezvous
+from warmroute.core.fleet import Fleet, FleetSettings
+from warmroute.core.routing_key import key_for_json
+from warmroute.core.strategies import (CACHE_HIT, COLD, OVERLOAD_SPILL, UNHEALTHY_FALLBACK, NoInstanceAvailable,
+                                       StrategySettings, make_strategy)
+
+
+def fleet(n: int = 4, capacity: int = 200_000) -> Fleet:
+    f = Fleet(FleetSettings())
+    for i in range(n):
+        f.add(f"i{i}", capacity)
+    return f
+
+
+def key(system: str, user: str = "question", model: str = "m"):
+    return key_for_json("/v1/chat/completions", {"model": model, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": user}]})
+
+
+def route(strategy, f: Fleet, k):
+    d = strategy.choose(k, f)
+    f.dispatched(d.instance, d.uncached_tokens, list(d.blocks) if strategy.records_prefixes else None)
+    return d
+
+
+SYSTEM = "You are a careful assistant for the billing team. " * 60  # ~3,000 characters
+
+
+def test_prefix_follows_rendezvous_on_the_first_prefix_length_characters():
+    f = fleet()
+    s = make_strategy("prefix", StrategySettings(prefix_length=1024))
+    k1, k2 = key(SYSTEM, "a"), key(SYSTEM, "b")
+    assert s.choose(k1, f).instance == s.choose(k2, f).instance == rendezvous.top(k1.prefix_hash(1024), list(f.instances))
+
+
+def test_prefix_spills_along_its_own_rendezvous_order_then_least_loaded():
+    f = fleet()
+    s = make_strategy("prefix", StrategySettings(prefix_length=1024, concurrency_threshold=2))
+    k = key(SYSTEM)
+    order = rendezvous.order(k.prefix_hash(1024), list(f.instances))
+    chosen = [route(s, f, k).instance for _ in range(8)]
+    assert chosen == [order[0]] * 2 + [order[1]] * 2 + [order[2]] * 2 + [order[3]] * 2
+    d = route(s, f, k)  # everyone at the threshold: least loaded (all equal: by name)
+    assert d.reason == OVERLOAD_SPILL and d.instance == "i0"
+
+
+def test_prefix_skips_an_unhealthy_preferred_instance():
+    f = fleet()
+    s = make_strategy("prefix", StrategySettings(prefix_length=1024))
+    k = key(SYSTEM)
+    order = rendezvous.order(k.prefix_hash(1024), list(f.instances))
+    f.instances[order[0]].healthy = False
+    d = s.choose(k, f)
+    assert d.instance == order[1] and d.reason == UNHEALTHY_FALLBACK
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "prefix", "session", "least_loaded", "round_robin", "random"])
+def test_no_routable_instance_raises(name):
+    f = fleet(2)
+    for i in f.instances.values():
+        i.healthy = False
+    with pytest.raises(NoInstanceAvailable):
+        make_strategy(name).choose(key(SYSTEM), f)
+
+
+def test_cache_aware_returns_to_the_instance_holding_the_longest_prefix():
+    f = fleet()
+    s = make_strategy("cache_aware")
+    first = route(s, f, key(SYSTEM, "first question"))
+    assert first.reason == COLD and first.matched_tokens == 0
+    f.finished(first.instance, first.uncached_tokens, got_first_token=False)
+    again = route(s, f, key(SYSTEM, "another question"))
+    assert again.instance == first.instance and again.reason == CACHE_HIT
+    assert again.matched_ratio > 0.9
+
+
+def test_cache_aware_prefers_a_cached_prefix_over_an_idle_instance_until_the_queue_costs_more():
+    f = fleet(2)
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))  # isolate the cost model
+    warm = route(s, f, key(SYSTEM, "q0"))
+    f.finished(warm.instance, warm.uncached_tokens, got_first_token=False)
+    other = next(n for n in f.instances if n != warm.instance)
+    f.instances[warm.instance].queued_prefill_tokens = 100  # less than the prompt's ~750 tokens
+    assert s.choose(key(SYSTEM, "q1"), f).instance == warm.instance
+    f.instances[warm.instance].queued_prefill_tokens = 5_000  # more queued work than a cold prefill
+    d = s.choose(key(SYSTEM, "q1"), f)
+    assert d.instance == other and d.reason == OVERLOAD_SPILL
+
+
+def test_cache_aware_bounded_load_guard():
+    f = fleet(4)
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=0.25, concurrency_threshold=1024))
+    for _ in range(40):  # one prefix, nothing ever finishes
+        route(s, f, key(SYSTEM))
+    loads = [i.inflight for i in f.instances.values()]
+    assert max(loads) <= 1.25 * (sum(loads) / 4) + 1
+
+
+def test_cache_aware_respects_the_concurrency_threshold():
+    f = fleet(3)
+    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=2, balance_factor=100.0))
+    for _ in range(6):
+        route(s, f, key(SYSTEM))
+    assert [i.inflight for i in f.instances.values()] == [2, 2, 2]
+
+
+def test_cold_placement_is_the_same_for_every_replica():
+    """Two routers with separate state place the same cold prefixes on the same instances."""
+    a, b = fleet(8), fleet(8)
+    sa, sb = make_strategy("cache_aware"), make_strategy("cache_aware")
+    prompts = [f"system prompt number {p} " * 80 for p in range(30)]
+    assert [sa.choose(key(p), a).instance for p in prompts] == [sb.choose(key(p), b).instance for p in prompts]
+
+
+def test_hot_prompt_is_spread_over_a_few_warm_instances_not_pinned():
+    """60% of traffic shares one system prompt; per-instance request counts stay within 1.3x of the mean."""
+    rng = random.Random(0)
+    f = fleet(4)
+    s = make_strategy("cache_aware")
+    counts, hot_instances = collections.Counter(), collections.Counter()
+    running: list[tuple[str, int]] = []
+    for n in range(4000):
+        hot = rng.random() < 0.6
+        system = SYSTEM if hot else f"tenant {rng.randrange(40)} policies " * 100
+        d = route(s, f, key(system, f"q{n}"))
+        counts[d.instance] += 1
+        if hot:
+            hot_instances[d.instance] += 1
+        running.append((d.instance, d.uncached_tokens))
+        if len(running) > 16:  # a steady 16 in flight: the oldest completes
+            name, unc = running.pop(0)
+            f.finished(name, unc, got_first_token=False)
+    mean = sum(counts.values()) / 4
+    assert max(counts.values()) <= 1.3 * mean, counts
+    assert 2 <= len(hot_instances) <= 4
+
+
+def test_session_strategy_is_sticky_per_session():
+    f = fleet(6)
+    s = make_strategy("session")
+    k1 = key_for_json("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "user": "alice"})
+    k2 = key_for_json("/v1/chat/completions", {"messages": [{"role": "user", "content": "b"}], "user": "alice"})
+    assert s.choose(k1, f).instance == s.choose(k2, f).instance
+
+
+def test_round_robin_and_least_loaded():
+    f = fleet(3)
+    rr = make_strategy("round_robin")
+    assert len({route(rr, f, key("x")).instance for _ in range(3)}) == 3
+    f.instances["i1"].inflight = 0
+    f.instances["i0"].inflight = f.instances["i2"].inflight = 5
+    assert make_strategy("least_loaded").choose(key("x"), f).instance == "i1"
+
+
+def test_random_is_reproducible_with_a_seed():
+    f = fleet(5)
+    r1, r2 = make_strategy("random", seed=3), make_strategy("random", seed=3)
+    picks = [r1.choose(key("x"), f).instance for _ in range(20)]
+    assert picks == [r2.choose(key("x"), f).instance for _ in range(20)] and len(set(picks)) > 1
+
+
+def test_unknown_strategy():
+    with pytest.raises(ValueError, match="unknown strategy"):
+        make_strategy("fastest")

@@ -1,0 +1,129 @@
+"""The prefix index: the router's estimate of which blocks each instance's KV cache holds.
+
+One `BlockCache` per instance models that instance's LRU cache at its capacity; a shared map from block hash
+to a bitmask of instances answers "who holds this block" with one dictionary lookup. Because each modelled
+cache holds only whole prefixes (see BlockCache), the set of holders can only shrink along a chain, so the
+longest match of every instance is found by bisection: O(changes × log blocks) lookups instead of one per
+block — a 32,000-character prompt has 500 blocks.
+
+Memory is bounded: the total number of entries across instances never exceeds `max_entries` (derived from a
+byte budget by the caller); each instance's share is min(its KV capacity, max_entries / instances).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from warmroute.core.block_cache import BlockCache
+
+# Measured cost of one indexed block (OrderedDict entry in the instance's cache + its share of the
+# bitmask dict), see tests/test_prefix_index.py::test_memory_per_entry_estimate.
+BYTES_PER_ENTRY = 220
+
+
+class PrefixIndex:
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._owners: dict[int, int] = {}  # block hash -> bitmask of instance slots
+        self._caches: dict[str, BlockCache] = {}
+        self._bit: dict[str, int] = {}  # instance name -> its bit
+        self._names: dict[int, str] = {}  # bit -> instance name
+        self._wanted: dict[str, int] = {}  # configured capacity (blocks) per instance
+
+    # -- membership --------------------------------------------------------------------------------------
+    def add_instance(self, name: str, capacity_blocks: int) -> None:
+        if name in self._caches:
+            self._wanted[name] = capacity_blocks
+            self._rebalance()
+            return
+        bit = 1 << next(i for i in range(len(self._bit) + 1) if (1 << i) not in self._names)
+        self._bit[name], self._names[bit] = bit, name
+        self._caches[name] = BlockCache(0, on_evict=lambda h, b=bit: self._drop_owner(h, b))
+        self._wanted[name] = capacity_blocks
+        self._rebalance()
+
+    def remove_instance(self, name: str) -> None:
+        if name not in self._caches:
+            return
+        self._caches[name].clear()
+        bit = self._bit.pop(name)
+        del self._names[bit], self._caches[name], self._wanted[name]
+        self._rebalance()
+
+    def clear_instance(self, name: str) -> None:
+        """Forget everything an instance held (it restarted, or reported its cache cleared)."""
+        if name in self._caches:
+            self._caches[name].clear()
+
+    def _rebalance(self) -> None:
+        share = self.max_entries // max(1, len(self._caches))
+        for name, cache in self._caches.items():
+            cache.resize(min(self._wanted[name], share))
+
+    def _drop_owner(self, block: int, bit: int) -> None:
+        mask = self._owners.get(block, 0) & ~bit
+        if mask:
+            self._owners[block] = mask
+        else:
+            self._owners.pop(block, None)
+
+    # -- updates ------------------------------------------------------------------------------------------
+    def record(self, name: str, blocks: Sequence[int]) -> None:
+        """The instance now holds this chain (it was just routed there)."""
+        cache = self._caches.get(name)
+        if cache is None or not blocks:
+            return
+        cache.insert(blocks)
+        bit, owners = self._bit[name], self._owners
+        for h in blocks:
+            if h in cache:  # a chain longer than the whole cache keeps only its head
+                owners[h] = owners.get(h, 0) | bit
+
+    def forget(self, name: str, blocks: Sequence[int]) -> int:
+        """The instance does not hold these blocks after all (engine feedback). Returns entries removed."""
+        cache = self._caches.get(name)
+        return cache.remove(blocks) if cache is not None else 0
+
+    # -- queries ------------------------------------------------------------------------------------------
+    def match_depths(self, blocks: Sequence[int]) -> dict[str, int]:
+        """Longest cached prefix, in blocks, of every instance that holds at least the first block."""
+        n = len(blocks)
+        get = self._owners.get
+        first = get(blocks[0], 0) if n else 0
+        if not first:
+            return {}
+        depths: dict[str, int] = {}
+        # Each interval (lo, hi) has mask(lo) known and mask(hi) known, mask(n) = 0; holders only shrink.
+        stack = [(0, first, n, 0)]
+        while stack:
+            lo, mlo, hi, mhi = stack.pop()
+            if mlo == mhi:
+                continue
+            if hi - lo == 1:
+                dropped = mlo & ~mhi
+                while dropped:
+                    bit = dropped & -dropped
+                    name = self._names.get(bit)
+                    if name is not None:
+                        depths[name] = lo + 1
+                    dropped ^= bit
+                continue
+            mid = (lo + hi) // 2
+            mmid = get(blocks[mid], 0) & mlo  # & mlo keeps the bisection exact if a chain has a hole
+            stack.append((lo, mlo, mid, mmid))
+            stack.append((mid, mmid, hi, mhi))
+        return depths
+
+    def holds(self, name: str, block: int) -> bool:
+        return bool(self._owners.get(block, 0) & self._bit.get(name, 0))
+
+    def entries(self, name: str | None = None) -> int:
+        if name is not None:
+            return len(self._caches[name]) if name in self._caches else 0
+        return sum(len(c) for c in self._caches.values())
+
+    def estimated_bytes(self) -> int:
+        return self.entries() * BYTES_PER_ENTRY
+
+    def __len__(self) -> int:
+        return len(self._owners)

@@ -1,0 +1,233 @@
+"""Routing strategies: given a routing key and the fleet, choose an instance. This is where decisions are made.
+
+Every strategy is a small class with one method, `choose(key, fleet) -> Decision`, doing no I/O, so the HTTP
+router and the simulator make exactly the same decision for the same state.
+
+  cache_aware  (default) lowest estimated time to first token, from the prefix index and queued prefill,
+               under a bounded-load guard; ties and cold prefixes placed by rendezvous on the prefix.
+  prefix       the reference's behaviour: rendezvous on the first PrefixLength characters, spilling along
+               that prefix's own rendezvous order past ConcurrencyThreshold.
+  session      rendezvous on the session id (x-session-id header or `user` field).
+  least_loaded, round_robin, random   the baselines.
+"""
+
+from __future__ import annotations
+
+import math
+import random as _random
+from dataclasses import dataclass
+
+from warmroute.core import rendezvous
+from warmroute.core.fleet import Fleet, Instance
+from warmroute.core.routing_key import RoutingKey
+
+# Decision reasons (also the label values of the decisions metric).
+CACHE_HIT = "cache_hit"  # chosen for the prefix it already holds
+COLD = "cold"  # nobody holds the prefix: placed by rendezvous hashing
+OVERLOAD_SPILL = "overload_spill"  # the preferred instance was too busy: sent elsewhere
+UNHEALTHY_FALLBACK = "unhealthy_fallback"  # the preferred instance is down or draining
+LOAD_BALANCE = "load_balance"  # a load-only strategy chose (least_loaded, round_robin, random)
+AFFINITY = "affinity"  # the prefix's or session's own instance (prefix, session)
+REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
+
+
+class NoInstanceAvailable(Exception):
+    """No healthy instance to route to (the shell answers 503)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    instance: str
+    reason: str
+    matched_tokens: int = 0  # tokens of the prompt the chosen instance is predicted to hold
+    prompt_tokens: int = 0
+    blocks: tuple[int, ...] | list[int] = ()  # the chain to record for the chosen instance
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.matched_tokens)
+
+    @property
+    def matched_ratio(self) -> float:
+        return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class StrategySettings:
+    prefix_length: int = 4096  # characters (bytes for /invocations), 1,024..65,536 as in the reference
+    concurrency_threshold: int = 32  # in-flight requests, 1..1,024 as in the reference
+    balance_factor: float = 0.25  # ε: no instance above (1+ε) x the mean in-flight (cache_aware)
+    block_bytes: int = 64
+
+
+def _least_loaded(instances: list[Instance]) -> Instance:
+    return min(instances, key=lambda i: (i.inflight, i.queued_prefill_tokens, i.name))
+
+
+def _routable(fleet: Fleet) -> list[Instance]:
+    up = fleet.routable()
+    if not up:
+        raise NoInstanceAvailable("no healthy instance")
+    return up
+
+
+class Strategy:
+    name = "base"
+    records_prefixes = False  # whether choices feed the prefix index
+
+    def __init__(self, settings: StrategySettings | None = None, seed: int | None = None) -> None:
+        self.settings = settings or StrategySettings()
+
+    def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
+        raise NotImplementedError
+
+    def _plain(self, inst: Instance, key: RoutingKey, reason: str) -> Decision:
+        return Decision(inst.name, reason, 0, key.tokens)
+
+
+class RandomStrategy(Strategy):
+    name = "random"
+
+    def __init__(self, settings: StrategySettings | None = None, seed: int | None = None) -> None:
+        super().__init__(settings)
+        self._rng = _random.Random(seed)
+
+    def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
+        return self._plain(self._rng.choice(_routable(fleet)), key, LOAD_BALANCE)
+
+
+class RoundRobinStrategy(Strategy):
+    name = "round_robin"
+
+    def __init__(self, settings: StrategySettings | None = None, seed: int | None = None) -> None:
+        super().__init__(settings)
+        self._next = 0
+
+    def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
+        up = sorted(_routable(fleet), key=lambda i: i.name)
+        self._next += 1
+        return self._plain(up[self._next % len(up)], key, LOAD_BALANCE)
+
+
+class LeastLoadedStrategy(Strategy):
+    name = "least_loaded"
+
+    def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
+        return self._plain(_least_loaded(_routable(fleet)), key, LOAD_BALANCE)
+
+
+def _affinity_choice(hash_key: int, fleet: Fleet, threshold: int) -> tuple[Instance, str]:
+    """Rendezvous order of `hash_key`: its first instance under the threshold, else the least loaded."""
+    names = rendezvous.order(hash_key, list(fleet.instances))
+    preferred_up = True
+    for pos, name in enumerate(names):
+        inst = fleet.instances[name]
+        if not inst.routable:
+            preferred_up = preferred_up and pos > 0
+            continue
+        if inst.inflight < threshold:
+            if pos == 0:
+                return inst, AFFINITY
+            return inst, (UNHEALTHY_FALLBACK if not preferred_up else OVERLOAD_SPILL)
+    return _least_loaded(_routable(fleet)), OVERLOAD_SPILL
+
+
+class PrefixStrategy(Strategy):
+    """Parity with the reference: the first PrefixLength characters pick the instance."""
+
+    name = "prefix"
+
+    def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
+        _routable(fleet)
+        inst, reason = _affinity_choice(key.prefix_hash(self.settings.prefix_length), fleet,
+                                        self.settings.concurrency_threshold)
+        return self._plain(inst, key, reason)
+
+
+class SessionStrategy(Strategy):
+    """Sticky sessions: one conversation, one instance. Requests without a session fall back to prefix."""
+
+    name = "session"
+
+    def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
+        _routable(fleet)
+        h = (hash_text(key.session) if key.session else key.prefix_hash(self.settings.prefix_length))
+        inst, reason = _affinity_choice(h, fleet, self.settings.concurrency_threshold)
+        return self._plain(inst, key, reason)
+
+
+def hash_text(text: str) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
+
+
+class CacheAwareStrategy(Strategy):
+    """Lowest estimated time to first token, never at the cost of drowning an instance.
+
+    For every routable instance under the guard (in-flight < ConcurrencyThreshold and < (1+ε) x mean):
+        est_ttft = (prefill tokens already queued there + this request's tokens not cached there) / rate
+    The cheapest wins. Instances within one block's prefill of the cheapest tie, and the tie goes to the
+    highest in the prefix's rendezvous order: cold prefixes land where every router replica would put them,
+    and a hot prefix warms a small, stable set of instances instead of one (the guard makes it spill) or all.
+    """
+
+    name = "cache_aware"
+    records_prefixes = True
+
+    def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
+        up = _routable(fleet)
+        s = self.settings
+        blocks = key.blocks(s.block_bytes)
+        depths = fleet.index.match_depths(blocks) if blocks else {}
+        block_tokens = s.block_bytes // 4
+        prompt = key.tokens
+
+        total_inflight = sum(i.inflight for i in up)
+        cap = min(s.concurrency_threshold, math.ceil((1 + s.balance_factor) * (total_inflight + 1) / len(up)))
+        eligible = [i for i in up if i.inflight < cap]
+        if not eligible:  # everyone is at the guard: least loaded, whatever it holds
+            inst = _least_loaded(up)
+            return self._decision(inst, OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
+
+        def est(i: Instance) -> float:
+            uncached = max(0, prompt - depths.get(i.name, 0) * block_tokens)
+            return (i.queued_prefill_tokens + uncached) / i.prefill_tokens_per_s
+
+        costs = {i.name: est(i) for i in eligible}
+        best = min(costs.values())
+        slack = block_tokens / min(i.prefill_tokens_per_s for i in eligible)
+        tied = [n for n, c in costs.items() if c <= best + slack]
+        name = tied[0] if len(tied) == 1 else rendezvous.top(key.prefix_hash(s.prefix_length), tied)
+        inst = fleet.instances[name]
+        return self._decision(inst, self._reason(inst, depths, eligible), depths, block_tokens, prompt, blocks)
+
+    @staticmethod
+    def _reason(inst: Instance, depths: dict[str, int], eligible: list[Instance]) -> str:
+        if not depths:
+            return COLD
+        deepest = max(depths.values())
+        if depths.get(inst.name, 0) == deepest:
+            return CACHE_HIT
+        # A deeper match existed elsewhere but was over the guard, down, or had a longer queue.
+        return OVERLOAD_SPILL if depths.get(inst.name, 0) == 0 or inst in eligible else CACHE_HIT
+
+    @staticmethod
+    def _decision(inst: Instance, reason: str, depths: dict[str, int], block_tokens: int, prompt: int,
+                  blocks: list[int]) -> Decision:
+        matched = min(prompt, depths.get(inst.name, 0) * block_tokens)
+        return Decision(inst.name, reason, matched, prompt, blocks)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    s.name: s for s in (CacheAwareStrategy, PrefixStrategy, SessionStrategy, LeastLoadedStrategy,
+                        RoundRobinStrategy, RandomStrategy)
+}
+
+
+def make_strategy(name: str, settings: StrategySettings | None = None, seed: int | None = None) -> Strategy:
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}") from None
+    return cls(settings, seed=seed)
