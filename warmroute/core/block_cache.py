@@ -53,16 +53,16 @@ class BlockCache:
         return list(self._free)
 
     # -- writing without pins (the router's estimate) ----------------------------------------------
-    def insert(self, blocks: Sequence[int]) -> int:
-        """Cache the chain (or refresh it); evicts LRU blocks past capacity. Returns blocks added."""
-        free = self._free
-        added = 0
+    def insert(self, blocks: Sequence[int]) -> list[int]:
+        """Cache the chain (or refresh it); evicts LRU blocks past capacity. Returns the blocks added."""
+        free, pinned = self._free, self._pinned
+        added = []
         for h in reversed(blocks):  # tail first: the head ends up most recent
             if h in free:
                 free.move_to_end(h)
-            elif h not in self._pinned:
+            elif h not in pinned:
                 free[h] = None
-                added += 1
+                added.append(h)
         self._evict_to(self.capacity)
         return added
 

@@ -73,9 +73,8 @@ class PrefixIndex:
         cache = self._caches.get(name)
         if cache is None or not blocks:
             return
-        cache.insert(blocks)
         bit, owners = self._bit[name], self._owners
-        for h in blocks:
+        for h in cache.insert(blocks):  # only new blocks need the bit; refreshed ones have it
             if h in cache:  # a chain longer than the whole cache keeps only its head
                 owners[h] = owners.get(h, 0) | bit
 

@@ -12,22 +12,16 @@ from collections.abc import Iterable, Sequence
 import xxhash
 
 _M64 = (1 << 64) - 1
-_name_hashes: dict[str, int] = {}
-
-
-def _name_hash(name: str) -> int:
-    h = _name_hashes.get(name)
-    if h is None:
-        h = _name_hashes[name] = xxhash.xxh3_64_intdigest(name.encode())
-    return h
+_hash = xxhash.xxh3_64_intdigest
+_name_bytes: dict[str, bytes] = {}
 
 
 def weight(key: int, name: str) -> int:
-    """The (key, instance) weight: a 64-bit mix of both (splitmix64 finaliser)."""
-    x = (key ^ _name_hash(name)) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
+    """The (key, instance) weight: xxh3 of the name, seeded by the key (one C call)."""
+    b = _name_bytes.get(name)
+    if b is None:
+        b = _name_bytes[name] = name.encode("utf-8", "surrogatepass")
+    return _hash(b, key & _M64)
 
 
 def top(key: int, names: Iterable[str]) -> str | None:

@@ -56,7 +56,10 @@ class Decision:
 class StrategySettings:
     prefix_length: int = 4096  # characters (bytes for /invocations), 1,024..65,536 as in the reference
     concurrency_threshold: int = 32  # in-flight requests, 1..1,024 as in the reference
-    balance_factor: float = 0.25  # ε: no instance above (1+ε) x the mean in-flight (cache_aware)
+    balance_factor: float = 0.25  # ε: no instance above (1+ε) x the mean in-flight (cache_aware) ...
+    balance_slack: int = 2  # ... plus this many requests, so light load is not spread for nothing
+    cold_to_least_loaded: bool = True
+    miss_weight: float = 2.0  # α: cost of an uncached token relative to a queued one (see CacheAwareStrategy)
     block_bytes: int = 64
 
 
@@ -165,11 +168,15 @@ def hash_text(text: str) -> int:
 class CacheAwareStrategy(Strategy):
     """Lowest estimated time to first token, never at the cost of drowning an instance.
 
-    For every routable instance under the guard (in-flight < ConcurrencyThreshold and < (1+ε) x mean):
-        est_ttft = (prefill tokens already queued there + this request's tokens not cached there) / rate
-    The cheapest wins. Instances within one block's prefill of the cheapest tie, and the tie goes to the
-    highest in the prefix's rendezvous order: cold prefixes land where every router replica would put them,
-    and a hot prefix warms a small, stable set of instances instead of one (the guard makes it spill) or all.
+    For every routable instance under the guard (in-flight < ConcurrencyThreshold and below
+    (1+ε) x mean + slack):
+        cost = (prefill tokens already queued there + α x this request's tokens not cached there) / rate
+    The cheapest wins. α > 1 (default 2) charges a cache miss for the delay its recompute imposes on every
+    later request too; with α = 1 (greedy TTFT) a saturated fleet spills warm requests, recomputes their
+    prefixes, lengthens every queue and spills more (measured in docs/benchmarks.md). Instances within one
+    block of the cheapest tie: the less loaded of them, then the highest in the prefix's rendezvous order,
+    so cold prefixes land where other router replicas would put them, and a hot prefix warms a small,
+    stable set of instances instead of one (the guard makes it spill) or all of them.
     """
 
     name = "cache_aware"
@@ -179,38 +186,44 @@ class CacheAwareStrategy(Strategy):
         up = _routable(fleet)
         s = self.settings
         blocks = key.blocks(s.block_bytes)
-        depths = fleet.index.match_depths(blocks) if blocks else {}
+        depths = self.match_depths(blocks, fleet) if blocks else {}
         block_tokens = s.block_bytes // 4
         prompt = key.tokens
 
         total_inflight = sum(i.inflight for i in up)
-        cap = min(s.concurrency_threshold, math.ceil((1 + s.balance_factor) * (total_inflight + 1) / len(up)))
-        eligible = [i for i in up if i.inflight < cap]
-        if not eligible:  # everyone is at the guard: least loaded, whatever it holds
-            inst = _least_loaded(up)
-            return self._decision(inst, OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
+        cap = min(s.concurrency_threshold,
+                  math.ceil((1 + s.balance_factor) * (total_inflight + 1) / len(up)) + s.balance_slack)
+        costs: list[tuple[float, Instance]] = []
+        alpha = s.miss_weight
+        for i in up:
+            if i.inflight < cap:
+                uncached = prompt - depths.get(i.name, 0) * block_tokens if depths else prompt
+                costs.append(((i.queued_prefill_tokens + alpha * max(0, uncached)) / i.prefill_tokens_per_s, i))
+        if not costs:  # everyone is at the guard: least loaded, whatever it holds
+            return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
 
-        def est(i: Instance) -> float:
-            uncached = max(0, prompt - depths.get(i.name, 0) * block_tokens)
-            return (i.queued_prefill_tokens + uncached) / i.prefill_tokens_per_s
-
-        costs = {i.name: est(i) for i in eligible}
-        best = min(costs.values())
-        slack = block_tokens / min(i.prefill_tokens_per_s for i in eligible)
-        tied = [n for n, c in costs.items() if c <= best + slack]
-        name = tied[0] if len(tied) == 1 else rendezvous.top(key.prefix_hash(s.prefix_length), tied)
+        best = min(c for c, _ in costs)
+        slack = alpha * block_tokens / min(i.prefill_tokens_per_s for _, i in costs)
+        tied = [i for c, i in costs if c <= best + slack]
+        if len(tied) > 1 and s.cold_to_least_loaded:
+            # Equal cost (typically a cold prefix): keep warm instances' headroom for their own prefixes.
+            least = min(i.inflight for i in tied)
+            tied = [i for i in tied if i.inflight <= least + s.balance_slack]
+        name = tied[0].name if len(tied) == 1 else rendezvous.top(key.prefix_hash(s.prefix_length),
+                                                                  [i.name for i in tied])
         inst = fleet.instances[name]
-        return self._decision(inst, self._reason(inst, depths, eligible), depths, block_tokens, prompt, blocks)
+        return self._decision(inst, self._reason(inst, depths), depths, block_tokens, prompt, blocks)
+
+    def match_depths(self, blocks: list[int], fleet: Fleet) -> dict[str, int]:
+        """Cached prefix length (blocks) per instance: the router's estimate (the simulator's oracle overrides)."""
+        return fleet.index.match_depths(blocks)
 
     @staticmethod
-    def _reason(inst: Instance, depths: dict[str, int], eligible: list[Instance]) -> str:
+    def _reason(inst: Instance, depths: dict[str, int]) -> str:
         if not depths:
             return COLD
-        deepest = max(depths.values())
-        if depths.get(inst.name, 0) == deepest:
-            return CACHE_HIT
-        # A deeper match existed elsewhere but was over the guard, down, or had a longer queue.
-        return OVERLOAD_SPILL if depths.get(inst.name, 0) == 0 or inst in eligible else CACHE_HIT
+        # Not the deepest match: a better-placed instance was over the guard, down, or had a longer queue.
+        return CACHE_HIT if depths.get(inst.name, 0) == max(depths.values()) else OVERLOAD_SPILL
 
     @staticmethod
     def _decision(inst: Instance, reason: str, depths: dict[str, int], block_tokens: int, prompt: int,
