@@ -1,0 +1,189 @@
+"""The emulated engine over real HTTP on 127.0.0.1: responses, streaming, caching, metrics, errors, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from warmroute.cli import main
+from warmroute.engine.model import EngineConfig
+from warmroute.engine.server import Fleet, start_fleet
+
+SYSTEM = "You are a careful assistant. Follow the policy below to the letter. " * 40  # ≈ 700 tokens
+
+
+def chat(user: str, max_tokens: int = 4, **extra: object) -> dict:
+    return {"model": "m", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+            "max_tokens": max_tokens, **extra}
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    f = await start_fleet(2, config=EngineConfig.from_profile("8b", kv_capacity_tokens=64_000), time_scale=0.02)
+    yield f
+    await f.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: object) -> tuple[int, dict]:
+    async with http.post(url, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
+    events: list[dict | str] = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            payload = line[6:].strip().decode()
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def test_chat_completion(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    status, body = await post(http, fleet.urls[0] + "/v1/chat/completions", chat("hello", max_tokens=5))
+    assert status == 200
+    assert body["object"] == "chat.completion" and body["model"] == "warmroute-emulated"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and len(choice["message"]["content"].split()) == 5
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 5 and usage["prompt_tokens"] > 600
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 5
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+async def test_streamed_completion(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    body = {"prompt": "Once upon a time " * 50, "stream": True, "max_completion_tokens": 6}
+    async with http.post(fleet.urls[1] + "/v1/completions", json=body) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is None]
+    assert len(texts) == 6 and all(t.strip() for t in texts)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+async def test_streamed_chat_carries_role_then_content(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    async with http.post(fleet.urls[0] + "/v1/chat/completions", json=chat("hi", 3, stream=True)) as resp:
+        events = await sse_events(resp)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert deltas[0]["role"] == "assistant" and "".join(d.get("content", "") for d in deltas).split() == \
+        ["lorem", "ipsum", "dolor"]
+    assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_repeated_prompt_reports_cached_tokens_and_answers_sooner(fleet: Fleet,
+                                                                        http: aiohttp.ClientSession) -> None:
+    url = fleet.urls[0] + "/v1/chat/completions"
+    long_chat = chat("what now?", max_tokens=1)
+    long_chat["messages"][0]["content"] = SYSTEM * 6  # ≈ 4,300 tokens: 1.1 s of cold prefill (22 ms scaled)
+    timings, cached = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        status, body = await post(http, url, long_chat)
+        timings.append(time.perf_counter() - start)
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    prompt = body["usage"]["prompt_tokens"]
+    assert cached == [0, (prompt - 1) // 16 * 16]  # whole 16-token blocks, the last token recomputed
+    assert timings[1] < timings[0] / 2
+    _, other = await post(http, fleet.urls[1] + "/v1/chat/completions", long_chat)
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # each instance has its own cache
+
+
+async def test_metrics_count_prefix_tokens_under_vllm_names(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    url = fleet.urls[0]
+    prompt_tokens = cached_tokens = 0
+    for user in ("a", "b", "a"):
+        _, body = await post(http, url + "/v1/chat/completions", chat(user))
+        prompt_tokens += body["usage"]["prompt_tokens"]
+        cached_tokens += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached_tokens > 0
+    async with http.get(url + "/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    label = '{model_name="warmroute-emulated"}'
+    assert samples[f"vllm:prefix_cache_queries_total{label}"] == prompt_tokens
+    assert samples[f"vllm:prefix_cache_hits_total{label}"] == cached_tokens
+    assert samples[f"vllm:num_requests_running{label}"] == 0
+    assert samples[f"vllm:num_requests_waiting{label}"] == 0
+    assert samples[f"vllm:kv_cache_usage_perc{label}"] == 0
+    assert samples['vllm:request_success_total{finished_reason="length",model_name="warmroute-emulated"}'] == 3
+    assert samples['vllm:cache_config_info{block_size="16",model_name="warmroute-emulated",'
+                   'num_gpu_blocks="4000"}'] == 1
+
+
+async def test_bad_requests_get_a_json_400(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    url = fleet.urls[0]
+    async with http.post(url + "/v1/chat/completions", data=b"{not json") as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["type"] == "invalid_request_error"
+    for path, body in (("/v1/chat/completions", {"messages": "hi"}),
+                       ("/v1/chat/completions", [1, 2]),
+                       ("/v1/completions", {"max_tokens": 3}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
+                       ("/v1/completions", {"prompt": "x", "stream": "yes"}),
+                       ("/v1/completions", {"prompt": "x" * 300_000})):  # more than the KV cache holds
+        status, reply = await post(http, url + path, body)
+        assert status == 400 and reply["error"]["message"], (path, body)
+    assert fleet.servers[0].model.stats.requests_submitted == 0
+
+
+async def test_informational_routes(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    url = fleet.urls[1]
+    async with http.get(url + "/health") as resp:
+        assert resp.status == 200
+    async with http.get(url + "/v1/models") as resp:
+        assert [m["id"] for m in (await resp.json())["data"]] == ["warmroute-emulated"]
+    async with http.get(url + "/get_model_info") as resp:
+        info = await resp.json()
+        assert info["model_path"] == "warmroute-emulated" and info["is_generation"] is True
+    async with http.get(url + "/get_server_info") as resp:
+        assert (await resp.json())["name"] == "engine-1"
+
+
+async def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_client_disconnect_cancels_the_sequence(http: aiohttp.ClientSession) -> None:
+    fleet = await start_fleet(1, time_scale=1.0)  # real time: 10,000 tokens take minutes
+    model = fleet.servers[0].model
+    try:
+        url = fleet.urls[0] + "/v1/chat/completions"
+        waiting = asyncio.create_task(post(http, url, chat("wait", max_tokens=10_000)))
+        await wait_for(lambda: model.num_running == 1)
+        waiting.cancel()  # closes the connection
+        await wait_for(lambda: model.idle)
+        async with http.post(url, json=chat("stream", max_tokens=10_000, stream=True)) as resp:
+            await resp.content.readline()  # the first token arrived
+            assert model.num_running == 1
+        await wait_for(lambda: model.idle)
+        assert model.stats.requests_cancelled == 2 and model.stats.requests_finished == 0
+        assert model.kv_usage == 0
+    finally:
+        await fleet.close()
+
+
+def test_cli_rejects_bad_settings_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["engine", "--count", "2", "--port", "65535"]) == 2
+    assert main(["engine", "--block-size", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("warmroute engine: error: ") for line in err)

@@ -1,0 +1,85 @@
+"""`warmroute engine`: serve K emulated OpenAI-compatible instances from one process, on ports P..P+K-1."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+from warmroute.engine.model import EngineConfig
+from warmroute.engine.profiles import PROFILES
+from warmroute.engine.server import DEFAULT_MODEL, Fleet, start_fleet
+from warmroute.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port of the first instance; 0: any free ports (default %(default)s)")
+    parser.add_argument("--count", type=int, default=1, metavar="K", help="instances, on consecutive ports")
+    parser.add_argument("--name", help="instance name (with --count K: prefix of NAME-0..; default engine-i)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name served (default %(default)s)")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="8b",
+                        help="hardware calibration: " + "; ".join(f"{p.name}: {p.description}"
+                                                                 for p in PROFILES.values()))
+    parser.add_argument("--kv-capacity-tokens", type=int, help="KV cache size in tokens (default: the profile's)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    parser.add_argument("--prefill-tokens-per-s", type=float, help="override the profile's prefill rate")
+    parser.add_argument("--itl-ms", type=float, help="override the profile's batch-1 inter-token latency")
+    parser.add_argument("--max-running", type=int, default=256, help="largest running batch (default %(default)s)")
+    parser.add_argument("--max-batched-tokens", type=int, default=8192,
+                        help="tokens computed per step, decode and prefill chunks (default %(default)s)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="real seconds per modelled second: 0.1 runs ten times faster (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if args.count < 1:
+        raise UsageError("--count must be at least 1")
+    if not 0 <= args.port <= 65536 - args.count:
+        raise UsageError(f"--port must leave room for {args.count} consecutive ports below 65536")
+    if args.time_scale < 0:
+        raise UsageError("--time-scale must be >= 0")
+    with _event_loop_runner() as runner:
+        return runner.run(_serve(args, config))
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    if args.prefill_tokens_per_s is not None and args.prefill_tokens_per_s <= 0:
+        raise UsageError("--prefill-tokens-per-s must be positive")
+    if args.itl_ms is not None and args.itl_ms < 0:
+        raise UsageError("--itl-ms must be >= 0")
+    try:
+        return EngineConfig.from_profile(
+            args.profile, kv_capacity_tokens=args.kv_capacity_tokens, prefill_tokens_per_s=args.prefill_tokens_per_s,
+            itl_ms=args.itl_ms, block_size=args.block_size, max_running=args.max_running,
+            max_batched_tokens=args.max_batched_tokens)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+async def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    try:
+        fleet: Fleet = await start_fleet(args.count, args.port, host=args.host, config=config, name=args.name,
+                                         model_name=args.model, time_scale=args.time_scale)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}: {exc}") from None
+    for server in fleet.servers:
+        print(f"{server.name} listening on {server.url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await fleet.close()
+    return 0
+
+
+def _event_loop_runner() -> asyncio.Runner:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.Runner()
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)

@@ -1,0 +1,300 @@
+"""The emulated engine's scheduler and KV cache: pure, no I/O, no clock; the caller advances it.
+
+The HTTP server drives it in (scaled) real time; the simulator drives it in virtual time. Both see the same
+behaviour, modelled on vLLM's V1 scheduler:
+
+  * Paged KV cache = the shared `BlockCache` (capacity kv_capacity_tokens // block_size blocks). A sequence
+    is identified by the chained hashes of its prompt's full blocks (`routing_key.key_for_json(...)
+    .blocks(config.block_bytes)`, the router's own function) and its prompt length in tokens.
+  * Admission: at most `max_running` sequences run; the rest wait, first come first served (the head blocks
+    the queue, as in vLLM). A sequence is admitted only when its cached prefix can be pinned and blocks for
+    the rest of its prompt and all its output tokens reserved, evicting unpinned cached blocks LRU.
+  * Prefix hits: the leading cached full blocks, at most (prompt_tokens - 1) // block_size of them (vLLM
+    always recomputes the last prompt token). Counted in tokens, once per request, at admission, like
+    vLLM's prefix_cache_queries_total / prefix_cache_hits_total.
+  * Chunked prefill: each step has a budget of `max_batched_tokens`: one token per decoding sequence, then
+    prefill chunks of running sequences, then newly admitted ones. A prompt block enters the prefix cache
+    (visible to other sequences) once the step that computes it ends.
+  * A sequence's first token comes at the end of the step that completes its prefill; then one token per
+    step until max_tokens. Output blocks are reserved up front, so nothing is ever preempted.
+  * Step duration: `profiles.Timing.step_ms`.
+
+API:
+    model = EngineModel(EngineConfig.from_profile("8b"))
+    model.submit(seq_id, blocks, prompt_tokens, max_tokens)   # ValueError if it can never fit
+    model.cancel(seq_id) -> bool                               # frees its blocks wherever it is
+    model.step(max_decode_steps=1) -> StepResult               # duration (s) and events
+    model.fusible_decode_steps() -> int                        # pure-decode steps before the batch changes
+    model.decode_step_seconds                                  # duration of one such step
+    model.idle, num_running, num_waiting, kv_usage, stats (EngineStats), config, cache
+
+Fusing: when no sequence is prefilling and no waiting one can be admitted, the next steps are
+pure decode with an unchanged batch until a sequence finishes; `step(k)` runs min(k, fusible) of them in
+one call, with the same result as that many single steps. A caller with a horizon (the next arrival)
+passes k = how many decode steps fit before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from warmroute.core.block_cache import BlockCache
+from warmroute.core.routing_key import BYTES_PER_TOKEN
+from warmroute.engine.profiles import PROFILES, Timing
+
+SeqId = Hashable
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    timing: Timing
+    kv_capacity_tokens: int
+    block_size: int = 16  # tokens per KV block (vLLM's default)
+    max_running: int = 256  # vLLM's max_num_seqs
+    max_batched_tokens: int = 8192  # vLLM's max_num_batched_tokens: tokens one step may compute
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block size must be at least 1 token")
+        if self.kv_capacity_tokens < self.block_size:
+            raise ValueError("KV capacity must hold at least one block")
+        if self.max_running < 1:
+            raise ValueError("max running sequences must be at least 1")
+        if self.max_batched_tokens < self.max_running:
+            raise ValueError("max batched tokens must be at least max running (one decode token each)")
+
+    @classmethod
+    def from_profile(cls, profile: str = "8b", *, kv_capacity_tokens: int | None = None,
+                     prefill_tokens_per_s: float | None = None, itl_ms: float | None = None,
+                     **settings: int) -> EngineConfig:
+        """A profile's timing and KV capacity, with overrides; `settings`: block_size, max_running, ..."""
+        if profile not in PROFILES:
+            raise ValueError(f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
+        p = PROFILES[profile]
+        capacity = p.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
+        return cls(timing=p.timing.with_overrides(prefill_tokens_per_s, itl_ms),
+                   kv_capacity_tokens=capacity, **settings)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.kv_capacity_tokens // self.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of routing key per block, for `RoutingKey.blocks` (≈ 4 bytes per token)."""
+        return self.block_size * BYTES_PER_TOKEN
+
+
+@dataclass(slots=True)
+class StepResult:
+    duration: float = 0.0  # seconds of modelled time
+    steps: int = 0  # scheduler steps taken (more than 1 only for fused decode)
+    first_tokens: dict[SeqId, int] = field(default_factory=dict)  # seq -> its cached prompt tokens
+    tokens: dict[SeqId, int] = field(default_factory=dict)  # seq -> tokens generated (first included)
+    finished: list[SeqId] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which cached
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Seq:
+    seq_id: SeqId
+    blocks: Sequence[int]
+    prompt_tokens: int
+    max_tokens: int
+    need_blocks: int  # blocks for prompt and output together
+    cached_tokens: int = 0
+    computed: int = 0  # prompt tokens in the KV cache (cached + prefilled)
+    generated: int = 0  # > 0 once prefill is complete
+    pinned: int = 0  # leading chain blocks pinned in the cache
+    reserved: int = 0  # blocks held outside the prefix cache
+
+
+class EngineModel:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.cache = BlockCache(config.capacity_blocks)
+        self.stats = EngineStats()
+        # dicts keep insertion order: FIFO for waiting, admission order for running
+        self._waiting: dict[SeqId, _Seq] = {}
+        self._running: dict[SeqId, _Seq] = {}
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def submit(self, seq_id: SeqId, blocks: Sequence[int], prompt_tokens: int, max_tokens: int) -> None:
+        """Queue a sequence. ValueError if its id is in use or it could not fit even in an empty cache."""
+        bs = self.config.block_size
+        if seq_id in self._waiting or seq_id in self._running:
+            raise ValueError(f"sequence {seq_id!r} is already in the engine")
+        if prompt_tokens < 1 or max_tokens < 1:
+            raise ValueError("prompt_tokens and max_tokens must be at least 1")
+        if len(blocks) > prompt_tokens // bs:
+            raise ValueError("more prompt blocks than full blocks of prompt tokens")
+        need = -(-(prompt_tokens + max_tokens) // bs)
+        if need > self.config.capacity_blocks:
+            raise ValueError(f"prompt and max_tokens need {need * bs} tokens of KV cache; "
+                             f"the engine holds {self.config.capacity_blocks * bs}")
+        self._waiting[seq_id] = _Seq(seq_id, blocks, prompt_tokens, max_tokens, need)
+        self.stats.requests_submitted += 1
+
+    def cancel(self, seq_id: SeqId) -> bool:
+        """Drop a sequence wherever it is; its computed blocks stay cached. False if unknown (or done)."""
+        if self._waiting.pop(seq_id, None) is None:
+            s = self._running.pop(seq_id, None)
+            if s is None:
+                return False
+            self._release(s)
+        self.stats.requests_cancelled += 1
+        return True
+
+    # -- state ---------------------------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return not self._running and not self._waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of blocks in use by running sequences (cached, evictable blocks count as free, as in vLLM)."""
+        return (self.cache.pinned_blocks + self.cache.reserved) / self.cache.capacity
+
+    @property
+    def decode_step_seconds(self) -> float:
+        """Duration of one pure-decode step with the current batch."""
+        return self.config.timing.step_ms(0.0, False, len(self._running)) / 1000.0
+
+    def fusible_decode_steps(self) -> int:
+        """Pure-decode steps that can run before the batch changes: until the next sequence finishes.
+
+        0 when the next step must prefill or admit (or nothing runs).
+        """
+        if not self._running or self._head_admissible():
+            return 0
+        steps = None
+        for s in self._running.values():
+            if not s.generated:
+                return 0
+            left = s.max_tokens - s.generated
+            steps = left if steps is None or left < steps else steps
+        return steps
+
+    # -- advancing -----------------------------------------------------------------------------------------
+    def step(self, max_decode_steps: int = 1) -> StepResult:
+        """Run one scheduler step, or up to `max_decode_steps` fused pure-decode steps if that is all there is."""
+        if max_decode_steps < 1:
+            raise ValueError("max_decode_steps must be at least 1")
+        if max_decode_steps == 1:  # the general step does the same as one fused step, without the check
+            return self._schedule()
+        fused = min(max_decode_steps, self.fusible_decode_steps())
+        return self._decode(fused) if fused else self._schedule()
+
+    def _decode(self, k: int) -> StepResult:
+        result = StepResult(duration=k * self.decode_step_seconds, steps=k)
+        self._generate(list(self._running.values()), k, result)
+        return result
+
+    def _schedule(self) -> StepResult:
+        if self.idle:
+            return StepResult()
+        cfg = self.config
+        decoding = [s for s in self._running.values() if s.generated]
+        budget = cfg.max_batched_tokens - len(decoding)
+        chunks: list[tuple[_Seq, int]] = []
+        for s in self._running.values():
+            if not s.generated and budget > 0:
+                e = min(s.prompt_tokens - s.computed, budget)
+                chunks.append((s, e))
+                budget -= e
+        while self._waiting and budget > 0 and len(self._running) < cfg.max_running:
+            s = next(iter(self._waiting.values()))
+            if not self._admit(s):
+                break  # first come first served: the head waits for room, and so does everyone behind it
+            e = min(s.prompt_tokens - s.computed, budget)
+            chunks.append((s, e))
+            budget -= e
+
+        prefill_ms = sum(cfg.timing.prefill_ms(e, s.computed + e) for s, e in chunks)
+        result = StepResult(duration=cfg.timing.step_ms(prefill_ms, bool(chunks), len(decoding)) / 1000.0,
+                            steps=1)
+        self._generate(decoding, 1, result)
+        prefilled = []
+        for s, e in chunks:
+            s.computed += e
+            self._cache_computed(s)
+            if s.computed == s.prompt_tokens:
+                result.first_tokens[s.seq_id] = s.cached_tokens
+                prefilled.append(s)
+        self._generate(prefilled, 1, result)
+        return result
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _pin_plan(self, s: _Seq) -> tuple[int, int]:
+        """(cached leading blocks to pin, blocks to reserve) for admitting `s` now."""
+        hit = min(self.cache.match(s.blocks), (s.prompt_tokens - 1) // self.config.block_size)
+        return hit, s.need_blocks - hit
+
+    def _head_admissible(self) -> bool:
+        if not self._waiting or len(self._running) >= self.config.max_running:
+            return False
+        s = next(iter(self._waiting.values()))
+        hit, extra = self._pin_plan(s)
+        return self.cache.can_pin(s.blocks[:hit], extra)
+
+    def _admit(self, s: _Seq) -> bool:
+        hit, extra = self._pin_plan(s)
+        if not self.cache.pin(s.blocks[:hit], extra):
+            return False
+        s.pinned, s.reserved = hit, extra
+        s.cached_tokens = s.computed = hit * self.config.block_size
+        del self._waiting[s.seq_id]
+        self._running[s.seq_id] = s
+        self.stats.prefix_queries += s.prompt_tokens
+        self.stats.prefix_hits += s.cached_tokens
+        self.stats.prompt_tokens += s.prompt_tokens
+        return True
+
+    def _cache_computed(self, s: _Seq) -> None:
+        """Move newly computed full prompt blocks from the sequence's reservation into the prefix cache."""
+        full = min(len(s.blocks), s.computed // self.config.block_size)
+        n = full - s.pinned
+        if n <= 0:
+            return
+        self.cache.unpin((), n)  # release n reserved blocks, then pin the n blocks they became
+        pinned = self.cache.pin(s.blocks[s.pinned:full])
+        assert pinned, "freed reservations always make room for the blocks computed into them"
+        s.pinned, s.reserved = full, s.reserved - n
+
+    def _generate(self, seqs: list[_Seq], k: int, result: StepResult) -> None:
+        """Give each sequence k more tokens; finish those that reach max_tokens. (The hot loop.)"""
+        tokens = result.tokens
+        for s in seqs:
+            s.generated += k
+            tokens[s.seq_id] = k
+            if s.generated >= s.max_tokens:
+                self._finish(s, result)
+        self.stats.generation_tokens += k * len(seqs)
+
+    def _finish(self, s: _Seq, result: StepResult) -> None:
+        del self._running[s.seq_id]
+        self._release(s)
+        self.stats.requests_finished += 1
+        result.finished.append(s.seq_id)
+
+    def _release(self, s: _Seq) -> None:
+        self.cache.unpin(s.blocks[:s.pinned], s.reserved)
