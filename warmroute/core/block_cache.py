@@ -86,9 +86,11 @@ class BlockCache:
     # -- writing with pins (the engine's block manager) --------------------------------------------
     def can_pin(self, blocks: Sequence[int], extra_blocks: int = 0) -> bool:
         """Would pinning this chain (plus `extra_blocks` reserved ones) fit without evicting pinned blocks?"""
-        new = sum(1 for h in blocks if h not in self._free and h not in self._pinned)
+        free, pinned = self._free, self._pinned
+        in_free = sum(1 for h in blocks if h in free)
+        new = len(blocks) - in_free - sum(1 for h in blocks if h in pinned)
         # Blocks of this chain that sit in the free list are about to be pinned, so they cannot be evicted.
-        reusable = len(self._free) - sum(1 for h in blocks if h in self._free)
+        reusable = len(free) - in_free
         room = self.capacity - self.used_blocks
         return new + extra_blocks <= room + reusable
 
@@ -123,11 +125,12 @@ class BlockCache:
 
     # -- internals -------------------------------------------------------------------------------------
     def _evict_to(self, capacity: int) -> None:
-        free = self._free
-        while free and self.used_blocks > capacity:
+        free, on_evict = self._free, self.on_evict
+        excess = min(len(free) + len(self._pinned) + self.reserved - capacity, len(free))
+        for _ in range(excess):
             h, _ = free.popitem(last=False)
-            if self.on_evict is not None:
-                self.on_evict(h)
+            if on_evict is not None:
+                on_evict(h)
 
     def _drop(self, h: int) -> None:
         if self._free.pop(h, 0) is None and self.on_evict is not None:

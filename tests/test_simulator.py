@@ -1,0 +1,101 @@
+import subprocess
+import sys
+
+import pytest
+
+from warmroute.sim.report import summarize, table
+from warmroute.sim.simulator import SimSettings, Simulation
+from warmroute.workloads.registry import make_workload
+
+
+def small(**kw) -> SimSettings:
+    base = dict(instances=4, requests=1500, rate=8.0, kv_capacity_tokens=30_000, max_running=32, seed=1)
+    return SimSettings(**{**base, **kw})
+
+
+def run(strategy: str, workload: str = "mixed", **kw):
+    return Simulation(small(**kw), make_workload(workload, seed=1), strategy, pooled=strategy == "pooled").run()
+
+
+def test_same_seed_same_result():
+    a, b = run("cache_aware"), run("cache_aware")
+    assert [(r.instance, r.first_token) for r in a.records] == [(r.instance, r.first_token) for r in b.records]
+
+
+def test_every_request_is_served_once():
+    r = run("cache_aware")
+    assert len(r.records) == 1500 and all(x.done is not None and x.first_token is not None for x in r.records)
+    assert sum(r.requests_per_instance.values()) == 1500
+    assert all(x.arrival <= x.first_token <= x.done for x in r.records)
+
+
+def test_strategy_ordering_on_a_cache_constrained_fleet():
+    """The caches hold about a quarter of the working set each: routing decides the hit rate."""
+    hits = {s: run(s).hit_rate for s in ("random", "prefix", "cache_aware", "oracle", "pooled")}
+    assert hits["random"] < hits["prefix"] <= hits["cache_aware"] + 0.02
+    assert hits["cache_aware"] >= 0.95 * hits["oracle"]
+    assert hits["pooled"] >= max(hits["random"], hits["prefix"])
+    assert hits["cache_aware"] >= 2 * hits["random"]
+
+
+def test_cache_aware_answers_sooner_than_random():
+    rand, ca = summarize(run("random")), summarize(run("cache_aware"))
+    assert ca.ttft_p50_ms < rand.ttft_p50_ms and ca.ttft_p99_ms < rand.ttft_p99_ms
+
+
+def test_closed_loop_keeps_the_concurrency():
+    r = run("cache_aware", rate=None, concurrency=6, requests=600)
+    events = sorted([(x.arrival, 1) for x in r.records] + [(x.done, -1) for x in r.records])
+    level = peak = 0
+    for _, d in events:
+        level += d
+        peak = max(peak, level)
+    assert peak <= 6 and len(r.records) == 600
+
+
+def test_multi_turn_turns_run_in_order():
+    r = run("cache_aware", workload="chat", requests=400)
+    assert len(r.records) >= 400
+
+
+def test_scale_up_moves_about_one_over_n_plus_one_of_prefixes():
+    r = run("prefix", workload="shared", requests=3000, scale_events=[(150.0, +1)],
+            instances=7)
+    (t, moved), = r.prefixes_moved
+    assert t == 150.0 and abs(moved - 1 / 8) < 0.08
+    assert "instance-7" in r.requests_per_instance and r.requests_per_instance["instance-7"] > 0
+    s = summarize(r)
+    assert s.hit_rate_dips[0]["before"] is not None
+    assert "moved" in table([s])
+
+
+def test_scale_down_drains_the_removed_instance():
+    r = run("cache_aware", requests=2000, scale_events=[(100.0, -1)])
+    removed = [x for x in r.records if x.instance == "instance-3"]
+    assert removed and all(x.arrival < 100.0 for x in removed)
+    assert all(x.done is not None for x in r.records)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--prefix-length", "10"], "--prefix-length"),
+    (["--concurrency-threshold", "0"], "--concurrency-threshold"),
+    (["--strategies", "random,fastest"], "unknown strategy"),
+    (["--scale-at", "ten:+1"], "--scale-at"),
+    (["--sweep", "colour=1,2"], "--sweep"),
+    (["--workload", "nope"], "unknown workload"),
+    (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "cannot read trace"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    p = subprocess.run([sys.executable, "-m", "warmroute", "simulate", "--requests", "10", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_cli_sweep_reports_the_winner():
+    p = subprocess.run([sys.executable, "-m", "warmroute", "simulate", "--workload", "shared", "--requests", "300",
+                        "--instances", "3", "--rate", "4", "--strategies", "prefix,cache_aware",
+                        "--sweep", "prefix_length=1024,8192"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "prefix_length=1024" in p.stdout and "prefix_length=8192" in p.stdout
+    assert "best setting for cache_aware by TTFT p50: prefix_length=" in p.stdout

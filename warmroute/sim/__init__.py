@@ -1,0 +1,1 @@
+"""Discrete-event simulation of a routed fleet in virtual time (`warmroute simulate`)."""

@@ -1,0 +1,197 @@
+"""`warmroute simulate`: a fleet in virtual time, strategies compared side by side, what-if sweeps."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from typing import Annotated
+
+from pydantic import TypeAdapter, ValidationError
+
+from warmroute.bench.cli import add_workload_arguments, workload_from_args
+from warmroute.core.strategies import STRATEGIES
+from warmroute.errors import UsageError
+from warmroute.sim.report import Summary, as_json, plot, summarize, table
+from warmroute.sim.scenarios import SCENARIOS
+from warmroute.sim.simulator import SimResult, SimSettings, Simulation
+from warmroute.workloads.base import Workload
+
+REFERENCES = ("oracle", "pooled")
+# Settings a --sweep may vary, with their type.
+SWEEPABLE = {f.name: f.type for f in dataclasses.fields(SimSettings)
+             if f.name in ("instances", "kv_capacity_tokens", "prefix_length", "concurrency_threshold",
+                           "balance_factor", "max_running", "rate", "concurrency", "speedup")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS),
+                        help="a named experiment (reference-70b: the published benchmark, 16 configurations)")
+    parser.add_argument("--strategies", default="random,prefix,cache_aware,oracle,pooled",
+                        help="comma-separated; any router strategy plus the references oracle and pooled")
+    f = parser.add_argument_group("fleet")
+    f.add_argument("--instances", type=int, default=8)
+    f.add_argument("--profile", choices=("8b", "70b"), default="8b")
+    f.add_argument("--kv-capacity-tokens", type=int, help="per instance (default: the profile's)")
+    f.add_argument("--max-running", type=int, default=64)
+    r = parser.add_argument_group("router")
+    r.add_argument("--prefix-length", type=int, default=4096)
+    r.add_argument("--concurrency-threshold", type=int, default=32)
+    r.add_argument("--balance-factor", type=float, default=0.25)
+    g = parser.add_argument_group("load")
+    g.add_argument("--requests", type=int, default=10_000)
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--rate", type=float, metavar="QPS", help="open loop: Poisson session arrivals per second")
+    mode.add_argument("--concurrency", type=int, metavar="C", help="closed loop: C sessions in flight")
+    g.add_argument("--speedup", type=float, default=1.0, help="trace replay: run its clock this much faster")
+    g.add_argument("--scale-at", action="append", default=[], metavar="T:+1",
+                   help="add (+1) or remove (-1) an instance at T seconds (repeatable)")
+    g.add_argument("--sweep", metavar="NAME=V1,V2,...", help=f"vary one of: {', '.join(SWEEPABLE)}")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true")
+    o.add_argument("--plot", metavar="DIR", help="write TTFT CDF, hit rate and load plots here")
+
+
+def _validated(name: str, value: object) -> None:
+    """Check a router setting against the router's own settings model (one set of valid ranges)."""
+    from warmroute.router.settings import RouterSettings
+
+    field = RouterSettings.model_fields[name]
+    try:
+        TypeAdapter(Annotated[field.annotation, *field.metadata]).validate_python(value)
+    except ValidationError as exc:
+        raise UsageError(f"--{name.replace('_', '-')} {value}: {exc.errors()[0]['msg']}") from None
+
+
+def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSettings:
+    for name in ("prefix_length", "concurrency_threshold", "balance_factor"):
+        _validated(name, getattr(args, name))
+    for name in ("instances", "requests", "max_running"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    closed = args.concurrency if args.rate is None and workload.name != "trace" else args.concurrency
+    if workload.name != "trace" and args.rate is None and args.concurrency is None:
+        closed = 32
+    return SimSettings(
+        instances=args.instances, profile=args.profile, kv_capacity_tokens=args.kv_capacity_tokens,
+        max_running=args.max_running, prefix_length=args.prefix_length,
+        concurrency_threshold=args.concurrency_threshold, balance_factor=args.balance_factor,
+        requests=args.requests, rate=args.rate, concurrency=closed, speedup=args.speedup,
+        scale_events=[_scale_event(s) for s in args.scale_at], seed=args.seed)
+
+
+def _scale_event(text: str) -> tuple[float, int]:
+    t, sep, delta = text.partition(":")
+    try:
+        if sep and delta.strip() in ("+1", "-1", "1"):
+            return float(t), int(delta)
+    except ValueError:
+        pass
+    raise UsageError(f"--scale-at expects T:+1 or T:-1 (seconds), got {text!r}")
+
+
+def _strategies(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in STRATEGIES and n not in REFERENCES]
+    if unknown or not names:
+        raise UsageError(f"unknown strategy {unknown[0] if unknown else text!r}; choose from "
+                         f"{', '.join([*STRATEGIES, *REFERENCES])}")
+    return names
+
+
+def simulate(settings: SimSettings, workload: Workload, strategies: list[str]) -> list[SimResult]:
+    return [Simulation(settings, workload, s, pooled=(s == "pooled")).run() for s in strategies]
+
+
+def _sweep(text: str) -> tuple[str, list[object]]:
+    name, sep, values = text.partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or name not in SWEEPABLE:
+        raise UsageError(f"--sweep expects NAME=V1,V2,... with NAME one of {', '.join(SWEEPABLE)}")
+    kind = float if "float" in str(SWEEPABLE[name]) else int
+    try:
+        return name, [kind(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--sweep {name}: values must be {kind.__name__}s") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    strategies = _strategies(args.strategies)
+    started = time.perf_counter()
+    if args.scenario:
+        return _run_scenario(args, strategies, started)
+    workload = workload_from_args(args)
+    base = settings_from_args(args, workload)
+    runs: list[tuple[str, SimSettings]] = [("", base)]
+    if args.sweep:
+        name, values = _sweep(args.sweep)
+        runs = [(f"{name}={v}", dataclasses.replace(base, **{name: v})) for v in values]
+    out: list[dict] = []
+    best: tuple[float, str] | None = None
+    for label, settings in runs:
+        results = simulate(settings, workload, strategies)
+        summaries = [summarize(r) for r in results]
+        out.append({"setting": label, "results": as_json(summaries)})
+        if not args.json:
+            print(table(summaries, title=label or _describe(settings, workload)), end="\n\n")
+        if args.plot:
+            plot(results, f"{args.plot}/{label.replace('=', '-')}" if label else args.plot)
+        best = _better(best, label, summaries)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        if args.sweep and best:
+            print(f"best setting for {_main_strategy(strategies)} by TTFT p50: {best[1]}")
+        print(f"simulated in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _main_strategy(strategies: list[str]) -> str:
+    routers = [s for s in strategies if s not in REFERENCES]
+    return "cache_aware" if "cache_aware" in routers else (routers or strategies)[-1]
+
+
+def _better(best: tuple[float, str] | None, label: str, summaries: list[Summary]) -> tuple[float, str] | None:
+    main = _main_strategy([s.strategy for s in summaries])
+    s = next(s for s in summaries if s.strategy == main)
+    if s.ttft_p50_ms is None:
+        return best
+    return (s.ttft_p50_ms, label) if best is None or s.ttft_p50_ms < best[0] else best
+
+
+def _describe(s: SimSettings, w: Workload) -> str:
+    load = f"{s.rate} req/s" if s.rate else (f"{s.concurrency} concurrent" if s.concurrency else
+                                              f"trace clock x{s.speedup}")
+    cap = s.kv_capacity_tokens or "profile"
+    return (f"workload {w.name}, {s.instances} x {s.profile} instances, KV {cap} tokens each, {load}, "
+            f"{s.requests} requests")
+
+
+def _run_scenario(args: argparse.Namespace, strategies: list[str], started: float) -> int:
+    cases = SCENARIOS[args.scenario](requests=args.requests, seed=args.seed)
+    rows = []
+    for case in cases:
+        summaries = {r.strategy: summarize(r) for r in simulate(case.settings, case.workload, strategies)}
+        rows.append({"case": case.label, "results": {k: dataclasses.asdict(v) for k, v in summaries.items()}})
+        if not args.json:
+            print(_scenario_row(case.label, summaries), flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"simulated {len(cases)} configurations in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def _scenario_row(label: str, s: dict[str, Summary]) -> str:
+    """One configuration: hit rates, and each router's TTFT p50 / throughput change against random."""
+    base = s.get("random")
+    parts = [f"{label:<36}"]
+    for name, v in s.items():
+        part = f"{name}: hit {v.hit_rate:.0%} p50 {v.ttft_p50_ms:.0f}ms"
+        if base and name != "random" and base.ttft_p50_ms and v.ttft_p50_ms is not None:
+            part += (f" ({v.ttft_p50_ms / base.ttft_p50_ms - 1:+.0%} TTFT, "
+                     f"{v.throughput_rps / base.throughput_rps - 1:+.0%} thr)")
+        parts.append(part)
+    return " | ".join(parts)

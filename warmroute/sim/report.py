@@ -1,0 +1,145 @@
+"""Summaries, tables, JSON and plots of simulation results."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from warmroute.bench.stats import load_spread, percentile
+from warmroute.core.strategies import OVERLOAD_SPILL
+from warmroute.sim.simulator import SimResult
+
+
+@dataclass
+class Summary:
+    strategy: str
+    requests: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    e2e_p50_s: float | None
+    throughput_rps: float
+    output_tokens_per_s: float
+    hit_rate: float
+    load_spread: float | None  # busiest instance's requests / mean
+    spilled: float  # fraction of decisions that were overload spills
+    rejected: int
+    prefixes_moved: list[tuple[float, float]]
+    hit_rate_dips: list[dict]  # per scale event: before, lowest after, recovery seconds
+
+
+def summarize(r: SimResult) -> Summary:
+    done = [x for x in r.records if x.first_token is not None]
+    ttft = [(x.first_token - x.arrival) * 1000 for x in done]
+    e2e = [x.done - x.arrival for x in r.records if x.done is not None]
+    span = r.duration_s or 1.0
+    return Summary(
+        strategy=r.strategy, requests=len(r.records),
+        ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99), e2e_p50_s=percentile(e2e, 50),
+        throughput_rps=len(e2e) / span, output_tokens_per_s=sum(x.output_tokens for x in r.records) / span,
+        hit_rate=r.hit_rate, load_spread=load_spread(r.requests_per_instance),
+        spilled=sum(x.reason == OVERLOAD_SPILL for x in r.records) / max(1, len(r.records)),
+        rejected=r.rejected, prefixes_moved=r.prefixes_moved,
+        hit_rate_dips=[_dip(r, t) for t, _ in r.prefixes_moved],
+    )
+
+
+def hit_rate_series(r: SimResult) -> list[tuple[float, float]]:
+    """(window start s, token hit rate of requests that got their first token in it)."""
+    hits: dict[int, list[int]] = {}
+    for x in r.records:
+        if x.first_token is not None:
+            b = hits.setdefault(int(x.first_token // r.window_s), [0, 0])
+            b[0] += x.cached_tokens
+            b[1] += x.prompt_tokens
+    return [(k * r.window_s, h / q if q else 0.0) for k, (h, q) in sorted(hits.items())]
+
+
+def _dip(r: SimResult, t: float) -> dict:
+    """Hit rate in the 3 windows before a scale event, the lowest window after, and the time until a window
+    is back within 95% of before."""
+    series = hit_rate_series(r)
+    before = [h for s, h in series if t - 3 * r.window_s <= s < t]
+    after = [(s, h) for s, h in series if s >= t]
+    if not before or not after:
+        return {"at_s": t, "before": None, "lowest": None, "recovery_s": None}
+    level = sum(before) / len(before)
+    lowest = min(h for _, h in after)
+    recovered = next((s + r.window_s - t for s, h in after if h >= 0.95 * level), None)
+    return {"at_s": t, "before": level, "lowest": lowest, "recovery_s": recovered}
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(summaries: list[Summary], title: str = "") -> str:
+    head = f"{'strategy':<12} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>7} {'tok/s':>8} {'hit rate':>8} " \
+           f"{'spread':>6} {'spilled':>7}"
+    lines = ([title] if title else []) + [head, "-" * len(head)]
+    for s in summaries:
+        lines.append(f"{s.strategy:<12} {_fmt(s.ttft_p50_ms, '8.0f')}ms {_fmt(s.ttft_p99_ms, '7.0f')}ms "
+                     f"{s.throughput_rps:7.2f} {s.output_tokens_per_s:8.0f} {s.hit_rate:8.1%} "
+                     f"{_fmt(s.load_spread, '6.2f')} {s.spilled:7.1%}")
+    for s in summaries:
+        for (t, moved), dip in zip(s.prefixes_moved, s.hit_rate_dips):
+            rec = "not within the run" if dip["recovery_s"] is None else f"{dip['recovery_s']:.0f} s"
+            lines.append(f"{s.strategy}: scale event at {t:.0f} s moved {moved:.1%} of prefixes; hit rate "
+                         f"{_fmt(dip['before'], '.1%')} -> lowest {_fmt(dip['lowest'], '.1%')}, recovered in {rec}")
+    return "\n".join(lines)
+
+
+def as_json(summaries: list[Summary]) -> list[dict]:
+    return [asdict(s) for s in summaries]
+
+
+def plot(results: list[SimResult], out_dir: str) -> list[str]:
+    """TTFT CDF per strategy, hit rate over time, and per-instance requests over time (one PNG each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        ttft = sorted((x.first_token - x.arrival) * 1000 for x in r.records if x.first_token is not None)
+        if ttft:
+            ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=r.strategy)
+    ax.set_xscale("log"), ax.set_xlabel("time to first token (ms)"), ax.set_ylabel("fraction of requests")
+    ax.legend(), ax.grid(alpha=0.3), ax.set_title("TTFT CDF")
+    files.append(_save(fig, out / "ttft_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        series = hit_rate_series(r)
+        ax.plot([s for s, _ in series], [h for _, h in series], label=r.strategy)
+    ax.set_xlabel("time (s)"), ax.set_ylabel("token hit rate"), ax.legend(), ax.grid(alpha=0.3)
+    ax.set_title("KV-cache hit rate over time")
+    files.append(_save(fig, out / "hit_rate.png"))
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(7, 2.2 * len(results)), squeeze=False, sharex=True)
+    for ax, r in zip(axes[:, 0], results):
+        per: dict[str, dict[int, int]] = {}
+        for x in r.records:
+            b = per.setdefault(x.instance, {})
+            k = int(x.arrival // r.window_s)
+            b[k] = b.get(k, 0) + 1
+        for name, buckets in sorted(per.items()):
+            ks = sorted(buckets)
+            ax.plot([k * r.window_s for k in ks], [buckets[k] / r.window_s for k in ks], lw=0.8)
+        ax.set_ylabel("req/s"), ax.set_title(f"{r.strategy}: requests per instance", fontsize=9)
+    axes[-1, 0].set_xlabel("time (s)")
+    files.append(_save(fig, out / "load_per_instance.png"))
+    return files
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return str(path)

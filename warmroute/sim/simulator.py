@@ -1,0 +1,312 @@
+"""A fleet of emulated engines behind the router, simulated in virtual time: no HTTP, no sleeping.
+
+Every piece that decides anything is the production piece: requests come from `warmroute.workloads`, the
+routing key from `core.routing_key`, the choice from the strategy objects `warmroute serve` uses (keeping
+its books in the same `core.fleet.Fleet`), and each instance is the `engine.model.EngineModel` that
+`warmroute engine` runs in real time. The simulator only owns the clock: an event heap of arrivals and
+step completions. Consecutive pure-decode steps are fused up to the next event, which is what lets 100,000
+requests run in seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from warmroute.core.fleet import Fleet, FleetSettings
+from warmroute.core.routing_key import RoutingKey, key_for_json
+from warmroute.core.strategies import OVERLOAD_SPILL, NoInstanceAvailable, Strategy, StrategySettings, make_strategy
+from warmroute.engine.model import EngineConfig, EngineModel
+from warmroute.workloads.base import Workload
+from warmroute.workloads.request import Session, WorkloadRequest
+
+
+@dataclass
+class SimSettings:
+    instances: int = 8
+    profile: str = "8b"
+    kv_capacity_tokens: int | None = None  # per instance; None: the profile's
+    max_running: int = 64
+    max_batched_tokens: int = 8192
+    prefix_length: int = 4096
+    concurrency_threshold: int = 32
+    balance_factor: float = 0.25
+    requests: int = 10_000
+    rate: float | None = None  # open loop (Poisson sessions per second); None with no concurrency: the trace's
+    concurrency: int | None = None  # closed loop: this many sessions in flight
+    speedup: float = 1.0  # trace timestamps are divided by this
+    scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
+    window_s: float = 10.0  # time-series bucket
+    seed: int = 0
+
+    def engine_config(self, scale: int = 1) -> EngineConfig:
+        """One instance's engine; `scale` > 1 gives the pooled reference: scale× cache and compute."""
+        cfg = EngineConfig.from_profile(self.profile, kv_capacity_tokens=self.kv_capacity_tokens,
+                                        max_running=self.max_running * scale,
+                                        max_batched_tokens=self.max_batched_tokens * scale)
+        if scale == 1:
+            return cfg
+        t = cfg.timing
+        from dataclasses import replace
+        timing = replace(t, prefill_ms_per_token=t.prefill_ms_per_token / scale,
+                         context_ms_per_token=t.context_ms_per_token / scale,
+                         prefill_context_ms=t.prefill_context_ms / scale, decode_growth=t.decode_growth / scale)
+        return replace(cfg, timing=timing, kv_capacity_tokens=cfg.kv_capacity_tokens * scale)
+
+    def strategy_settings(self, block_bytes: int) -> StrategySettings:
+        return StrategySettings(self.prefix_length, self.concurrency_threshold, self.balance_factor, block_bytes)
+
+
+@dataclass
+class RequestRecord:
+    arrival: float
+    instance: str
+    prompt_tokens: int
+    reason: str
+    first_token: float | None = None
+    cached_tokens: int = 0
+    done: float | None = None
+    output_tokens: int = 0
+
+
+@dataclass
+class SimResult:
+    strategy: str
+    records: list[RequestRecord]
+    duration_s: float
+    requests_per_instance: dict[str, int]
+    hit_tokens: int
+    query_tokens: int
+    rejected: int = 0
+    prefixes_moved: list[tuple[float, float]] = field(default_factory=list)  # (time, fraction) per scale event
+    window_s: float = 10.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class _Instance:
+    __slots__ = ("name", "model", "busy", "draining")
+
+    def __init__(self, name: str, model: EngineModel) -> None:
+        self.name, self.model, self.busy, self.draining = name, model, False, False
+
+
+class Simulation:
+    ARRIVE, STEP = 0, 1
+
+    def __init__(self, settings: SimSettings, workload: Workload, strategy: str | Strategy,
+                 pooled: bool = False) -> None:
+        self.s = settings
+        self.workload = workload
+        self.pooled = pooled
+        self.cfg = settings.engine_config(settings.instances if pooled else 1)
+        self.block_bytes = self.cfg.block_bytes
+        self.fleet = Fleet(FleetSettings(block_bytes=self.block_bytes))
+        self.instances: dict[str, _Instance] = {}
+        self.strategy_name = "pooled" if pooled else (strategy if isinstance(strategy, str) else strategy.name)
+        for _ in range(1 if pooled else settings.instances):
+            self._add_instance()
+        if pooled:
+            self.strategy = make_strategy("least_loaded")
+        elif isinstance(strategy, str):
+            self.strategy = make_strategy_for_sim(strategy, settings.strategy_settings(self.block_bytes),
+                                                  settings.seed, self)
+        else:
+            self.strategy = strategy
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._wakeups: list[float] = []  # times at which a request may arrive (see _next_wakeup)
+        self._order = itertools.count()
+        self.records: list[RequestRecord] = []
+        self._inflight: dict[int, tuple[RequestRecord, WorkloadRequest, Iterator[WorkloadRequest] | None, int]] = {}
+        self._seq = itertools.count()
+        self._rejected = 0
+        self._last_instance_by_prefix: dict[int, str] = {}
+        self._moved: list[tuple[float, float]] = []
+
+    # -- fleet membership ----------------------------------------------------------------------------------
+    def _add_instance(self) -> _Instance:
+        name = f"instance-{len(self.instances)}"
+        while name in self.instances:
+            name += "+"
+        inst = self.instances[name] = _Instance(name, EngineModel(self.cfg))
+        self.fleet.add(name, self.cfg.kv_capacity_tokens, 1000.0 / self.cfg.timing.prefill_ms_per_token)
+        return inst
+
+    def _scale(self, now: float, delta: int) -> None:
+        before = self._placements()
+        if delta > 0:
+            self._add_instance()
+        else:
+            live = [i for i in self.instances.values() if not i.draining]
+            if len(live) <= 1:
+                return
+            victim = live[-1]
+            victim.draining = True
+            self.fleet.remove(victim.name)  # no new requests; running ones finish on the model
+        after = self._placements()
+        moved = sum(before[k] != after[k] for k in before) / len(before) if before else 0.0
+        self._moved.append((now, moved))
+
+    def _placements(self) -> dict[int, str]:
+        """Where each prefix seen so far would be placed cold: the rendezvous owner over routable instances."""
+        from warmroute.core import rendezvous
+        names = [i.name for i in self.fleet.routable()]
+        return {k: rendezvous.top(k, names) for k in self._last_instance_by_prefix}
+
+    # -- event loop ------------------------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (t, next(self._order), kind, payload))
+        if kind == self.ARRIVE:
+            heapq.heappush(self._wakeups, t)
+
+    def _next_wakeup(self, now: float) -> float | None:
+        """The next time a request can arrive: a scheduled arrival, or a step that finishes a sequence
+        (closed-loop clients and the next turn of a conversation arrive then). Other steps change nothing
+        another instance's fused decode run could depend on."""
+        w = self._wakeups
+        while w and w[0] < now:
+            heapq.heappop(w)
+        return w[0] if w else None
+
+    def run(self) -> SimResult:
+        rng = random.Random(self.s.seed)
+        sessions = self.workload.sessions()
+        budget = [self.s.requests]
+        started = self._start_sessions(sessions, rng, budget)
+        for t, delta in self.s.scale_events:
+            self._push(t, self.ARRIVE, ("scale", delta))
+        now = 0.0
+        while self._heap:
+            now, _, kind, payload = heapq.heappop(self._heap)
+            if kind == self.STEP:
+                self._on_step_done(now, payload)  # type: ignore[arg-type]
+            elif isinstance(payload, tuple) and payload[0] == "scale":
+                self._scale(now, payload[1])
+            else:
+                self._on_arrival(now, *payload)  # type: ignore[misc]
+            if started is not None:
+                started = started(now)
+        hits = sum(i.model.stats.prefix_hits for i in self.instances.values())
+        queries = sum(i.model.stats.prefix_queries for i in self.instances.values())
+        per_instance = {i.name: 0 for i in self.instances.values()}
+        for r in self.records:
+            per_instance[r.instance] += 1
+        end = max((r.done or r.arrival) for r in self.records) if self.records else 0.0
+        return SimResult(self.strategy_name, self.records, end, per_instance, hits, queries, self._rejected,
+                         self._moved, self.s.window_s)
+
+    def _start_sessions(self, sessions: Iterator[Session], rng: random.Random,
+                        budget: list[int]) -> Callable[[float], object] | None:
+        """Schedule session arrivals. Returns a feeder called after each event (open loop), or None."""
+        s = self.s
+        if s.concurrency:
+            for _ in range(s.concurrency):
+                self._begin_session(0.0, sessions, budget)
+            self._closed_loop = (sessions, budget)
+            return None
+        self._closed_loop = None
+        clock = [0.0]
+
+        def feed(now: float) -> Callable[[float], object] | None:
+            # Keep one future session arrival in the heap, so memory stays flat for 100k requests.
+            while budget[0] > 0:
+                session = next(sessions, None)
+                if session is None:
+                    return None
+                if session.arrival_s is not None and not s.rate:
+                    t = session.arrival_s / s.speedup
+                else:
+                    clock[0] += rng.expovariate(s.rate or 1.0)
+                    t = clock[0]
+                self._schedule_session(t, session, budget)
+                if t > now:
+                    return feed
+            return None
+
+        return feed(0.0)
+
+    def _begin_session(self, now: float, sessions: Iterator[Session], budget: list[int]) -> None:
+        if budget[0] <= 0:
+            return
+        session = next(sessions, None)
+        if session is not None:
+            self._schedule_session(now, session, budget)
+
+    def _schedule_session(self, t: float, session: Session, budget: list[int]) -> None:
+        requests = session.requests[: budget[0]]  # the last conversation may be cut short: exactly N requests
+        budget[0] -= len(requests)
+        turns = iter(requests)
+        first = next(turns)
+        self._push(t, self.ARRIVE, (first, turns, budget))
+
+    def _on_arrival(self, now: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
+                    budget: list[int]) -> None:
+        key = key_for_json(req.path, req.body)
+        try:
+            d = self.strategy.choose(key, self.fleet)
+        except NoInstanceAvailable:
+            self._rejected += 1
+            return
+        self._last_instance_by_prefix[key.prefix_hash(self.s.prefix_length)] = d.instance
+        self.fleet.dispatched(d.instance, d.uncached_tokens,
+                              list(d.blocks) if self.strategy.records_prefixes else None)
+        rec = RequestRecord(now, d.instance, key.tokens, d.reason)
+        self.records.append(rec)
+        seq = next(self._seq)
+        self._inflight[seq] = (rec, req, turns, d.uncached_tokens)
+        inst = self.instances[d.instance]
+        inst.model.submit(seq, self._engine_blocks(key), key.tokens, max(1, req.max_tokens))
+        if not inst.busy:
+            self._start_step(now, inst)
+
+    def _engine_blocks(self, key: RoutingKey) -> list[int]:
+        blocks = key.blocks(self.block_bytes)
+        return blocks[: key.tokens // self.cfg.block_size]
+
+    def _start_step(self, now: float, inst: _Instance) -> None:
+        if inst.model.idle:
+            inst.busy = False
+            return
+        k = 1
+        fusible = inst.model.fusible_decode_steps()
+        if fusible > 1:
+            horizon = self._next_wakeup(now)
+            if horizon is not None:  # fuse no further than the next event that can route a request here
+                fusible = min(fusible, int((horizon - now) / inst.model.decode_step_seconds))
+            k = max(1, fusible)
+        result = inst.model.step(k)
+        inst.busy = True
+        self._push(now + result.duration, self.STEP, (inst, result))
+        if result.finished:
+            heapq.heappush(self._wakeups, now + result.duration)
+
+    def _on_step_done(self, now: float, payload: tuple[_Instance, object]) -> None:
+        inst, result = payload
+        for seq, cached in result.first_tokens.items():  # type: ignore[attr-defined]
+            rec, _, _, uncached = self._inflight[seq]
+            rec.first_token, rec.cached_tokens = now, cached
+            self.fleet.first_token(inst.name, uncached)
+        for seq, n in result.tokens.items():  # type: ignore[attr-defined]
+            self._inflight[seq][0].output_tokens += n
+        for seq in result.finished:  # type: ignore[attr-defined]
+            rec, req, turns, uncached = self._inflight.pop(seq)
+            rec.done = now
+            self.fleet.finished(inst.name, uncached)
+            nxt = next(turns, None) if turns is not None else None
+            if nxt is not None:
+                self._push(now, self.ARRIVE, (nxt, turns, None))
+            elif self._closed_loop is not None:
+                self._begin_session(now, *self._closed_loop)
+        self._start_step(now, inst)
+
+
+def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim: Simulation) -> Strategy:
+    if name == "oracle":
+        from warmroute.sim.references import OracleStrategy
+        return OracleStrategy(settings, {n: i.model for n, i in sim.instances.items()})
+    return make_strategy(name, settings, seed=seed)
