@@ -1,0 +1,111 @@
+"""Routing behaviour end to end: the router in front of emulated engines (warmroute.engine).
+
+Repeated prefixes must land on the instance that holds them and come back with cached_tokens > 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from warmroute.engine.model import EngineConfig
+from warmroute.engine.server import start_fleet
+from warmroute.router.app import ROUTER
+from warmroute.router.server import start_router
+from warmroute.router.settings import load_settings
+
+KV_TOKENS = 200_000
+TIME_SCALE = 0.02  # the engines run 50x faster than modelled
+
+
+@pytest.fixture
+async def engines():
+    fleet = await start_fleet(3, config=EngineConfig.from_profile("8b", kv_capacity_tokens=KV_TOKENS),
+                              time_scale=TIME_SCALE)
+    yield fleet
+    await fleet.close()
+
+
+async def _router(engines, strategy: str = "cache_aware"):
+    return await start_router(load_settings({
+        "backends": [f"e{i}={u}" for i, u in enumerate(engines.urls)], "port": 0, "strategy": strategy,
+        "kv_capacity_tokens": KV_TOKENS, "health_interval": 3600}, env={}))
+
+
+def _chat(doc: int, question: int, stream: bool = False) -> dict:
+    system = f"Document {doc}. " + "".join(f"Clause {doc}.{i}: the parties agree to term {i * 7 + doc}. "
+                                           for i in range(120))
+    return {"model": "warmroute-emulated", "max_tokens": 4, "stream": stream,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": f"Question {question}: what does clause {question} say?"}]}
+
+
+async def _ask(client: aiohttp.ClientSession, url: str, body: dict) -> tuple[str, str, int, int]:
+    """(instance, reason, cached prompt tokens, prompt tokens) of one request through the router."""
+    async with client.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        instance, reason = r.headers["x-warmroute-instance"], r.headers["x-warmroute-reason"]
+        if body.get("stream"):
+            usage = None
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    usage = json.loads(line[6:]).get("usage") or usage
+        else:
+            usage = (await r.json())["usage"]
+    return instance, reason, usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+
+async def test_cache_aware_sends_repeated_prefixes_to_the_instance_that_holds_them(engines):
+    router = await _router(engines)
+    try:
+        async with aiohttp.ClientSession() as client:
+            homes: dict[int, str] = {}
+            for doc in range(4):  # first sight of each document: cold
+                homes[doc], reason, cached, _ = await _ask(client, router.url, _chat(doc, 0))
+                assert reason == "cold" and cached == 0
+            for question in range(1, 4):  # again, with new questions, one stream among them
+                for doc in range(4):
+                    instance, reason, cached, prompt = await _ask(client, router.url,
+                                                                  _chat(doc, question, stream=question == 2))
+                    assert instance == homes[doc] and reason == "cache_hit"
+                    assert cached > 0.8 * prompt  # the long document was cached; only the question is new
+            assert len(set(homes.values())) > 1  # cold prefixes spread over the fleet
+        fleet = router.app[ROUTER].fleet
+        assert all(i.inflight == 0 and i.queued_prefill_tokens == 0 for i in fleet.instances.values())
+    finally:
+        await router.stop()
+
+
+async def test_concurrent_load_on_one_prefix_spills_but_stays_cached(engines):
+    router = await _router(engines)
+    try:
+        async with aiohttp.ClientSession() as client:
+            first, *_ = await _ask(client, router.url, _chat(9, 0))
+            results = await asyncio.gather(*(_ask(client, router.url, _chat(9, q)) for q in range(1, 25)))
+        instances = [r[0] for r in results]
+        assert instances.count(first) >= len(results) // 3  # the holder keeps most of its prefix's traffic
+        hits = sum(1 for r in results if r[2] > 0)
+        assert hits >= len(results) // 2
+    finally:
+        await router.stop()
+
+
+async def test_random_routing_misses_more_than_cache_aware(engines):
+    async def hit_tokens(strategy: str, salt: str) -> int:
+        router = await _router(engines, strategy)
+        total = 0
+        try:
+            async with aiohttp.ClientSession() as client:
+                for question in range(4):
+                    for doc in range(3):
+                        body = _chat(doc, question)
+                        body["cache_salt"] = salt  # a fresh cache namespace per strategy
+                        total += (await _ask(client, router.url, body))[2]
+        finally:
+            await router.stop()
+        return total
+
+    assert await hit_tokens("cache_aware", "ca") > await hit_tokens("random", "rnd")

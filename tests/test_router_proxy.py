@@ -1,0 +1,563 @@
+"""The router's proxy mechanics against small inline upstreams: bytes, headers, streaming, errors, health.
+
+Each test starts real HTTP servers on 127.0.0.1 with ephemeral ports and stops them at the end. Routing
+behaviour against the emulated engine lives in test_router_engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from warmroute.router.app import PROXY, ROUTER
+from warmroute.router.server import RunningRouter, start_router
+from warmroute.router.settings import load_settings
+
+Behaviour = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Upstream:
+    """A stand-in instance: records what it receives; `behaviour` replaces its default echo answer."""
+
+    def __init__(self, name: str, models: tuple[str, ...] = ("m",)) -> None:
+        self.name = name
+        self.models = list(models)
+        self.health_status = 200
+        self.seen: list[tuple[str, str, dict[str, str], bytes]] = []  # method, path_qs, headers, body
+        self.behaviour: Behaviour | None = None
+        self.cancelled = asyncio.Event()  # set when a handler was cut off by its client (the router)
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self, port: int = 0) -> Upstream:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_route("*", "/{tail:.*}", self._any)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status, text="ok")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.seen.append((request.method, request.path_qs, dict(request.headers), b""))
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    async def _any(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.seen.append((request.method, request.raw_path, dict(request.headers), body))
+        try:
+            if self.behaviour is not None:
+                return await self.behaviour(request)
+            return web.json_response({"upstream": self.name, "path": request.path, "bytes": len(body)},
+                                     headers={"X-Upstream-Name": self.name})
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+def settings_for(*upstreams: Upstream, **overrides) -> dict:
+    values = {"backends": [f"{u.name}={u.url}" for u in upstreams], "port": 0, "health_interval": 3600}
+    values.update(overrides)
+    return values
+
+
+async def router_for(*upstreams: Upstream, **overrides) -> RunningRouter:
+    return await start_router(load_settings(settings_for(*upstreams, **overrides), env={}))
+
+
+@pytest.fixture
+async def up_a():
+    up = await Upstream("a", ("m", "shared")).start()
+    yield up
+    await up.stop()
+
+
+@pytest.fixture
+async def up_b():
+    up = await Upstream("b", ("other", "shared")).start()
+    yield up
+    await up.stop()
+
+
+@pytest.fixture
+async def client():
+    async with aiohttp.ClientSession(auto_decompress=False) as s:
+        yield s
+
+
+CHAT = {"model": "m", "messages": [{"role": "system", "content": "You are terse. " * 20},
+                                   {"role": "user", "content": "hi"}]}
+
+
+# -- proxying ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/completions", {"model": "m", "prompt": "Once upon a time"}),
+    ("/v1/completions", {"model": "m", "prompt": ["a", "b"]}),
+    ("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4]}),
+    ("/v1/embeddings", {"model": "m", "input": "embed me"}),
+    ("/v1/responses", {"model": "m", "input": "hello", "instructions": "be brief"}),
+])
+async def test_json_routes_are_forwarded_byte_for_byte(up_a, client, path, body):
+    router = await router_for(up_a)
+    try:
+        raw = json.dumps(body, indent=1).encode()  # odd formatting: forwarded as is, not re-serialised
+        async with client.post(router.url + path + "?x=1", data=raw,
+                               headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200
+            assert (await r.json())["path"] == path
+            assert r.headers["x-warmroute-instance"] == "a"
+            assert r.headers["x-warmroute-reason"]
+        method, path_qs, _, got = up_a.seen[-1]
+        assert (method, path_qs, got) == ("POST", path + "?x=1", raw)
+    finally:
+        await router.stop()
+
+
+async def test_invocations_and_ping(up_a, client):
+    router = await router_for(up_a)
+    try:
+        raw = b"\x00\x01 not json at all" * 100
+        async with client.post(router.url + "/invocations", data=raw) as r:
+            assert r.status == 200 and (await r.json())["bytes"] == len(raw)
+        assert up_a.seen[-1][3] == raw
+        async with client.get(router.url + "/ping") as r:
+            assert r.status == 200
+    finally:
+        await router.stop()
+
+
+async def test_headers_pass_both_ways_minus_hop_by_hop(up_a, client):
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(text="x", headers={"X-Custom": "down", "Proxy-Authenticate": "Basic",
+                                               "Keep-Alive": "timeout=5", "Set-Cookie": "s=1",
+                                               "x-warmroute-instance": "spoofed"})
+
+    up_a.behaviour = answer
+    router = await router_for(up_a)
+    try:
+        headers = {"Authorization": "Bearer sk-test", "X-Custom": "up", "Keep-Alive": "timeout=1",
+                   "Proxy-Authorization": "secret", "TE": "trailers", "Connection": "keep-alive, X-Hop",
+                   "X-Hop": "1", "Host": "evil.example:1234", "Content-Type": "application/json"}
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT, headers=headers) as r:
+            assert r.status == 200
+            assert r.headers["X-Custom"] == "down"
+            assert r.headers["Set-Cookie"] == "s=1"
+            assert "Proxy-Authenticate" not in r.headers and "Keep-Alive" not in r.headers
+            assert r.headers["x-warmroute-instance"] == "a"  # ours, not the upstream's
+            assert r.headers["Content-Length"] == "1"
+        seen = {k.lower(): v for k, v in up_a.seen[-1][2].items()}
+        assert seen["authorization"] == "Bearer sk-test" and seen["x-custom"] == "up"
+        for hop in ("keep-alive", "proxy-authorization", "te", "x-hop"):
+            assert hop not in seen, hop
+        assert seen["host"] == f"127.0.0.1:{up_a.port}"  # the client cannot name the upstream host
+    finally:
+        await router.stop()
+
+
+async def test_client_named_addresses_are_ignored(up_a, client):
+    router = await router_for(up_a)
+    try:
+        async with client.get(router.url + "//evil.example/steal", headers={"Host": "evil.example",
+                                                                             "X-Forwarded-Host": "evil"}) as r:
+            assert r.status == 200
+        assert up_a.seen[-1][1] == "//evil.example/steal"  # the path went to the configured instance
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)  # absolute-form target
+        writer.write(b"GET http://evil.example/abs?q=1 HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n")
+        assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200")
+        writer.close()
+        assert up_a.seen[-1][1] == "/abs?q=1"
+    finally:
+        await router.stop()
+
+
+async def test_decision_headers_can_be_switched_off(up_a, client):
+    router = await router_for(up_a, decision_headers=False)
+    try:
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+            assert "x-warmroute-instance" not in r.headers and "x-warmroute-reason" not in r.headers
+    finally:
+        await router.stop()
+
+
+async def test_other_paths_go_to_the_least_loaded_instance(up_a, up_b, client):
+    router = await router_for(up_a, up_b)
+    try:
+        router.app[ROUTER].fleet.instances["a"].inflight = 5  # pretend a is busy
+        async with client.get(router.url + "/v1/unknown/thing?q=1") as r:
+            assert r.status == 200
+            assert r.headers["x-warmroute-instance"] == "b"
+            assert r.headers["x-warmroute-reason"] == "load_balance"
+        assert up_b.seen[-1][:2] == ("GET", "/v1/unknown/thing?q=1")
+    finally:
+        await router.stop()
+
+
+# -- streaming -----------------------------------------------------------------------------------------------
+async def test_stream_chunks_arrive_before_the_upstream_finishes(up_a, client):
+    release = asyncio.Event()
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"n": 1}\n\n')
+        await asyncio.wait_for(release.wait(), 5)  # the rest only once the client has seen chunk 1
+        for n in (2, 3):
+            await resp.write(f'data: {{"n": {n}}}\n\n'.encode())
+            await asyncio.sleep(0.01)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    up_a.behaviour = sse
+    router = await router_for(up_a)
+    try:
+        async with client.post(router.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            assert r.headers["Content-Type"] == "text/event-stream"
+            first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 2)
+            assert first == b'data: {"n": 1}\n\n'
+            release.set()
+            rest = await asyncio.wait_for(r.content.read(), 2)
+        assert rest == b'data: {"n": 2}\n\ndata: {"n": 3}\n\ndata: [DONE]\n\n'
+        fleet = router.app[ROUTER].fleet
+        assert fleet.instances["a"].inflight == 0
+    finally:
+        await router.stop()
+
+
+async def test_client_disconnect_mid_stream_closes_the_upstream(up_a, client):
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        while True:
+            await resp.write(b"data: {}\n\n")
+            await asyncio.sleep(0.02)
+
+    up_a.behaviour = endless
+    router = await router_for(up_a)
+    try:
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            await r.content.readuntil(b"\n\n")
+            r.close()  # the client leaves
+        await asyncio.wait_for(up_a.cancelled.wait(), 2)
+        await _until(lambda: router.app[ROUTER].fleet.instances["a"].inflight == 0)
+    finally:
+        await router.stop()
+
+
+async def test_client_disconnect_before_first_byte_closes_the_upstream(up_a, client):
+    async def slow_prefill(request: web.Request) -> web.Response:
+        await asyncio.sleep(10)
+        return web.Response(text="too late")
+
+    up_a.behaviour = slow_prefill
+    router = await router_for(up_a)
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            await client.post(router.url + "/v1/chat/completions", json=CHAT,
+                              timeout=aiohttp.ClientTimeout(total=0.3))
+        await asyncio.wait_for(up_a.cancelled.wait(), 2)
+        await _until(lambda: router.app[ROUTER].fleet.instances["a"].inflight == 0)
+    finally:
+        await router.stop()
+
+
+async def test_first_byte_timeout_is_a_504(up_a, client):
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.Response(text="late")
+
+    up_a.behaviour = slow
+    router = await router_for(up_a, first_byte_timeout=0.2)
+    try:
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 504
+            err = (await r.json())["error"]
+            assert "first_byte_timeout" in err["message"] and err["type"] == "upstream_timeout"
+        await asyncio.wait_for(up_a.cancelled.wait(), 2)  # and the upstream request was abandoned
+    finally:
+        await router.stop()
+
+
+async def test_idle_timeout_cuts_the_stream(up_a, client):
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: 1\n\n")
+        await asyncio.sleep(5)
+        return resp
+
+    up_a.behaviour = stalls
+    router = await router_for(up_a, idle_timeout=0.2)
+    try:
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):  # truncated, not a clean end
+                await asyncio.wait_for(r.content.read(), 2)
+    finally:
+        await router.stop()
+
+
+# -- errors the router answers itself --------------------------------------------------------------------------
+async def _error_of(r: aiohttp.ClientResponse) -> dict:
+    assert r.headers["Content-Type"].startswith("application/json")
+    return (await r.json())["error"]
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (b"{not json", "not valid JSON"),
+    (b"", "empty"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"model": "m"}', "messages"),
+    (b'{"messages": "hi"}', "messages"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', "content"),
+    (b"\xff\xfe\x00garbage", "not valid JSON"),
+    (b"[" * 100_000, "nested too deeply"),
+])
+async def test_bad_json_bodies_are_400(up_a, client, raw, needle):
+    router = await router_for(up_a)
+    try:
+        async with client.post(router.url + "/v1/chat/completions", data=raw) as r:
+            assert r.status == 400
+            err = await _error_of(r)
+            assert err["type"] == "invalid_request_error" and needle in err["message"]
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:  # the next one is fine
+            assert r.status == 200
+        assert not up_a.seen[:-1]  # nothing bad was forwarded
+    finally:
+        await router.stop()
+
+
+async def test_oversized_body_is_413(up_a, client):
+    router = await router_for(up_a, max_body_bytes="1KiB")
+    try:
+        big = json.dumps({"model": "m", "prompt": "x" * 5000}).encode()
+        async with client.post(router.url + "/v1/completions", data=big) as r:
+            assert r.status == 413 and "max_body_bytes" in (await _error_of(r))["message"]
+
+        async def chunks():  # no Content-Length: caught while reading
+            for _ in range(10):
+                yield b"x" * 500
+
+        async with client.post(router.url + "/v1/completions", data=chunks()) as r:
+            assert r.status == 413
+        assert not up_a.seen
+    finally:
+        await router.stop()
+
+
+async def test_no_healthy_instance_is_503_with_retry_after(up_a, client):
+    up_a.health_status = 503
+    router = await router_for(up_a)
+    try:
+        await _until(lambda: not router.app[ROUTER].fleet.instances["a"].healthy)
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 503 and r.headers["Retry-After"].isdigit()
+            assert (await _error_of(r))["type"] == "service_unavailable"
+        for path in ("/health", "/ping"):
+            async with client.get(router.url + path) as r:
+                assert r.status == 503
+    finally:
+        await router.stop()
+
+
+async def test_internal_errors_become_a_json_500_without_traceback(up_a, client, monkeypatch):
+    router = await router_for(up_a)
+    try:
+        def boom(*args, **kwargs):
+            raise RuntimeError("secret internals")
+
+        monkeypatch.setattr(router.app[ROUTER], "route", boom)
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 500
+            text = await r.text()
+            assert "secret internals" not in text and "Traceback" not in text
+        monkeypatch.undo()
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+    finally:
+        await router.stop()
+
+
+async def test_upstream_429_and_5xx_pass_through(up_a, client):
+    statuses = iter([429, 500])
+
+    async def refuse(request: web.Request) -> web.Response:
+        status = next(statuses)
+        return web.json_response({"error": {"message": f"upstream says {status}"}}, status=status,
+                                 headers={"Retry-After": "7"})
+
+    up_a.behaviour = refuse
+    router = await router_for(up_a)
+    try:
+        for status in (429, 500):
+            async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+                assert r.status == status and r.headers["Retry-After"] == "7"
+                assert (await r.json())["error"]["message"] == f"upstream says {status}"
+        text = await (await client.get(router.url + "/metrics")).text()
+        assert 'warmroute_requests_total{instance="a",status="429"} 1.0' in text
+        assert 'warmroute_upstream_errors_total{instance="a",kind="status_5xx"} 1.0' in text
+    finally:
+        await router.stop()
+
+
+# -- health ----------------------------------------------------------------------------------------------------
+async def test_failed_health_check_ejects_and_a_passing_one_restores(up_a, up_b, client):
+    router = await router_for(up_a, up_b, health_interval=0.05, strategy="round_robin")
+    fleet = router.app[ROUTER].fleet
+    try:
+        up_a.health_status = 500
+        await _until(lambda: not fleet.instances["a"].healthy)
+        for _ in range(4):
+            async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+                assert r.headers["x-warmroute-instance"] == "b"
+        text = await (await client.get(router.url + "/metrics")).text()
+        assert 'warmroute_instance_healthy{instance="a"} 0.0' in text
+        up_a.health_status = 200
+        await _until(lambda: fleet.instances["a"].healthy)
+        got = set()
+        for _ in range(4):
+            async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+                got.add(r.headers["x-warmroute-instance"])
+        assert got == {"a", "b"}
+    finally:
+        await router.stop()
+
+
+async def test_consecutive_5xx_eject(up_a, up_b, client):
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(status=502, text="bad gateway")
+
+    up_a.behaviour = broken
+    router = await router_for(up_a, up_b, strategy="round_robin", failures_before_ejection=2)
+    fleet = router.app[ROUTER].fleet
+    try:
+        seen_a = 0
+        for _ in range(8):
+            async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+                if r.headers["x-warmroute-instance"] == "a":
+                    assert r.status == 502
+                    seen_a += 1
+        assert seen_a == 2 and not fleet.instances["a"].healthy and fleet.instances["b"].healthy
+    finally:
+        await router.stop()
+
+
+async def test_connect_failure_is_retried_once_on_the_next_choice(up_a, up_b, client):
+    router = await router_for(up_a, up_b, strategy="round_robin")
+    fleet = router.app[ROUTER].fleet
+    try:
+        await up_a.stop()  # a was healthy at start; now its port refuses connections
+        for _ in range(4):
+            async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+                assert r.status == 200 and r.headers["x-warmroute-instance"] == "b"
+        assert not fleet.instances["a"].healthy
+        assert all(i.inflight == 0 for i in fleet.instances.values())
+        text = await (await client.get(router.url + "/metrics")).text()
+        assert 'warmroute_upstream_errors_total{instance="a",kind="connect"} 1.0' in text
+    finally:
+        await router.stop()
+
+
+async def test_retry_happens_only_once(up_a, up_b, client):
+    router = await router_for(up_a, up_b)
+    try:
+        await up_a.stop()
+        await up_b.stop()
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 502 and "connect" in (await _error_of(r))["message"]
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 503  # both are now ejected
+    finally:
+        await router.stop()
+
+
+# -- fleet endpoints ---------------------------------------------------------------------------------------------
+async def test_models_are_merged_from_healthy_instances(up_a, up_b, client):
+    router = await router_for(up_a, up_b)
+    try:
+        async with client.get(router.url + "/v1/models", headers={"Authorization": "Bearer k"}) as r:
+            assert r.status == 200
+            ids = [m["id"] for m in (await r.json())["data"]]
+        assert sorted(ids) == ["m", "other", "shared"]
+        assert up_a.seen[-1][2]["Authorization"] == "Bearer k"
+    finally:
+        await router.stop()
+
+
+async def test_metrics_exposes_every_family(up_a, client):
+    router = await router_for(up_a)
+    try:
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+        async with client.post(router.url + "/v1/chat/completions", data=b"nope") as r:
+            assert r.status == 400
+        async with client.get(router.url + "/metrics") as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+            text = await r.text()
+        for needle in ('warmroute_requests_total{instance="a",status="200"} 1.0',
+                       'warmroute_requests_total{instance="none",status="400"} 1.0',
+                       'warmroute_inflight{instance="a"} 0.0',
+                       'warmroute_decisions_total{reason="cold",strategy="cache_aware"} 1.0',
+                       "warmroute_matched_prefix_ratio_bucket",
+                       'warmroute_time_to_first_byte_seconds_count{instance="a"} 1.0',
+                       "warmroute_decision_seconds_count 1.0",
+                       "warmroute_index_entries ", "warmroute_index_bytes ",
+                       'warmroute_instance_healthy{instance="a"} 1.0'):
+            assert needle in text, needle
+        async with client.get(router.url + "/health") as r:
+            assert r.status == 200 and (await r.json())["healthy_instances"] == 1
+    finally:
+        await router.stop()
+
+
+async def test_many_concurrent_streams_keep_the_books_straight(up_a, up_b, client):
+    async def sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(3):
+            await resp.write(b"data: {}\n\n")
+            await asyncio.sleep(0.005)
+        return resp
+
+    up_a.behaviour = up_b.behaviour = sse
+    router = await router_for(up_a, up_b)
+    try:
+        async def one(i: int) -> int:
+            body = {**CHAT, "messages": [{"role": "user", "content": f"question {i} " * 40}]}
+            async with client.post(router.url + "/v1/chat/completions", json=body) as r:
+                assert (await r.read()).count(b"data:") == 3
+                return r.status
+
+        assert await asyncio.gather(*(one(i) for i in range(64))) == [200] * 64
+        fleet = router.app[ROUTER].fleet
+        assert all(i.inflight == 0 and i.queued_prefill_tokens == 0 for i in fleet.instances.values())
+        assert router.app[PROXY].session is not None
+    finally:
+        await router.stop()
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)

@@ -1,0 +1,86 @@
+"""The shell's routing step without HTTP: any body gives a key or a 400, and the books always balance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from warmroute.core.routing_key import ROUTED_PATHS
+from warmroute.router.errors import ApiError
+from warmroute.router.metrics import Metrics
+from warmroute.router.routing import Router
+from warmroute.router.settings import load_settings
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["model", "messages", "prompt", "input", "role", "content", "tools", "text", "type",
+                         "instructions", "cache_salt", "user"]) | st.text(max_size=5), inner, max_size=5),
+    max_leaves=20)
+
+
+def make_router(**overrides) -> Router:
+    s = load_settings({"backends": ["a=http://127.0.0.1:1", "b=http://127.0.0.1:2"], **overrides}, env={})
+    return Router(s, Metrics(s.strategy, ["a", "b"]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.sampled_from(sorted(ROUTED_PATHS)), body=json_values)
+def test_any_json_body_gives_a_key_or_a_400(path, body):
+    router = make_router()
+    try:
+        key, decision = router.route(path, json.dumps(body).encode(), None)
+    except ApiError as exc:
+        assert exc.status == 400 and exc.kind == "invalid_request_error"
+        return
+    assert decision.instance in ("a", "b")
+
+
+@settings(max_examples=100, deadline=None)
+@given(raw=st.binary(max_size=200))
+def test_any_bytes_give_a_key_or_a_400(raw):
+    router = make_router()
+    try:
+        router.route("/v1/chat/completions", raw, None)
+    except ApiError as exc:
+        assert exc.status == 400
+
+
+def test_tickets_balance_the_books():
+    router = make_router()
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 4000}]}).encode()
+    key, decision = router.route("/v1/chat/completions", body, None)
+    inst = router.fleet.instances[decision.instance]
+    ticket = router.dispatch(decision)
+    assert inst.inflight == 1 and inst.queued_prefill_tokens == decision.uncached_tokens > 0
+    ticket.first_byte()
+    ticket.first_byte()
+    assert inst.queued_prefill_tokens == 0
+    ticket.finish()
+    ticket.finish()
+    assert inst.inflight == 0
+    # cache_aware records the prefix, so the same prompt now matches where it went
+    _, again = router.route("/v1/chat/completions", body, None)
+    assert again.instance == decision.instance and again.matched_tokens > 0
+
+
+def test_unrecord_forgets_a_prefix_that_never_arrived():
+    router = make_router()
+    body = json.dumps({"model": "m", "prompt": "y" * 4000}).encode()
+    _, decision = router.route("/v1/completions", body, None)
+    router.dispatch(decision).finish()
+    router.unrecord(decision)
+    _, again = router.route("/v1/completions", body, None)
+    assert again.matched_tokens == 0
+
+
+@pytest.mark.parametrize("strategy", ["prefix", "session", "least_loaded", "round_robin", "random"])
+def test_strategies_without_an_index_record_nothing(strategy):
+    router = make_router(strategy=strategy)
+    body = json.dumps({"model": "m", "prompt": "z" * 4000}).encode()
+    _, decision = router.route("/v1/completions", body, "session-1")
+    router.dispatch(decision).finish()
+    assert router.fleet.index.entries() == 0

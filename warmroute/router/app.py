@@ -1,0 +1,174 @@
+"""The router's HTTP surface: which path does what, and the safety net that turns every error into JSON.
+
+  POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /invocations
+                      routed by prefix (routing.py decides, proxy.py forwards)
+  GET  /v1/models     the healthy instances' model lists, merged
+  GET  /health, /ping the router's own health (200 while an instance is healthy, else 503)
+  GET  /metrics       Prometheus text
+  anything else       forwarded to the least-loaded instance
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from warmroute.core.strategies import NoInstanceAvailable
+from warmroute.router.errors import ApiError, bad_request, json_error, no_instance, too_large
+from warmroute.router.health import Health
+from warmroute.router.metrics import NO_INSTANCE, Metrics
+from warmroute.router.proxy import Proxy, make_session
+from warmroute.router.routing import SESSION_HEADER, Router
+from warmroute.router.settings import RouterSettings
+
+log = logging.getLogger("warmroute.router")
+
+SETTINGS = web.AppKey("settings", RouterSettings)
+ROUTER = web.AppKey("router", Router)
+HEALTH = web.AppKey("health", Health)
+PROXY = web.AppKey("proxy", Proxy)
+METRICS = web.AppKey("metrics", Metrics)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# -- handlers -------------------------------------------------------------------------------------------------
+async def proxied(request: web.Request) -> web.StreamResponse:
+    """Every proxied path: read the body, decide, forward."""
+    app = request.app
+    body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
+    key, decision = app[ROUTER].route(request.path, body, request.headers.get(SESSION_HEADER))
+    return await app[PROXY].forward(request, body, key, decision)
+
+
+async def _read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(limit)  # refuse before reading it
+    try:
+        async with asyncio.timeout(timeout):  # a client that stalls mid-body does not hold a handler forever
+            return await request.read()  # aiohttp enforces client_max_size (= limit) on chunked bodies
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within idle_timeout ({timeout:g} s)") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(limit) from None
+    except aiohttp.ClientPayloadError:
+        raise bad_request("request body was cut short or malformed") from None
+
+
+async def models(request: web.Request) -> web.Response:
+    """The union of the healthy instances' /v1/models lists, each model once."""
+    proxy, fleet = request.app[PROXY], request.app[ROUTER].fleet
+    names = [n for n, i in fleet.instances.items() if i.healthy]
+    if not names:
+        raise no_instance(request.app[SETTINGS].health_interval)
+    auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    lists = await asyncio.gather(*(_models_of(proxy, n, auth) for n in names))
+    seen: dict[str, dict] = {}
+    for entries in lists:
+        for m in entries:
+            if isinstance(m, dict) and isinstance(m.get("id"), str):
+                seen.setdefault(m["id"], m)
+    if not seen and not any(lists):
+        raise ApiError(502, "no instance answered /v1/models", "upstream_error")
+    return web.json_response({"object": "list", "data": list(seen.values())})
+
+
+async def _models_of(proxy: Proxy, name: str, headers: dict[str, str]) -> list:
+    assert proxy.session is not None
+    timeout = aiohttp.ClientTimeout(total=proxy.settings.health_timeout)  # as light as a health check
+    try:
+        async with proxy.session.get(proxy.urls[name] + "/v1/models", headers=headers, timeout=timeout) as r:
+            if r.status != 200:
+                return []
+            data = json.loads(await r.read())
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return []
+    return data.get("data", []) if isinstance(data, dict) and isinstance(data.get("data"), list) else []
+
+
+async def health(request: web.Request) -> web.Response:
+    fleet = request.app[ROUTER].fleet
+    healthy = [n for n, i in fleet.instances.items() if i.healthy]
+    status = 200 if healthy else 503
+    return web.json_response({"status": "ok" if healthy else "unavailable", "healthy_instances": len(healthy),
+                              "instances": len(fleet.instances)}, status=status)
+
+
+async def ping(request: web.Request) -> web.Response:
+    """SageMaker's health probe: an empty 200 while the router can serve."""
+    return web.Response(status=200 if request.app[HEALTH].is_healthy() else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[METRICS].render(request.app[ROUTER].fleet)
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = content_type
+    return resp
+
+
+# -- the safety net ---------------------------------------------------------------------------------------------
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """No traceback ever reaches a client, and one bad request never affects another."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _error(request, exc)
+    except NoInstanceAvailable:
+        return _error(request, no_instance(request.app[SETTINGS].health_interval))
+    except web.HTTPException as exc:  # aiohttp's own (e.g. 405): same JSON shape
+        if exc.status < 400:
+            raise
+        return _error(request, ApiError(exc.status, exc.reason, "invalid_request_error"))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # the client is gone; nothing to answer
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)  # path only, never the body
+        return _error(request, ApiError(500, "internal router error", "internal_error"))
+
+
+def _error(request: web.Request, exc: ApiError) -> web.Response:
+    request.app[METRICS].answered(exc.instance, exc.status)
+    headers = dict(exc.headers)
+    if exc.instance != NO_INSTANCE and request.app[SETTINGS].decision_headers:
+        headers["x-warmroute-instance"] = exc.instance
+    return json_error(exc.status, exc.message, exc.kind, headers)
+
+
+# -- assembly -------------------------------------------------------------------------------------------------
+def build_app(settings: RouterSettings) -> web.Application:
+    app = web.Application(middlewares=[json_errors], client_max_size=settings.max_body_bytes)
+    names = [b.name for b in settings.backends]
+    urls = {b.name: b.url for b in settings.backends}
+    app[SETTINGS] = settings
+    app[METRICS] = metrics_ = Metrics(settings.strategy, names)
+    app[ROUTER] = router = Router(settings, metrics_)
+    app[HEALTH] = health_ = Health(router.fleet, urls, settings, metrics_)
+    app[PROXY] = Proxy(router, health_, urls, settings)
+    app.cleanup_ctx.append(_upstream_lifetime)
+
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", ping)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/{tail:.*}", proxied)  # routed paths and everything else
+    return app
+
+
+async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
+    """The pooled client session and the health loop live exactly as long as the app (past in-flight requests)."""
+    proxy = app[PROXY]
+    proxy.session = session = make_session(app[SETTINGS])
+    await app[HEALTH].check_all(session)  # know who is up before the first request
+    checks = asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")
+    yield
+    checks.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await checks
+    await session.close()

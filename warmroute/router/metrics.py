@@ -1,0 +1,85 @@
+"""Prometheus metrics of one router process, in a private registry (tests can run several routers at once).
+
+Labelled children are created once per instance at start-up: `.labels()` costs a dictionary build and a
+lock per call, too much for the per-request path.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from warmroute.core.fleet import Fleet
+from warmroute.core.strategies import REASONS
+
+NO_INSTANCE = "none"  # instance label of requests answered before any instance was chosen (400, 413, 503)
+
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+
+
+class Metrics:
+    def __init__(self, strategy: str, instances: list[str]) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("warmroute_requests", "Requests answered, by instance and status code",
+                                ["instance", "status"], registry=r)
+        self.inflight = Gauge("warmroute_inflight", "Requests in flight per instance", ["instance"], registry=r)
+        self.decisions = Counter("warmroute_decisions", "Routing decisions by strategy and reason",
+                                 ["strategy", "reason"], registry=r)
+        self.matched_ratio = Histogram("warmroute_matched_prefix_ratio",
+                                       "Share of the prompt predicted cached on the chosen instance",
+                                       buckets=_RATIO_BUCKETS, registry=r)
+        self.ttfb = Histogram("warmroute_time_to_first_byte_seconds",
+                              "Seconds from forwarding a request to the upstream's first body byte",
+                              ["instance"], buckets=_TTFB_BUCKETS, registry=r)
+        self.decision_seconds = Histogram("warmroute_decision_seconds",
+                                          "Seconds spent parsing the request and choosing an instance",
+                                          buckets=_DECISION_BUCKETS, registry=r)
+        self.index_entries = Gauge("warmroute_index_entries", "Blocks held in the prefix index", registry=r)
+        self.index_bytes = Gauge("warmroute_index_bytes", "Estimated memory of the prefix index", registry=r)
+        self.healthy = Gauge("warmroute_instance_healthy", "1 while the instance receives traffic",
+                             ["instance"], registry=r)
+        self.upstream_errors = Counter("warmroute_upstream_errors",
+                                       "Failed upstream attempts by instance and kind "
+                                       "(connect, timeout, disconnect, status_5xx, status_429)",
+                                       ["instance", "kind"], registry=r)
+
+        self._strategy = strategy
+        self._decision = {reason: self.decisions.labels(strategy, reason) for reason in REASONS}
+        self._inflight = {name: self.inflight.labels(name) for name in instances}
+        self._ttfb = {name: self.ttfb.labels(name) for name in instances}
+        self._healthy = {name: self.healthy.labels(name) for name in instances}
+        for name in instances:
+            self._healthy[name].set(1)
+
+    # -- per-request hooks (cheap) ------------------------------------------------------------------------
+    def decided(self, reason: str, matched_ratio: float, seconds: float) -> None:
+        counter = self._decision.get(reason)
+        if counter is None:  # a reason the core added after this process started counting
+            counter = self._decision[reason] = self.decisions.labels(self._strategy, reason)
+        counter.inc()
+        self.matched_ratio.observe(matched_ratio)
+        self.decision_seconds.observe(seconds)
+
+    def set_inflight(self, name: str, value: int) -> None:
+        self._inflight[name].set(value)
+
+    def first_byte(self, name: str, seconds: float) -> None:
+        self._ttfb[name].observe(seconds)
+
+    def answered(self, instance: str, status: int) -> None:
+        self.requests.labels(instance, str(status)).inc()
+
+    def upstream_error(self, instance: str, kind: str) -> None:
+        self.upstream_errors.labels(instance, kind).inc()
+
+    def set_healthy(self, name: str, healthy: bool) -> None:
+        self._healthy[name].set(1 if healthy else 0)
+
+    # -- scrape -------------------------------------------------------------------------------------------
+    def render(self, fleet: Fleet) -> tuple[bytes, str]:
+        """The exposition text, with the index gauges refreshed (they are cheap to read, so only at scrape)."""
+        self.index_entries.set(fleet.index.entries())
+        self.index_bytes.set(fleet.index.estimated_bytes())
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

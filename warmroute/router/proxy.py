@@ -1,0 +1,197 @@
+"""Forwarding one request to the chosen instance and relaying its answer, chunk by chunk.
+
+The original body bytes go upstream unchanged; the answer comes back unchanged (no decompression, no
+re-serialisation), each chunk written to the client the moment it arrives, so SSE streams are never buffered.
+Every failure is bounded by a timeout and ends the upstream connection, so the engine stops working on a
+request nobody waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from warmroute.core.routing_key import RoutingKey
+from warmroute.core.strategies import Decision
+from warmroute.router.errors import ApiError
+from warmroute.router.health import Health
+from warmroute.router.routing import Router, Ticket
+from warmroute.router.settings import RouterSettings
+
+log = logging.getLogger("warmroute.router")
+
+# Hop-by-hop headers (RFC 9110 7.6.1) describe one connection, not the message: never forwarded.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+                        "proxy-connection", "proxy-authenticate", "proxy-authorization"})
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect"}
+_NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "x-warmroute-instance", "x-warmroute-reason"}
+CLIENT_CLOSED = 499  # status label of a request whose client went away (nginx's convention)
+
+
+class _ConnectFailed(Exception):
+    """No connection could be opened: nothing was sent, so another instance may safely be tried."""
+
+
+def _filter(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    # Headers named by Connection are hop-by-hop too.
+    named = {h.strip().lower() for v in headers.getall("Connection", ()) for h in v.split(",")}
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop and k.lower() not in named)
+
+
+def _target(request: web.Request) -> str:
+    """Path and query to request upstream. Only these come from the client; the host never does."""
+    raw = request.raw_path
+    return raw if raw.startswith("/") else request.rel_url.raw_path_qs  # absolute-form: keep its path
+
+
+def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
+    """One pooled keep-alive session per process for every upstream request."""
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=0,
+        keepalive_timeout=4.0,  # below uvicorn's 5 s (vLLM), so we never reuse a connection it is closing
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout),
+        auto_decompress=False,  # relay the bytes as the engine sent them
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),  # send only what the client sent
+        cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
+    )
+
+
+class Proxy:
+    def __init__(self, router: Router, health: Health, urls: dict[str, str], settings: RouterSettings) -> None:
+        self.router = router
+        self.health = health
+        self.urls = urls  # instance name -> base URL; only ever from settings, never from the request
+        self.settings = settings
+        self.session: aiohttp.ClientSession | None = None
+
+    async def forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
+                      decision: Decision) -> web.StreamResponse:
+        """Send to the decision's instance; if no connection can be opened there, once more to the next choice."""
+        for attempt in (0, 1):
+            ticket = self.router.dispatch(decision)
+            try:
+                return await self._exchange(request, body, decision, ticket)
+            except _ConnectFailed:
+                self.router.metrics.upstream_error(decision.instance, "connect")
+                self.health.connection_failed(decision.instance)  # so the next choice avoids it
+                self.router.unrecord(decision)
+                if attempt == 1:
+                    raise ApiError(502, f"could not connect to instance {decision.instance}", "upstream_error",
+                                   instance=decision.instance) from None
+            except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler
+                self.router.metrics.answered(decision.instance, CLIENT_CLOSED)
+                raise
+            finally:
+                ticket.finish()
+            decision = self.router.decide(key)
+        raise AssertionError("unreachable")
+
+    async def _exchange(self, request: web.Request, body: bytes, decision: Decision,
+                        ticket: Ticket) -> web.StreamResponse:
+        name = decision.instance
+        upstream, first = await self._open(request, body, name)
+        completed = False
+        try:
+            ticket.first_byte()
+            self._note_status(name, upstream.status)
+            resp = self._response_for(upstream, decision)
+            await resp.prepare(request)
+            outcome = await self._relay(request, resp, upstream, first, name)
+            completed = outcome == upstream.status
+            self.router.metrics.answered(name, outcome)
+            return resp
+        finally:
+            if completed:
+                upstream.release()
+            else:
+                upstream.close()  # closes the connection: the engine sees the disconnect and stops
+
+    def _note_status(self, name: str, status: int) -> None:
+        self.health.upstream_answered(name, status)
+        if status >= 500:
+            self.router.metrics.upstream_error(name, "status_5xx")
+        elif status == 429:
+            self.router.metrics.upstream_error(name, "status_429")
+
+    async def _open(self, request: web.Request, body: bytes, name: str) -> tuple[aiohttp.ClientResponse, bytes]:
+        """Send the request and wait for its first body chunk (or its end), within first_byte_timeout.
+
+        The client gets headers only once the first chunk is here, so a first-byte timeout is a clean 504.
+        """
+        url = self.urls[name] + _target(request)
+        assert self.session is not None
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(self.settings.first_byte_timeout):
+                upstream = await self.session.request(
+                    request.method, url, data=body or None, allow_redirects=False,
+                    headers=_filter(request.headers, _NOT_FORWARDED_UP))
+                return upstream, await upstream.content.readany()
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+            raise _ConnectFailed from None
+        except TimeoutError:
+            self._abandon(upstream)
+            self.router.metrics.upstream_error(name, "timeout")
+            self.health.failed(name, "first-byte timeout")
+            raise ApiError(504, f"instance {name} sent nothing within first_byte_timeout "
+                                f"({self.settings.first_byte_timeout:g} s)", "upstream_timeout",
+                           instance=name) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            self._abandon(upstream)
+            self.router.metrics.upstream_error(name, "disconnect")
+            self.health.failed(name, f"request failed: {type(exc).__name__}")
+            raise ApiError(502, f"instance {name} closed the connection before answering", "upstream_error",
+                           instance=name) from None
+        except BaseException:  # cancelled: the client went away
+            self._abandon(upstream)
+            raise
+
+    @staticmethod
+    def _abandon(upstream: aiohttp.ClientResponse | None) -> None:
+        if upstream is not None:
+            upstream.close()
+
+    def _response_for(self, upstream: aiohttp.ClientResponse, decision: Decision) -> web.StreamResponse:
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                  headers=_filter(upstream.headers, _NOT_FORWARDED_DOWN))
+        if upstream.content_length is not None:
+            resp.content_length = upstream.content_length  # same bytes, same length
+        if self.settings.decision_headers:
+            resp.headers["x-warmroute-instance"] = decision.instance
+            resp.headers["x-warmroute-reason"] = decision.reason
+        return resp
+
+    async def _relay(self, request: web.Request, resp: web.StreamResponse, upstream: aiohttp.ClientResponse,
+                     chunk: bytes, name: str) -> int:
+        """Write each upstream chunk as it arrives. Returns the status to count: the upstream's when the
+        whole answer was delivered, CLIENT_CLOSED if the client left, 502 if the upstream failed mid-answer."""
+        content = upstream.content
+        try:
+            while chunk:
+                await resp.write(chunk)
+                try:
+                    async with asyncio.timeout(self.settings.idle_timeout):
+                        chunk = await content.readany()
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    self._cut(request, resp, name, "timeout" if isinstance(exc, TimeoutError) else "disconnect")
+                    return 502
+            await resp.write_eof()
+        except ConnectionResetError:  # writing to a client that went away
+            return CLIENT_CLOSED
+        return upstream.status
+
+    def _cut(self, request: web.Request, resp: web.StreamResponse, name: str, kind: str) -> None:
+        """Headers are out, so the status cannot change: drop the client's connection so it sees a
+        truncated response instead of a complete one."""
+        self.router.metrics.upstream_error(name, kind)
+        log.warning("instance %s: response cut short (%s)", name, kind)
+        resp.force_close()
+        if request.transport is not None:
+            request.transport.close()

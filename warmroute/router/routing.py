@@ -1,0 +1,118 @@
+"""Where the router decides: request body -> routing key -> the strategy's choice, plus the fleet's books.
+
+This is the shell's only contact with the pure core (warmroute/core): it builds the key, asks the strategy,
+and reports dispatch / first token / finish through a `Ticket`, so the index and load figures the strategy
+reads stay true.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from warmroute.core.fleet import Fleet, FleetSettings
+from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey, key_for_json, key_for_raw
+from warmroute.core.strategies import Decision, StrategySettings, make_strategy
+from warmroute.router.errors import bad_request
+from warmroute.router.metrics import Metrics
+from warmroute.router.settings import RouterSettings
+
+SESSION_HEADER = "x-session-id"
+_NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
+
+
+def is_routed(path: str) -> bool:
+    return path in ROUTED_PATHS
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.fleet = Fleet(FleetSettings(block_bytes=settings.block_bytes,
+                                         index_max_bytes=settings.index_memory_bytes,
+                                         default_kv_capacity_tokens=settings.kv_capacity_tokens))
+        for b in settings.backends:
+            self.fleet.add(b.name, b.kv_capacity_tokens)
+        self.strategy = make_strategy(settings.strategy, StrategySettings(
+            prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
+            balance_factor=settings.balance_factor, block_bytes=settings.block_bytes))
+        self._any = make_strategy("least_loaded")
+
+    # -- deciding ------------------------------------------------------------------------------------------
+    def key_of(self, path: str, body: bytes, session: str | None) -> RoutingKey:
+        """The routing key of a routed path's body; a body the route cannot read raises a 400."""
+        if path in RAW_ROUTES:
+            return key_for_raw(body, session)
+        if not body:
+            raise bad_request("request body is empty; expected a JSON object")
+        try:
+            parsed = json.loads(body)  # the body is parsed once, here, and forwarded as the original bytes
+        except RecursionError:
+            raise bad_request("request body is not valid JSON: nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+            raise bad_request(f"request body is not valid JSON: {exc}") from None
+        try:
+            return key_for_json(path, parsed, session)
+        except KeyError_ as exc:
+            raise bad_request(str(exc)) from None
+        except (RecursionError, TypeError, ValueError, OverflowError):
+            raise bad_request("request body cannot be read as a request for " + path) from None
+
+    def decide(self, key: RoutingKey | None) -> Decision:
+        """The strategy's choice for this key (least loaded when there is no key); NoInstanceAvailable if none."""
+        if key is None:
+            return self._any.choose(_NO_KEY, self.fleet)
+        return self.strategy.choose(key, self.fleet)
+
+    def route(self, path: str, body: bytes, session: str | None) -> tuple[RoutingKey | None, Decision]:
+        """Key + decision for one request, timed and counted."""
+        start = time.perf_counter()
+        key = self.key_of(path, body, session) if is_routed(path) else None
+        decision = self.decide(key)
+        self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
+        return key, decision
+
+    # -- the books -----------------------------------------------------------------------------------------
+    def dispatch(self, decision: Decision) -> Ticket:
+        return Ticket(self, decision)
+
+    def unrecord(self, decision: Decision) -> None:
+        """The request never reached the instance: it does not hold the blocks after all."""
+        if decision.blocks and self.strategy.records_prefixes:
+            self.fleet.index.forget(decision.instance, decision.blocks)
+
+
+class Ticket:
+    """One request's accounting on one instance: dispatched now, first token once, finished exactly once."""
+
+    __slots__ = ("_router", "instance", "_uncached", "_sent_at", "_got_first", "_done")
+
+    def __init__(self, router: Router, decision: Decision) -> None:
+        self._router = router
+        self.instance = decision.instance
+        self._uncached = decision.uncached_tokens
+        self._got_first = self._done = False
+        blocks = decision.blocks if router.strategy.records_prefixes else None
+        router.fleet.dispatched(self.instance, self._uncached, blocks)
+        self._sent_at = time.perf_counter()
+        self._publish_inflight()
+
+    def first_byte(self) -> None:
+        if self._got_first:
+            return
+        self._got_first = True
+        self._router.fleet.first_token(self.instance, self._uncached)
+        self._router.metrics.first_byte(self.instance, time.perf_counter() - self._sent_at)
+
+    def finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._router.fleet.finished(self.instance, self._uncached, self._got_first)
+        self._publish_inflight()
+
+    def _publish_inflight(self) -> None:
+        inst = self._router.fleet.instances.get(self.instance)
+        if inst is not None:
+            self._router.metrics.set_inflight(self.instance, inst.inflight)

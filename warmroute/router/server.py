@@ -1,0 +1,116 @@
+"""Running the router: bind, serve on uvloop, shut down gracefully; in-process for tests, forked for workers.
+
+Shutdown (SIGTERM or SIGINT): stop accepting, give in-flight requests up to `shutdown_timeout` seconds to
+finish, cancel what is left (which closes those upstream connections), exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from warmroute.errors import UsageError
+from warmroute.router.app import build_app
+from warmroute.router.settings import RouterSettings
+
+log = logging.getLogger("warmroute.router")
+
+
+@dataclass
+class RunningRouter:
+    """A router serving inside the current event loop (tests, embedding). `await stop()` when done."""
+
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def app(self) -> web.Application:
+        return self.runner.app
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_router(settings: RouterSettings, sock: socket.socket | None = None) -> RunningRouter:
+    """Start serving in the running loop; with port 0 the kernel picks a free port (see `.port`)."""
+    runner = web.AppRunner(build_app(settings), handler_cancellation=True,  # a client that leaves cancels
+                           access_log=None, shutdown_timeout=settings.shutdown_timeout)
+    await runner.setup()
+    sock = sock or bind(settings)
+    site = web.SockSite(runner, sock)
+    await site.start()
+    return RunningRouter(runner, settings.host, sock.getsockname()[1])
+
+
+def bind(settings: RouterSettings) -> socket.socket:
+    try:
+        return socket.create_server((settings.host, settings.port), backlog=1024)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+
+
+# -- the blocking entry point -------------------------------------------------------------------------------------
+def serve(settings: RouterSettings) -> int:
+    """Bind (errors are one line, before any worker starts), then serve until SIGTERM/SIGINT."""
+    sock = bind(settings)
+    if settings.workers == 1:
+        return _run_loop(settings, sock)
+    return _run_workers(settings, sock)
+
+
+def _run_loop(settings: RouterSettings, sock: socket.socket) -> int:
+    try:
+        import uvloop
+    except ImportError:  # Windows: the standard loop
+        return asyncio.run(_serve_until_signal(settings, sock))
+    return uvloop.run(_serve_until_signal(settings, sock))
+
+
+async def _serve_until_signal(settings: RouterSettings, sock: socket.socket) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    running = await start_router(settings, sock)
+    log.info("listening on %s (strategy %s, %d backends, pid %d)", running.url, settings.strategy,
+             len(settings.backends), os.getpid())
+    await stop.wait()
+    log.info("shutting down: letting in-flight requests finish (up to %g s)", settings.shutdown_timeout)
+    await running.stop()
+    return 0
+
+
+def _run_workers(settings: RouterSettings, sock: socket.socket) -> int:
+    """Fork workers that all accept on the one listening socket; forward SIGTERM/SIGINT to them."""
+    ctx = multiprocessing.get_context("fork")  # the socket is inherited; no event loop exists yet
+    workers = [ctx.Process(target=_worker_main, args=(settings, sock), name=f"warmroute-worker-{i}")
+               for i in range(settings.workers)]
+    for w in workers:
+        w.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        for w in workers:
+            if w.pid is not None and w.is_alive():
+                os.kill(w.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for w in workers:
+        w.join()
+    return max((w.exitcode or 0) for w in workers)
+
+
+def _worker_main(settings: RouterSettings, sock: socket.socket) -> None:
+    raise SystemExit(_run_loop(settings, sock))

@@ -1,0 +1,360 @@
+"""Every setting of `warmroute serve`: one pydantic model, read from CLI flags > WARMROUTE_* env > YAML file > defaults.
+
+The model is the single source of truth: the CLI flags (router/cli.py) and docs/configuration.md are both
+generated from it, so a setting cannot exist in one place and not in another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
+
+from warmroute.core.strategies import STRATEGIES
+from warmroute.errors import UsageError
+
+ENV_PREFIX = "WARMROUTE_"
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+StrategyName = Literal["cache_aware", "prefix", "session", "least_loaded", "round_robin", "random"]
+assert set(StrategyName.__args__) == set(STRATEGIES), "StrategyName must list the core's strategies"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # safe in a header and a metric label
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+class Backend(BaseModel):
+    """One upstream inference instance."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    url: str
+    kv_capacity_tokens: int | None = Field(None, ge=256, le=10**10)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"backend name {v!r} must be 1-63 letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+            raise ValueError(f"backend URL {v!r} must look like http://HOST:PORT[/PATH]")
+        try:
+            parts.port  # raises on a bad port
+        except ValueError:
+            raise ValueError(f"backend URL {v!r} has an invalid port") from None
+        return v.rstrip("/")
+
+
+def parse_backends(value: Any) -> list[dict]:
+    """`URL`, `NAME=URL`, a comma-separated string of those, or YAML mappings -> backend dicts."""
+    if isinstance(value, str):
+        value = [v for v in re.split(r"[,\s]+", value) if v]
+    if not isinstance(value, list):
+        raise ValueError("must be a list of URL or NAME=URL entries")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            name, sep, url = item.partition("=")
+            item = {"name": name, "url": url} if sep and "://" not in name else {"url": item}
+        if not isinstance(item, dict):
+            raise ValueError(f"entry {i} must be URL, NAME=URL, or a mapping with name, url, kv_capacity_tokens")
+        out.append({"name": f"instance-{i}", **item})
+    return out
+
+
+def parse_size(value: Any) -> Any:
+    """'32MiB', '256 MiB', '64k', '1GiB' -> bytes; plain numbers pass through."""
+    if not isinstance(value, str):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        return value  # let the int validator name the problem
+    unit = (m.group(2) or "B").upper()[0]
+    return int(float(m.group(1)) * {"B": 1, "K": KiB, "M": MiB, "G": GiB}[unit])
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    backends: Annotated[list[Backend], NoDecode] = Field(
+        default_factory=list, min_length=1,
+        description="Upstream instances: URL or NAME=URL (names default to instance-0, instance-1, ...). "
+                    "Repeat the flag; in env, separate with commas; in YAML, a list of URLs or of "
+                    "mappings with name, url and kv_capacity_tokens.")
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8080, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    strategy: StrategyName = Field("cache_aware", description="Routing strategy.")
+    prefix_length: int = Field(
+        4096, ge=1024, le=65536,
+        description="PrefixLength: characters of message text (OpenAI routes) or bytes of body (/invocations) "
+                    "that identify a prefix.")
+    concurrency_threshold: int = Field(
+        32, ge=1, le=1024,
+        description="ConcurrencyThreshold: most in-flight requests the prefix-selected instance may have "
+                    "before a request goes elsewhere.")
+    balance_factor: float = Field(
+        0.25, ge=0.0, le=10.0,
+        description="cache_aware's bounded-load factor epsilon: no instance above (1+epsilon) x mean in-flight.")
+    block_bytes: int = Field(64, ge=16, le=4096, description="Block size of the prefix index in bytes "
+                                                             "(multiple of 8; 64 bytes is about 16 tokens).")
+    index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = Field(
+        256 * MiB, description="Memory cap of the prefix index (accepts 256MiB, 1GiB, ...).")
+    kv_capacity_tokens: int = Field(
+        1_000_000, ge=256, le=10**10,
+        description="Default KV-cache capacity of an instance in tokens (per backend in YAML).")
+    health_interval: float = Field(2.0, ge=0.05, le=3600, description="Seconds between active health checks.")
+    health_timeout: float = Field(1.0, ge=0.05, le=60, description="Seconds a health check (or a /v1/models query) may take.")
+    connect_timeout: float = Field(2.0, ge=0.05, le=60, description="Seconds to open an upstream connection.")
+    first_byte_timeout: float = Field(
+        120.0, ge=0.1, le=3600,
+        description="Seconds from sending a request to the upstream's first body byte.")
+    idle_timeout: float = Field(60.0, ge=0.1, le=3600,
+                                description="Seconds allowed between two chunks of an upstream response.")
+    failures_before_ejection: int = Field(
+        3, ge=1, le=100,
+        description="Consecutive 5xx responses or failed health checks that eject an instance "
+                    "(a refused connection ejects at once).")
+    max_body_bytes: Annotated[int, Field(ge=KiB, le=GiB)] = Field(
+        32 * MiB, description="Largest request body accepted (accepts 32MiB, ...); larger gets 413.")
+    decision_headers: bool = Field(
+        True, description="Add x-warmroute-instance and x-warmroute-reason to every proxied response.")
+    workers: int = Field(1, ge=1, le=64, description="Worker processes sharing the listening socket "
+                                                     "(each keeps its own index and metrics).")
+    shutdown_timeout: float = Field(30.0, ge=0, le=3600,
+                                    description="Seconds in-flight requests may take to finish after "
+                                                "SIGTERM/SIGINT.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _parse_backends(cls, v: Any) -> Any:
+        return parse_backends(v)
+
+    @field_validator("index_memory_bytes", "max_body_bytes", mode="before")
+    @classmethod
+    def _parse_size(cls, v: Any) -> Any:
+        return parse_size(v)
+
+    @field_validator("block_bytes")
+    @classmethod
+    def _check_block(cls, v: int) -> int:
+        if v % 8:
+            raise ValueError("must be a multiple of 8")
+        return v
+
+    @field_validator("backends")
+    @classmethod
+    def _unique_names(cls, v: list[Backend]) -> list[Backend]:
+        names = [b.name for b in v]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
+        return v
+
+
+# -- loading -----------------------------------------------------------------------------------------------
+def load_settings(cli_values: dict[str, Any] | None = None, config_file: str | Path | None = None,
+                  env: dict[str, str] | None = None) -> RouterSettings:
+    """Merge the layers (CLI > env > file > defaults) and validate; bad input raises a one-line UsageError."""
+    file_values = read_config_file(config_file) if config_file else {}
+    try:
+        env_source = EnvSettingsSource(RouterSettings)
+        if env is not None:  # tests pass their own environment
+            env_source.env_vars = {k.lower(): v for k, v in env.items()}
+        merged = {**file_values, **env_source(), **(cli_values or {})}
+        # Everything is in `merged`, so the model's own env reading cannot change the outcome.
+        return RouterSettings(**merged)
+    except ValidationError as exc:
+        raise UsageError(describe_errors(exc)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise UsageError(f"cannot read config file {path}: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must be a mapping of setting: value")
+    values = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(values) - set(RouterSettings.model_fields))
+    if unknown:
+        raise UsageError(f"config file {path}: unknown setting {unknown[0]!r}; "
+                         f"known: {', '.join(RouterSettings.model_fields)}")
+    return values
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """One line naming each bad setting, how to set it, and what is valid."""
+    parts = []
+    for err in exc.errors():
+        loc = err.get("loc") or ()
+        name = str(loc[0]) if loc else ""
+        if name not in RouterSettings.model_fields:
+            parts.append(_clean(err["msg"]))
+            continue
+        got = err.get("input")
+        shown = "" if len(loc) > 1 or isinstance(got, (dict, list)) or got is None else f" = {got!r}"
+        if err["type"] == "too_short" and name == "backends":
+            detail = "at least one backend is required (--backend URL or NAME=URL)"
+        elif len(loc) > 1:  # inside a backend entry
+            detail = f"{'.'.join(map(str, loc[1:]))}: {_clean(err['msg'])}"
+        elif err["type"] == "value_error":
+            detail = _clean(err["msg"])
+        else:
+            detail = valid_range(name)
+        parts.append(f"invalid setting {name}{shown} ({flag_of(name)}, {env_of(name)}): {detail}")
+    return "; ".join(parts)
+
+
+def _clean(msg: str) -> str:
+    return msg.removeprefix("Value error, ")
+
+
+def valid_range(name: str) -> str:
+    """'must be an integer from 1,024 to 65,536' and the like, from the field's own constraints."""
+    field = RouterSettings.model_fields[name]
+    ann = field.annotation
+    if getattr(ann, "__origin__", None) is Literal:
+        return "must be one of " + ", ".join(ann.__args__)
+    if ann is bool:
+        return "must be true or false"
+    lo = hi = None
+    for m in field.metadata:
+        lo = getattr(m, "ge", lo) if getattr(m, "ge", None) is not None else lo
+        hi = getattr(m, "le", hi) if getattr(m, "le", None) is not None else hi
+    kind = "an integer" if ann is int else "a number" if ann is float else "a string"
+    if lo is None and hi is None:
+        return f"must be {kind}"
+    if name.endswith("_bytes") and hi and hi >= MiB:
+        return f"must be a size from {_size(lo)} to {_size(hi)} (bytes, or with a unit: 32MiB)"
+    extra = " and a multiple of 8" if name == "block_bytes" else ""
+    return f"must be {kind} from {_num(lo)} to {_num(hi)}{extra}"
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "?"
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+
+def _size(x: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if x >= scale and x % scale == 0:
+            return f"{x // scale}{unit}"
+    return f"{x:,} bytes"
+
+
+# -- names in other places -----------------------------------------------------------------------------------
+def flag_of(name: str) -> str:
+    return "--backend" if name == "backends" else "--" + name.replace("_", "-")
+
+
+def env_of(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; values stay strings so the model validates them like env and file values."""
+    for name, field in RouterSettings.model_fields.items():
+        help_text = f"{field.description} [{env_of(name)}; default {_default_text(name)}]"
+        if field.annotation is bool:
+            parser.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        elif name == "backends":
+            parser.add_argument("--backend", dest=name, action="append", metavar="[NAME=]URL",
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            metavar = {int: "N", float: "X"}.get(field.annotation, "VALUE")
+            parser.add_argument(flag_of(name), dest=name, metavar=metavar,
+                                default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+
+
+def cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k in RouterSettings.model_fields}
+
+
+def _default_text(name: str) -> str:
+    field = RouterSettings.model_fields[name]
+    if name == "backends":
+        return "none (required)"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, bool):
+        return str(value).lower()
+    if name.endswith("_bytes") and isinstance(value, int) and value >= MiB:
+        return _size(value)
+    return str(value)
+
+
+# -- documentation -------------------------------------------------------------------------------------------
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def configuration_markdown() -> str:
+    """docs/configuration.md, generated from the model (tests/test_router_settings.py keeps it current)."""
+    lines = [
+        "# Configuration of `warmroute serve`",
+        "",
+        "<!-- Generated by warmroute.router.settings.configuration_markdown(); do not edit by hand. -->",
+        "",
+        "Every setting can be given as a command-line flag, as an environment variable, or as a key of the",
+        "YAML file named by `--config FILE`. Precedence: flag > environment > file > default. An invalid",
+        "value stops the router before it binds its port, with one line naming the setting and what is valid,",
+        "and exit status 2.",
+        "",
+        "| Setting (YAML key) | Flag | Environment | Default | Valid | Meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, field in RouterSettings.model_fields.items():
+        valid = "" if name == "backends" else valid_range(name).removeprefix("must be ")
+        lines.append(f"| `{name}` | `{flag_of(name)}` | `{env_of(name)}` | `{_default_text(name)}` | {valid} "
+                     f"| {field.description} |")
+    lines += [
+        "",
+        "## Example file",
+        "",
+        "```yaml",
+        "backends:",
+        "  - http://10.0.0.1:8000            # named instance-0",
+        "  - name: big",
+        "    url: http://10.0.0.2:8000",
+        "    kv_capacity_tokens: 1500000     # this instance's own KV-cache capacity",
+        "strategy: cache_aware",
+        "prefix_length: 8192",
+        "concurrency_threshold: 64",
+        "index_memory_bytes: 512MiB",
+        "```",
+        "",
+        "## Notes",
+        "",
+        "- `block_bytes` should match the engines' cache block: 64 bytes is about 16 tokens, vLLM's default.",
+        "- `kv_capacity_tokens` sizes each instance's share of the prefix index, so the router forgets what",
+        "  the engine has evicted; `index_memory_bytes` caps the whole index whatever the fleet's size.",
+        "- With `workers` above 1 every process keeps its own index and metrics; cold prefixes still land on",
+        "  the same instance in every process (rendezvous hashing), so their views converge.",
+        "- Health: a refused connection ejects an instance at once; `failures_before_ejection` consecutive",
+        "  5xx answers or timeouts eject it; only a passing `GET /health` brings it back.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_configuration_doc(path: Path = DOC_PATH) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(configuration_markdown())
+
+
+if __name__ == "__main__":  # python -m warmroute.router.settings  regenerates the doc
+    write_configuration_doc()
