@@ -187,3 +187,28 @@ def test_cli_rejects_bad_settings_in_one_line(capsys: pytest.CaptureFixture[str]
     assert main(["engine", "--block-size", "0"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(line.startswith("warmroute engine: error: ") for line in err)
+
+
+async def test_requests_arriving_during_a_decode_stretch_pay_their_full_prefill(
+        http: aiohttp.ClientSession) -> None:
+    """Regression: a request arriving mid-stretch used to be prefilled in the stretch's remaining sleep (first
+    token far too early), which also left the driver's deadline ahead of the clock until it crashed."""
+    config = EngineConfig.from_profile("8b", kv_capacity_tokens=64_000)
+    fleet = await start_fleet(1, config=config, time_scale=0.5)
+    try:
+        url = fleet.urls[0] + "/v1/chat/completions"
+        long_run = asyncio.create_task(post(http, url, chat("long", max_tokens=400)))
+        await asyncio.sleep(0.5)  # its prefill is done: the driver is in fused decode stretches
+        prompt = "unique words never cached before " * 480  # ≈ 4,000 tokens: 30 + 0.25 ms each ≈ 1 s
+        expected_s = 0.5 * config.timing.step_ms(config.timing.prefill_ms(4000, 4000), True, 1) / 1000
+        for i in range(3):
+            t0 = time.perf_counter()
+            async with http.post(url, json=chat(f"{i} {prompt}", max_tokens=2, stream=True)) as resp:
+                await resp.content.readline()
+                ttft = time.perf_counter() - t0
+                await resp.read()
+            assert resp.status == 200 and ttft >= 0.8 * expected_s, (ttft, expected_s)
+        status, body = await long_run
+        assert status == 200 and body["usage"]["completion_tokens"] == 400
+    finally:
+        await fleet.close()

@@ -55,6 +55,7 @@ class EngineDriver:
         self._streams: dict[int, TokenStream] = {}
         self._ids = count()
         self._arrival = asyncio.Event()
+        self._incoming: dict[int, tuple[Sequence[int], int, int]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -70,8 +71,11 @@ class EngineDriver:
     def submit(self, blocks: Sequence[int], prompt_tokens: int, max_tokens: int,
                every_token: bool = True) -> TokenStream:
         """Queue a sequence in the model (ValueError if it can never fit) and return its stream."""
+        self.model.check(blocks, prompt_tokens, max_tokens)
         stream = TokenStream(next(self._ids), every_token)
-        self.model.submit(stream.seq_id, blocks, prompt_tokens, max_tokens)
+        # The model only changes between steps (the driver hands it new sequences at step boundaries), so
+        # a decode stretch cut short by this arrival still runs as the decode steps it was.
+        self._incoming[stream.seq_id] = (blocks, prompt_tokens, max_tokens)
         self._streams[stream.seq_id] = stream
         self._arrival.set()
         return stream
@@ -79,7 +83,14 @@ class EngineDriver:
     def cancel(self, stream: TokenStream) -> None:
         """Forget a request (its client left); a no-op once it has finished."""
         if self._streams.pop(stream.seq_id, None) is not None:
-            self.model.cancel(stream.seq_id)
+            if self._incoming.pop(stream.seq_id, None) is None:
+                self.model.cancel(stream.seq_id)
+
+    def _hand_over(self) -> None:
+        """Give the model the sequences that arrived since the last step."""
+        for seq_id, (blocks, prompt_tokens, max_tokens) in self._incoming.items():
+            self.model.submit(seq_id, blocks, prompt_tokens, max_tokens)
+        self._incoming.clear()
 
     # -- the loop --------------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -87,10 +98,11 @@ class EngineDriver:
         deadline = loop.time()
         try:
             while True:
-                if self.model.idle:
+                if self.model.idle and not self._incoming:
                     self._arrival.clear()
                     await self._arrival.wait()
                     deadline = loop.time()  # idle time is not owed to anyone
+                self._hand_over()
                 deadline = max(deadline, loop.time() - MAX_LAG_S)
                 result, deadline = await self._advance(deadline)
                 self._deliver(result)
@@ -113,7 +125,8 @@ class EngineDriver:
         try:
             await asyncio.wait_for(self._arrival.wait(), timeout=max(0.0, deadline + k * step_s - _now()))
             # a request arrived: finish the step in flight, then let the model admit it
-            k = min(k, int((_now() - deadline) / step_s) + 1)
+            # (at least one: the deadline may still be ahead when the request arrives early)
+            k = min(k, max(1, int((_now() - deadline) / step_s) + 1))
             await _sleep_until(deadline + k * step_s)
         except TimeoutError:
             pass

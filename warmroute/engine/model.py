@@ -132,9 +132,15 @@ class EngineModel:
     # -- requests ------------------------------------------------------------------------------------------
     def submit(self, seq_id: SeqId, blocks: Sequence[int], prompt_tokens: int, max_tokens: int) -> None:
         """Queue a sequence. ValueError if its id is in use or it could not fit even in an empty cache."""
-        bs = self.config.block_size
         if seq_id in self._waiting or seq_id in self._running:
             raise ValueError(f"sequence {seq_id!r} is already in the engine")
+        need = self.check(blocks, prompt_tokens, max_tokens)
+        self._waiting[seq_id] = _Seq(seq_id, blocks, prompt_tokens, max_tokens, need)
+        self.stats.requests_submitted += 1
+
+    def check(self, blocks: Sequence[int], prompt_tokens: int, max_tokens: int) -> int:
+        """ValueError if such a sequence could never run here; else the KV blocks it needs."""
+        bs = self.config.block_size
         if prompt_tokens < 1 or max_tokens < 1:
             raise ValueError("prompt_tokens and max_tokens must be at least 1")
         if len(blocks) > prompt_tokens // bs:
@@ -143,8 +149,7 @@ class EngineModel:
         if need > self.config.capacity_blocks:
             raise ValueError(f"prompt and max_tokens need {need * bs} tokens of KV cache; "
                              f"the engine holds {self.config.capacity_blocks * bs}")
-        self._waiting[seq_id] = _Seq(seq_id, blocks, prompt_tokens, max_tokens, need)
-        self.stats.requests_submitted += 1
+        return need
 
     def cancel(self, seq_id: SeqId) -> bool:
         """Drop a sequence wherever it is; its computed blocks stay cached. False if unknown (or done)."""
