@@ -6,6 +6,7 @@ from the seed on every call, so two runs with the same seed issue the same reque
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -26,6 +27,22 @@ class Workload(ABC):
     model: str = DEFAULT_MODEL
     max_tokens: int = 32  # output tokens per request
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"{f.name} must be >= 0")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the workload's own constraints (ValueError naming the parameter); sizes are already >= 0."""
+        self.at_least_one("max_tokens")
+
+    def at_least_one(self, *names: str) -> None:
+        for name in names:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
     def sessions(self) -> Iterator[Session]:
         rng = rng_for(self.seed, self.name, "stream")
         for index in count():
@@ -36,9 +53,10 @@ class Workload(ABC):
         for session in self.sessions():
             yield from session.requests
 
-    @abstractmethod
     def session(self, rng: random.Random, index: int) -> Session:
-        """The `index`-th session, drawing its choices from `rng` (the stream's RNG)."""
+        """The `index`-th session, drawing its choices from `rng` (the stream's RNG). Workloads that
+        override `sessions()` instead (mixtures, traces) need not define it."""
+        raise NotImplementedError
 
     @abstractmethod
     def working_set_tokens(self, concurrency: int = 1) -> int:

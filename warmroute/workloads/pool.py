@@ -26,12 +26,13 @@ class TextPool:
     def draw(self, rng: random.Random) -> int:
         return self._zipf.sample(rng)
 
-    def distinct(self, k: int = 1) -> list[int]:
-        """k different items, each drawn by popularity (retrieval results never repeat a document)."""
-        k = min(k, self.size)
+    def draw_distinct(self, rng: random.Random, k: int) -> list[int]:
+        """k different items, each drawn by popularity (retrieval never returns a document twice)."""
         out: list[int] = []
-        while len(out) < k:
-            i = self._zipf.sample(rng := self._rng_stub) if False else None  # placeholder, replaced below
+        while len(out) < min(k, self.size):
+            i = self._zipf.sample(rng)
+            if i not in out:
+                out.append(i)
         return out
 
     @property

@@ -1,0 +1,242 @@
+"""The load generator: statistics from plain values, SSE measurement over real HTTP, CLI errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from warmroute.bench.loadgen import BenchSettings, run_bench
+from warmroute.bench.report import render_table
+from warmroute.bench.scrape import counter_sum
+from warmroute.bench.stats import BenchResult, RequestRecord, load_spread, percentile
+from warmroute.cli import main
+from warmroute.workloads import make_workload
+
+
+# -- statistics ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("q", [0, 10, 50, 90, 99, 100])
+def test_percentile_matches_numpy(q):
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0]
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_percentile_edges():
+    assert percentile([], 50) is None
+    assert percentile([4.0], 99) == 4.0
+
+
+def test_load_spread_counts_idle_instances():
+    assert load_spread({"a": 10, "b": 10}) == 1.0
+    assert load_spread({"a": 30, "b": 10}) == 1.5
+    assert load_spread({"a": 20}, instances=4) == 4.0
+    assert load_spread({}) is None
+
+
+def test_counter_sum_reads_prometheus_text():
+    text = "\n".join([
+        "# HELP vllm:prefix_cache_hits_total Hits.",
+        "# TYPE vllm:prefix_cache_hits_total counter",
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m x"} 120.0',
+        'vllm:prefix_cache_hits_total{engine="1"} 30',
+        "vllm:prefix_cache_hits_created 1.7e9",
+        "vllm:prefix_cache_queries_total 400",
+    ])
+    assert counter_sum(text, "vllm:prefix_cache_hits_total") == 150.0
+    assert counter_sum(text, "vllm:prefix_cache_queries_total") == 400.0
+    assert counter_sum(text, "vllm:num_requests_running") is None
+
+
+def record(tag="shared", ttft=0.1, e2e=0.5, out=8, prompt=100, cached=50, instance="a", error=None):
+    return RequestRecord(tag, 0.0, ttft, e2e, out, prompt, cached, instance, error)
+
+
+def test_summary_from_plain_records():
+    recs = [record(ttft=t / 1000, instance=i) for t, i in zip(range(10, 110, 10), "aabbbbcccc")]
+    recs += [record(error="http_503"), record(error="timeout"), record(error="timeout")]
+    s = BenchResult("x", "http://t", "shared", "closed loop", 2.0, recs, fleet_hit_rate=0.25, instances=4).summary()
+    assert s["requests"] == 10
+    assert s["errors"] == {"http_503": 1, "timeout": 2}
+    assert s["ttft_ms"]["p50"] == 55.0 and s["ttft_ms"]["p99"] == pytest.approx(99.1)
+    assert s["throughput"] == {"requests_per_s": 5.0, "output_tokens_per_s": 40.0}
+    assert s["hit_rate"] == {"fleet": 0.25, "client": 0.5}
+    assert s["instances"] == {"requests": {"a": 2, "b": 4, "c": 4}, "load_spread": 1.6}
+    assert s["by_class"]["shared"]["requests"] == 10
+    assert list(s) == ["label", "target", "workload", "mode", "duration_s", "requests", "errors", "ttft_ms",
+                       "e2e_ms", "throughput", "hit_rate", "instances", "by_class", "warnings"]
+    assert render_table([BenchResult("x", "t", "w", "m", 1.0, recs)]).columns[1].header == "x"
+
+
+# -- over HTTP: a small stand-in engine ------------------------------------------------------------------------
+class FakeEngine:
+    """Streams `tokens` content chunks, then usage with half the prompt cached; counts cache tokens."""
+
+    def __init__(self, tokens: int = 3, status: int = 200) -> None:
+        self.tokens, self.status = tokens, status
+        self.hits = self.queries = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.chat)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "fake-model"}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=f"vllm:prefix_cache_hits_total {self.hits}\n"
+                                 f"vllm:prefix_cache_queries_total {self.queries}\n")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+        assert body["model"] == "fake-model"
+        if self.status != 200:
+            return web.json_response({"error": {"message": "busy"}}, status=self.status)
+        resp = web.StreamResponse(headers={"x-warmroute-instance": "engine-1"})
+        await resp.prepare(request)
+        for i in range(self.tokens):
+            await asyncio.sleep(0.005)
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"w{i} "}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.hits, self.queries = self.hits + 50, self.queries + 100
+        usage = {"prompt_tokens": 100, "completion_tokens": self.tokens,
+                 "prompt_tokens_details": {"cached_tokens": 50}}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+
+SMALL = {"pool_size": 4, "system_tokens": 50, "question_tokens": 10}
+
+
+async def test_bench_measures_a_streaming_server(aiohttp_server):
+    engine = FakeEngine()
+    server = await aiohttp_server(engine.app())
+    url = str(server.make_url("")).rstrip("/")
+    settings = BenchSettings(concurrency=4, duration_s=0.6, warmup_s=0.2, engine_metrics=[url + "/metrics"])
+    result = await run_bench(url, make_workload("shared", **SMALL), settings)
+    s = result.summary()
+    assert s["requests"] > 10 and s["errors"] == {}
+    assert 5 <= s["ttft_ms"]["p50"] < s["e2e_ms"]["p50"]
+    assert s["hit_rate"]["client"] == 0.5 and s["hit_rate"]["fleet"] == pytest.approx(0.5)
+    assert s["instances"]["requests"] == {"engine-1": s["requests"]}
+    assert s["throughput"]["output_tokens_per_s"] == pytest.approx(3 * s["throughput"]["requests_per_s"], rel=0.01)
+
+
+async def test_bench_counts_errors_by_kind(aiohttp_server):
+    server = await aiohttp_server(FakeEngine(status=503).app())
+    url = str(server.make_url("")).rstrip("/")
+    result = await run_bench(url, make_workload("shared", **SMALL),
+                             BenchSettings(rate=50, duration_s=0.3, warmup_s=0))
+    assert result.summary()["requests"] == 0 and result.errors["http_503"] > 3
+    assert result.duration_s == pytest.approx(0.3, abs=0.02)  # the window, though no arrival ends it
+
+
+async def test_trace_replay_follows_timestamps_and_ends_with_the_trace(aiohttp_server, tmp_path):
+    lines = [{"timestamp": t, "input_length": 100, "output_length": 2, "hash_ids": [0]} for t in (0, 200, 400)]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    server = await aiohttp_server(FakeEngine().app())
+    url = str(server.make_url("")).rstrip("/")
+    result = await run_bench(url, make_workload("trace", path=str(tmp_path / "t.jsonl")),
+                             BenchSettings(duration_s=10, warmup_s=0, speedup=2.0))
+    starts = sorted(r.start_s for r in result.records)
+    assert len(starts) == 3 and starts[1] == pytest.approx(0.1, abs=0.03) and starts[2] == pytest.approx(0.2, abs=0.03)
+    assert result.duration_s < 1 and result.mode == "trace time x2"
+
+
+# -- command line ----------------------------------------------------------------------------------------------
+def test_unreachable_target_is_one_line_and_nonzero():
+    proc = subprocess.run([sys.executable, "-m", "warmroute", "bench", "--target", "http://127.0.0.1:9",
+                           "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0 and "cannot reach http://127.0.0.1:9" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "nope"], "unknown workload 'nope'"),
+    (["--workload", "trace"], "needs a trace file"),
+    (["--trace", "x.jsonl"], "need --workload trace"),
+    (["--param", "pool_size"], "KEY=VALUE"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--engine-metrics", "localhost:9"], "not an http(s) URL"),
+])
+def test_bad_input_exits_2_with_one_line(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert main(["bench", "--target", "http://127.0.0.1:9", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.strip().count("\n") == 0
+
+
+# -- against the real emulated engine, in process --------------------------------------------------------------
+async def test_bench_against_the_emulated_engine():
+    from warmroute.engine.model import EngineConfig
+    from warmroute.engine.server import start_fleet
+
+    fleet = await start_fleet(1, 0, config=EngineConfig.from_profile("8b", kv_capacity_tokens=50_000),
+                              time_scale=0.05)
+    try:
+        url = fleet.urls[0]
+        settings = BenchSettings(concurrency=4, duration_s=1.5, warmup_s=0.5, engine_metrics=[url + "/metrics"])
+        result = await run_bench(url, make_workload("shared", max_tokens=4, **SMALL), settings)
+    finally:
+        await fleet.close()
+    s = result.summary()
+    assert s["requests"] > 20 and s["errors"] == {} and not s["warnings"]
+    assert s["ttft_ms"]["p50"] is not None and s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
+    assert s["throughput"]["output_tokens_per_s"] == pytest.approx(4 * s["throughput"]["requests_per_s"], rel=0.05)
+    # Four small system prompts, all cached after the warm-up: most prompt tokens hit, by both counts.
+    assert s["hit_rate"]["fleet"] > 0.5 and s["hit_rate"]["client"] > 0.5
+    assert s["hit_rate"]["fleet"] == pytest.approx(s["hit_rate"]["client"], abs=0.1)
+
+
+# -- the demo --------------------------------------------------------------------------------------------------
+def test_demo_sizes_each_cache_to_a_quarter_of_the_working_set():
+    from warmroute.bench.demo import plan_for
+
+    w = make_workload("mixed")
+    assert plan_for(w, 16).kv_capacity_tokens == w.working_set_tokens(16) // 4
+
+
+def test_demo_rejects_unknown_strategy(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert main(["demo", "--strategies", "fastest"]) == 2
+    assert "unknown strategy 'fastest'" in capsys.readouterr().err
+
+
+def test_demo_runs_a_strategy_and_stops_its_processes(monkeypatch, capsys):
+    from warmroute.bench import processes
+
+    started: list[processes.Child] = []
+    real_init = processes.Child.__init__
+
+    def recording_init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        started.append(self)
+
+    monkeypatch.setattr(processes.Child, "__init__", recording_init)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    rc = main(["demo", "--strategies", "cache_aware", "--duration", "1", "--warmup", "0.5", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0, out
+    (result,) = out["results"]
+    assert result["label"] == "cache_aware" and result["requests"] > 0
+    assert result["hit_rate"]["fleet"] is not None and result["instances"]["requests"]
+    assert len(started) == 2 and all(c.proc.poll() is not None for c in started)
+
+
+async def test_requests_still_running_after_the_drain_are_unfinished_errors(aiohttp_server):
+    server = await aiohttp_server(FakeEngine(tokens=1000).app())  # 5 s per request
+    url = str(server.make_url("")).rstrip("/")
+    result = await run_bench(url, make_workload("shared", **SMALL),
+                             BenchSettings(concurrency=2, duration_s=0.3, warmup_s=0, drain_s=0.2))
+    assert result.errors == {"unfinished": 2} and not result.ok

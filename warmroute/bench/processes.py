@@ -1,0 +1,102 @@
+"""Child processes the demo starts (emulated engines, routers): start, wait until ready, always stop.
+
+Each child runs `python -m warmroute ...` with the demo's own interpreter, in its own session (so a Ctrl-C
+reaches only the demo, which then stops them in order), its output going to a log file whose last line is
+shown if it fails to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from warmroute.errors import UsageError
+
+
+class Child:
+    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "warmroute", *args], stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def failure(self, what: str) -> UsageError:
+        lines = [ln for ln in self.log_text().splitlines() if ln.strip()]
+        return UsageError(f"{self.name} {what}" + (f": {lines[-1].strip()}" if lines else ""))
+
+    async def wait_for_log(self, needle: str, count: int, timeout_s: float) -> None:
+        """Until `needle` appears `count` times in the output (e.g. one "listening" line per instance)."""
+        deadline = time.monotonic() + timeout_s
+        while self.log_text().count(needle) < count:
+            if self.proc.poll() is not None:
+                raise self.failure(f"exited with status {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise self.failure(f"not ready after {timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
+
+    async def wait_for_http(self, url: str, timeout_s: float) -> None:
+        """Until GET url answers 200."""
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if self.proc.poll() is not None:
+                    raise self.failure(f"exited with status {self.proc.returncode}")
+                try:
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                        if resp.status == 200:
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise self.failure(f"not healthy after {timeout_s:.0f} s")
+                await asyncio.sleep(0.05)
+
+
+def free_ports(count: int, start: int | None = None) -> int:
+    """The first port p >= start with p .. p+count-1 all free on 127.0.0.1 (racy, but fine for a demo).
+    The default start depends on the process id, so demos running side by side rarely collide."""
+    port = start if start is not None else 20000 + (os.getpid() % 3000) * 10
+    while port + count < 65536:
+        if all(_free(p) for p in range(port, port + count)):
+            return port
+        port += count
+    raise UsageError("no free local ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
