@@ -21,11 +21,12 @@ from warmroute.errors import UsageError
 
 
 class Child:
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+    def __init__(self, name: str, args: list[str], log_dir: Path, module: str = "warmroute") -> None:
+        """Run `python -m MODULE ARGS` in its own session, output to NAME.log in log_dir."""
         self.name = name
         self.log = log_dir / f"{name}.log"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "warmroute", *args], stdout=out,
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
 
