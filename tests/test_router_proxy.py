@@ -73,7 +73,9 @@ class Upstream:
 
 
 def settings_for(*upstreams: Upstream, **overrides) -> dict:
-    values = {"backends": [f"{u.name}={u.url}" for u in upstreams], "port": 0, "health_interval": 3600}
+    # The stand-ins record every request they get, so no /metrics scrapes (tested in test_engine_signals.py).
+    values = {"backends": [f"{u.name}={u.url}" for u in upstreams], "port": 0, "health_interval": 3600,
+              "engine_metrics": False}
     values.update(overrides)
     return values
 

@@ -76,12 +76,21 @@ def test_scale_down_drains_the_removed_instance():
     assert all(x.done is not None for x in r.records)
 
 
+def test_engine_feedback_recovers_a_misconfigured_kv_capacity():
+    """The router believes each cache 4x smaller / larger than it is (docs/feedback.md measures it at length)."""
+    correct = run("cache_aware", feedback=False).hit_rate
+    for wrong in (7_500, 120_000):
+        assert run("cache_aware", router_kv_capacity_tokens=wrong).hit_rate >= 0.9 * correct
+    assert run("cache_aware", router_kv_capacity_tokens=7_500, feedback=False).hit_rate < 0.75 * correct
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--prefix-length", "10"], "--prefix-length"),
     (["--concurrency-threshold", "0"], "--concurrency-threshold"),
     (["--strategies", "random,fastest"], "unknown strategy"),
     (["--scale-at", "ten:+1"], "--scale-at"),
     (["--sweep", "colour=1,2"], "--sweep"),
+    (["--router-kv-capacity-tokens", "10"], "--router-kv-capacity-tokens"),
     (["--workload", "nope"], "unknown workload"),
     (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "cannot read trace"),
 ])

@@ -2,16 +2,22 @@
 
 Membership, health and load live here; strategies only read them (Envoy's split between the host set and
 the load-balancing policy). The I/O shell and the simulator report what happens through `dispatched`,
-`first_token` and `finished`, so both keep identical books.
+`first_token`, `finished` and `feedback` (the cached tokens the engine reported), so both keep identical books.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from warmroute.core import feedback as fb
+from warmroute.core.engine_load import EngineLoad, observe
 from warmroute.core.block_hash import BLOCK_BYTES_DEFAULT
 from warmroute.core.prefix_index import BYTES_PER_ENTRY, PrefixIndex
 from warmroute.core.routing_key import BYTES_PER_TOKEN
+
+
+INDEX_FULL = 0.9  # an instance's index counts as full (evicting) from this share of its capacity
+MEAN_DECAY = 0.01  # weight of one request in the running mean of uncached prompt tokens
 
 
 @dataclass
@@ -23,11 +29,9 @@ class Instance:
     draining: bool = False
     inflight: int = 0
     queued_prefill_tokens: float = 0.0  # uncached prompt tokens sent here that have not had a first token
+    pending: int = 0  # requests sent here that have not had a first token
     requests_total: int = 0
-    # Load the engine itself reports (scraped /metrics); None until known.
-    engine_waiting: int | None = None
-    engine_running: int | None = None
-    engine_kv_usage: float | None = None
+    engine: EngineLoad | None = None  # load the engine itself reports (scraped /metrics); None: unknown
 
     @property
     def routable(self) -> bool:
@@ -40,6 +44,7 @@ class FleetSettings:
     index_max_bytes: int = 256 * 1024 * 1024
     default_kv_capacity_tokens: int = 1_000_000
     default_prefill_tokens_per_s: float = 10_000.0
+    feedback: bool = True  # let engine reports correct the index (off: verdicts are only returned)
 
 
 @dataclass
@@ -47,6 +52,8 @@ class Fleet:
     settings: FleetSettings = field(default_factory=FleetSettings)
     instances: dict[str, Instance] = field(default_factory=dict)
     index: PrefixIndex = field(init=False)
+    cache_scale: fb.CapacityScale = field(default_factory=fb.CapacityScale)  # learnt from engine feedback
+    mean_uncached_tokens: float = 0.0  # per request sent, a running mean (sizes other routers' queued requests)
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex(max(1, self.settings.index_max_bytes // BYTES_PER_ENTRY))
@@ -66,7 +73,7 @@ class Fleet:
                 prefill_tokens_per_s or s.default_prefill_tokens_per_s)
         elif kv_capacity_tokens:
             inst.kv_capacity_tokens = kv_capacity_tokens
-        self.index.add_instance(name, inst.kv_capacity_tokens // self.block_tokens)
+        self.index.add_instance(name, self.estimated_capacity_tokens(name) // self.block_tokens)
         return inst
 
     def remove(self, name: str) -> None:
@@ -76,6 +83,11 @@ class Fleet:
     def routable(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.routable]
 
+    def estimated_capacity_tokens(self, name: str) -> int:
+        """The prefix cache the index models for an instance: its configured capacity x the learnt scale."""
+        inst = self.instances.get(name)
+        return int(inst.kv_capacity_tokens * self.cache_scale.value) if inst is not None else 0
+
     # -- load accounting --------------------------------------------------------------------------------
     def dispatched(self, name: str, uncached_tokens: int, blocks: list[int] | None = None) -> None:
         """A request was sent to `name`; its blocks are now (about to be) cached there."""
@@ -83,8 +95,10 @@ class Fleet:
         if inst is None:
             return
         inst.inflight += 1
+        inst.pending += 1
         inst.requests_total += 1
         inst.queued_prefill_tokens += uncached_tokens
+        self.mean_uncached_tokens += MEAN_DECAY * (uncached_tokens - self.mean_uncached_tokens)
         if blocks:
             self.index.record(name, blocks)
 
@@ -93,6 +107,7 @@ class Fleet:
         inst = self.instances.get(name)
         if inst is not None:
             inst.queued_prefill_tokens = max(0.0, inst.queued_prefill_tokens - uncached_tokens)
+            inst.pending = max(0, inst.pending - 1)
 
     def finished(self, name: str, uncached_tokens: int = 0, got_first_token: bool = True) -> None:
         inst = self.instances.get(name)
@@ -101,3 +116,39 @@ class Fleet:
         inst.inflight = max(0, inst.inflight - 1)
         if not got_first_token:
             self.first_token(name, uncached_tokens)
+
+    # -- what the engines report ---------------------------------------------------------------------------
+    def engine_load(self, name: str, waiting: int | None, running: int | None, kv_usage: float | None) -> None:
+        """A scrape of the engine's own load (all None: unknown, routing falls back to the router's books)."""
+        inst = self.instances.get(name)
+        if inst is None:
+            return
+        if waiting is None and running is None and kv_usage is None:
+            inst.engine = None
+        else:
+            inst.engine = observe(waiting, running, kv_usage, inst.inflight, inst.pending)
+
+    def feedback(self, name: str, blocks: list[int] | tuple[int, ...], predicted_tokens: int, cached_tokens: int,
+                 engine_prompt_tokens: int | None = None, prompt_tokens: int | None = None) -> fb.Verdict:
+        """The engine reported `cached_tokens` for a request routed to `name` with this chain, where the index
+        had predicted `predicted_tokens`: correct the index's idea of that instance's cache."""
+        bt = self.block_tokens
+        reported = fb.reported_blocks(cached_tokens, engine_prompt_tokens, prompt_tokens or len(blocks) * bt,
+                                      bt, len(blocks))
+        verdict = fb.judge(predicted_tokens // bt, reported)
+        if name not in self.instances or not self.settings.feedback:
+            return verdict
+        # The chain itself is held now either way (the engine just computed it), so it stays recorded; a wrong
+        # prediction says the index models the caches as too large or too small: rescale them all (see
+        # core/feedback.py). An underprediction while the index is still refilling after a shrink is no evidence.
+        under = verdict.kind == fb.UNDERPREDICTED
+        evidence = verdict.kind == fb.OVERPREDICTED or (under and self._index_full(name))
+        if under:
+            self.index.record(name, blocks[:reported])
+        if evidence and self.cache_scale.update(verdict):
+            for other in self.instances:
+                self.index.resize_instance(other, self.estimated_capacity_tokens(other) // bt)
+        return verdict
+
+    def _index_full(self, name: str) -> bool:
+        return self.index.entries(name) >= INDEX_FULL * self.index.capacity(name)

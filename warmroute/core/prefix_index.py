@@ -42,6 +42,17 @@ class PrefixIndex:
         self._wanted[name] = capacity_blocks
         self._rebalance()
 
+    def resize_instance(self, name: str, capacity_blocks: int) -> None:
+        """A new estimate of one instance's capacity (engine feedback); shrinking evicts its LRU entries."""
+        if name in self._caches:
+            self._wanted[name] = capacity_blocks
+            self._caches[name].resize(min(capacity_blocks, self.max_entries // len(self._caches)))
+
+    def capacity(self, name: str) -> int:
+        """Blocks the index keeps for this instance (its estimated capacity within the memory share)."""
+        cache = self._caches.get(name)
+        return cache.capacity if cache is not None else 0
+
     def remove_instance(self, name: str) -> None:
         if name not in self._caches:
             return

@@ -18,6 +18,7 @@ import random as _random
 from dataclasses import dataclass
 
 from warmroute.core import rendezvous
+from warmroute.core.engine_load import backlog_tokens, foreign_requests
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.routing_key import RoutingKey
 
@@ -176,7 +177,9 @@ class CacheAwareStrategy(Strategy):
     prefixes, lengthens every queue and spills more (measured in docs/benchmarks.md). Instances within one
     block of the cheapest tie: the less loaded of them, then the highest in the prefix's rendezvous order,
     so cold prefixes land where other router replicas would put them, and a hot prefix warms a small,
-    stable set of instances instead of one (the guard makes it spill) or all of them.
+    stable set of instances instead of one (the guard makes it spill) or all of them. Where the engines
+    report their own load (scraped /metrics), what other routers sent there counts as in flight and as queued
+    prefill too (core/engine_load.py); without such reports the rule is exactly the above.
     """
 
     name = "cache_aware"
@@ -190,15 +193,18 @@ class CacheAwareStrategy(Strategy):
         block_tokens = s.block_bytes // 4
         prompt = key.tokens
 
-        total_inflight = sum(i.inflight for i in up)
+        load = {i.name: i.inflight + foreign_requests(i.engine) for i in up}
         cap = min(s.concurrency_threshold,
-                  math.ceil((1 + s.balance_factor) * (total_inflight + 1) / len(up)) + s.balance_slack)
+                  math.ceil((1 + s.balance_factor) * (sum(load.values()) + 1) / len(up)) + s.balance_slack)
         costs: list[tuple[float, Instance]] = []
         alpha = s.miss_weight
         for i in up:
-            if i.inflight < cap:
+            if load[i.name] < cap:
                 uncached = prompt - depths.get(i.name, 0) * block_tokens if depths else prompt
-                costs.append(((i.queued_prefill_tokens + alpha * max(0, uncached)) / i.prefill_tokens_per_s, i))
+                queued = i.queued_prefill_tokens
+                if i.engine is not None:
+                    queued += backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, fleet.mean_uncached_tokens)
+                costs.append(((queued + alpha * max(0, uncached)) / i.prefill_tokens_per_s, i))
         if not costs:  # everyone is at the guard: least loaded, whatever it holds
             return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
 

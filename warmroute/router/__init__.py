@@ -6,7 +6,9 @@
   app.py       the HTTP routes and the error middleware
   routing.py   WHERE A REQUEST'S INSTANCE IS CHOSEN: body -> routing key -> strategy (warmroute/core)
   proxy.py     forwarding to the instance, streaming the answer back, retry on connect failure
+  usage.py     reading the engine's cached-token report from the relayed response (engine feedback)
   health.py    active checks and passive ejection
+  engine_metrics.py  scraping each engine's /metrics for its own load and KV capacity
   metrics.py   Prometheus metrics
   errors.py    JSON error answers
 """

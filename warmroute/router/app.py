@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from warmroute.core.strategies import NoInstanceAvailable
+from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.errors import ApiError, bad_request, json_error, no_instance, too_large
 from warmroute.router.health import Health
 from warmroute.router.metrics import NO_INSTANCE, Metrics
@@ -34,6 +35,7 @@ ROUTER = web.AppKey("router", Router)
 HEALTH = web.AppKey("health", Health)
 PROXY = web.AppKey("proxy", Proxy)
 METRICS = web.AppKey("metrics", Metrics)
+SCRAPER = web.AppKey("scraper", EngineScraper)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -151,6 +153,7 @@ def build_app(settings: RouterSettings) -> web.Application:
     app[ROUTER] = router = Router(settings, metrics_)
     app[HEALTH] = health_ = Health(router.fleet, urls, settings, metrics_)
     app[PROXY] = Proxy(router, health_, urls, settings)
+    app[SCRAPER] = EngineScraper(router.fleet, urls, settings, metrics_)
     app.cleanup_ctx.append(_upstream_lifetime)
 
     app.router.add_get("/v1/models", models)
@@ -162,13 +165,19 @@ def build_app(settings: RouterSettings) -> web.Application:
 
 
 async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
-    """The pooled client session and the health loop live exactly as long as the app (past in-flight requests)."""
+    """The pooled client session, the health loop and the engine scrapes live exactly as long as the app
+    (past in-flight requests)."""
     proxy = app[PROXY]
     proxy.session = session = make_session(app[SETTINGS])
     await app[HEALTH].check_all(session)  # know who is up before the first request
-    checks = asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")
+    loops = [asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")]
+    if app[SETTINGS].engine_metrics:
+        await app[SCRAPER].scrape_all(session)  # and each engine's KV capacity, where not configured
+        loops.append(asyncio.create_task(app[SCRAPER].run(session), name="warmroute-engine-metrics"))
     yield
-    checks.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await checks
+    for task in loops:
+        task.cancel()
+    for task in loops:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await session.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from warmroute.core.feedback import VERDICTS
 from warmroute.core.fleet import Fleet
 from warmroute.core.strategies import REASONS
 
@@ -44,12 +45,35 @@ class Metrics:
                                        "Failed upstream attempts by instance and kind "
                                        "(connect, timeout, disconnect, status_5xx, status_429)",
                                        ["instance", "kind"], registry=r)
+        # What the engines say they had cached, next to what the router predicted for the same responses.
+        self.engine_prompt_tokens = Counter("warmroute_engine_prompt_tokens",
+                                            "Prompt tokens (engine's count) of responses that reported cached "
+                                            "tokens", ["instance"], registry=r)
+        self.engine_cached_tokens = Counter("warmroute_engine_cached_tokens",
+                                            "Prompt tokens the engine reported cached (usage.prompt_tokens_details"
+                                            ".cached_tokens or timings.cache_n)", ["instance"], registry=r)
+        self.predicted_cached_tokens = Counter("warmroute_predicted_cached_tokens",
+                                               "Prompt tokens the router predicted cached for the same responses, "
+                                               "scaled to the engine's count", ["instance"], registry=r)
+        self.feedback = Counter("warmroute_index_feedback",
+                                "Engine reports by verdict on the index's prediction (confirmed, overpredicted, "
+                                "underpredicted)", ["instance", "verdict"], registry=r)
+        self.capacity_scale = Gauge("warmroute_index_capacity_scale",
+                                    "Factor on the configured KV capacities, learnt from engine reports",
+                                    registry=r)
+        self.engine_scrape_errors = Counter("warmroute_engine_scrape_errors",
+                                            "Failed or incomplete scrapes of an engine's /metrics by kind "
+                                            "(fetch, status, malformed, missing)", ["instance", "kind"],
+                                            registry=r)
 
         self._strategy = strategy
         self._decision = {reason: self.decisions.labels(strategy, reason) for reason in REASONS}
         self._inflight = {name: self.inflight.labels(name) for name in instances}
         self._ttfb = {name: self.ttfb.labels(name) for name in instances}
         self._healthy = {name: self.healthy.labels(name) for name in instances}
+        self._engine = {name: (self.engine_prompt_tokens.labels(name), self.engine_cached_tokens.labels(name),
+                               self.predicted_cached_tokens.labels(name)) for name in instances}
+        self._verdicts = {(name, v): self.feedback.labels(name, v) for name in instances for v in VERDICTS}
         for name in instances:
             self._healthy[name].set(1)
 
@@ -74,6 +98,18 @@ class Metrics:
     def upstream_error(self, instance: str, kind: str) -> None:
         self.upstream_errors.labels(instance, kind).inc()
 
+    def engine_usage(self, name: str, prompt_tokens: int, cached_tokens: int, predicted_tokens: float,
+                     verdict: str | None) -> None:
+        prompt, cached, predicted = self._engine[name]
+        prompt.inc(prompt_tokens)
+        cached.inc(cached_tokens)
+        predicted.inc(predicted_tokens)
+        if verdict is not None:
+            self._verdicts[name, verdict].inc()
+
+    def scrape_error(self, name: str, kind: str) -> None:
+        self.engine_scrape_errors.labels(name, kind).inc()
+
     def set_healthy(self, name: str, healthy: bool) -> None:
         self._healthy[name].set(1 if healthy else 0)
 
@@ -82,4 +118,5 @@ class Metrics:
         """The exposition text, with the index gauges refreshed (they are cheap to read, so only at scrape)."""
         self.index_entries.set(fleet.index.entries())
         self.index_bytes.set(fleet.index.estimated_bytes())
+        self.capacity_scale.set(fleet.cache_scale.value)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

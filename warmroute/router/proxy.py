@@ -19,8 +19,9 @@ from warmroute.core.routing_key import RoutingKey
 from warmroute.core.strategies import Decision
 from warmroute.router.errors import ApiError
 from warmroute.router.health import Health
-from warmroute.router.routing import Router, Ticket
+from warmroute.router.routing import Router, Ticket, is_routed
 from warmroute.router.settings import RouterSettings
+from warmroute.router.usage import UsageTap
 
 log = logging.getLogger("warmroute.router")
 
@@ -103,9 +104,14 @@ class Proxy:
             self._note_status(name, upstream.status)
             resp = self._response_for(upstream, decision)
             await resp.prepare(request)
-            outcome = await self._relay(request, resp, upstream, first, name)
+            readable = upstream.status == 200 and "Content-Encoding" not in upstream.headers
+            tap = UsageTap() if readable and is_routed(request.path) else None
+            outcome = await self._relay(request, resp, upstream, first, name, tap)
             completed = outcome == upstream.status
             self.router.metrics.answered(name, outcome)
+            usage = tap.result() if tap is not None and completed else None
+            if usage is not None:
+                self.router.engine_usage(decision, usage)
             return resp
         finally:
             if completed:
@@ -169,12 +175,15 @@ class Proxy:
         return resp
 
     async def _relay(self, request: web.Request, resp: web.StreamResponse, upstream: aiohttp.ClientResponse,
-                     chunk: bytes, name: str) -> int:
-        """Write each upstream chunk as it arrives. Returns the status to count: the upstream's when the
-        whole answer was delivered, CLIENT_CLOSED if the client left, 502 if the upstream failed mid-answer."""
+                     chunk: bytes, name: str, tap: UsageTap | None) -> int:
+        """Write each upstream chunk as it arrives (`tap` looks for the engine's usage report on the way).
+        Returns the status to count: the upstream's when the whole answer was delivered, CLIENT_CLOSED if the
+        client left, 502 if the upstream failed mid-answer."""
         content = upstream.content
         try:
             while chunk:
+                if tap is not None:
+                    tap.feed(chunk)
                 await resp.write(chunk)
                 try:
                     async with asyncio.timeout(self.settings.idle_timeout):

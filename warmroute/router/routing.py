@@ -16,6 +16,7 @@ from warmroute.core.strategies import Decision, StrategySettings, make_strategy
 from warmroute.router.errors import bad_request
 from warmroute.router.metrics import Metrics
 from warmroute.router.settings import RouterSettings
+from warmroute.router.usage import EngineUsage
 
 SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
@@ -31,7 +32,8 @@ class Router:
         self.metrics = metrics
         self.fleet = Fleet(FleetSettings(block_bytes=settings.block_bytes,
                                          index_max_bytes=settings.index_memory_bytes,
-                                         default_kv_capacity_tokens=settings.kv_capacity_tokens))
+                                         default_kv_capacity_tokens=settings.kv_capacity_tokens,
+                                         feedback=settings.engine_feedback))
         for b in settings.backends:
             self.fleet.add(b.name, b.kv_capacity_tokens)
         self.strategy = make_strategy(settings.strategy, StrategySettings(
@@ -76,6 +78,19 @@ class Router:
     # -- the books -----------------------------------------------------------------------------------------
     def dispatch(self, decision: Decision) -> Ticket:
         return Ticket(self, decision)
+
+    def engine_usage(self, decision: Decision, usage: EngineUsage) -> None:
+        """The engine said how much of this request's prompt it had cached: count it, correct the index."""
+        name = decision.instance
+        if name not in self.fleet.instances:
+            return
+        verdict = None
+        if decision.blocks and self.strategy.records_prefixes:
+            verdict = self.fleet.feedback(name, decision.blocks, decision.matched_tokens, usage.cached_tokens,
+                                          usage.prompt_tokens, decision.prompt_tokens).kind
+        prompt = usage.prompt_tokens or decision.prompt_tokens
+        predicted = decision.matched_tokens * prompt / decision.prompt_tokens if decision.prompt_tokens else 0.0
+        self.metrics.engine_usage(name, prompt, usage.cached_tokens, predicted, verdict)
 
     def unrecord(self, decision: Decision) -> None:
         """The request never reached the instance: it does not hold the blocks after all."""

@@ -112,9 +112,19 @@ class RouterSettings(BaseSettings):
         256 * MiB, description="Memory cap of the prefix index (accepts 256MiB, 1GiB, ...).")
     kv_capacity_tokens: int = Field(
         1_000_000, ge=256, le=10**10,
-        description="Default KV-cache capacity of an instance in tokens (per backend in YAML).")
+        description="Default KV-cache capacity of an instance in tokens (per backend in YAML). If not set, "
+                    "the engine's own figure from its /metrics replaces the default once scraped.")
+    engine_feedback: bool = Field(
+        True, description="Correct the prefix index from the cached prompt tokens engines report in their "
+                          "responses (usage.prompt_tokens_details.cached_tokens, llama.cpp's timings.cache_n).")
+    engine_metrics: bool = Field(
+        True, description="Scrape each instance's /metrics (vLLM and SGLang names) for the requests it has "
+                          "waiting and running, its KV-cache usage, and its KV capacity if not configured.")
+    engine_metrics_interval: float = Field(1.0, ge=0.05, le=3600, description="Seconds between two scrapes of "
+                                                                              "an instance's /metrics.")
     health_interval: float = Field(2.0, ge=0.05, le=3600, description="Seconds between active health checks.")
-    health_timeout: float = Field(1.0, ge=0.05, le=60, description="Seconds a health check (or a /v1/models query) may take.")
+    health_timeout: float = Field(1.0, ge=0.05, le=60, description="Seconds a health check (or a /v1/models query, "
+                                                                   "or a /metrics scrape) may take.")
     connect_timeout: float = Field(2.0, ge=0.05, le=60, description="Seconds to open an upstream connection.")
     first_byte_timeout: float = Field(
         120.0, ge=0.1, le=3600,
@@ -161,6 +171,10 @@ class RouterSettings(BaseSettings):
         if dupes:
             raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
         return v
+
+    def capacity_configured(self, backend: Backend) -> bool:
+        """Whether the user gave this backend's KV capacity (else the engine's own figure is used once known)."""
+        return backend.kv_capacity_tokens is not None or "kv_capacity_tokens" in self.model_fields_set
 
 
 # -- loading -----------------------------------------------------------------------------------------------
@@ -341,7 +355,10 @@ def configuration_markdown() -> str:
         "",
         "- `block_bytes` should match the engines' cache block: 64 bytes is about 16 tokens, vLLM's default.",
         "- `kv_capacity_tokens` sizes each instance's share of the prefix index, so the router forgets what",
-        "  the engine has evicted; `index_memory_bytes` caps the whole index whatever the fleet's size.",
+        "  the engine has evicted; `index_memory_bytes` caps the whole index whatever the fleet's size. Unset,",
+        "  it is read from each engine's `/metrics` (vLLM's `cache_config_info`, SGLang's `max_total_num_tokens`).",
+        "  With `engine_feedback`, a wrong capacity is corrected from the cached tokens the engines report",
+        "  (see docs/feedback.md); `warmroute_index_capacity_scale` in `/metrics` shows the factor learnt.",
         "- With `workers` above 1 every process keeps its own index and metrics; cold prefixes still land on",
         "  the same instance in every process (rendezvous hashing), so their views converge.",
         "- Health: a refused connection ejects an instance at once; `failures_before_ejection` consecutive",

@@ -21,8 +21,9 @@ from warmroute.workloads.base import Workload
 REFERENCES = ("oracle", "pooled")
 # Settings a --sweep may vary, with their type.
 SWEEPABLE = {f.name: f.type for f in dataclasses.fields(SimSettings)
-             if f.name in ("instances", "kv_capacity_tokens", "prefix_length", "concurrency_threshold",
-                           "balance_factor", "max_running", "rate", "concurrency", "speedup")}
+             if f.name in ("instances", "kv_capacity_tokens", "router_kv_capacity_tokens", "prefix_length",
+                           "concurrency_threshold", "balance_factor", "max_running", "rate", "concurrency",
+                           "speedup")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--prefix-length", type=int, default=4096)
     r.add_argument("--concurrency-threshold", type=int, default=32)
     r.add_argument("--balance-factor", type=float, default=0.25)
+    r.add_argument("--router-kv-capacity-tokens", type=int, metavar="N",
+                   help="the router's idea of each instance's KV capacity, to study misconfiguration "
+                        "(default: the engines' real capacity)")
+    r.add_argument("--feedback", action=argparse.BooleanOptionalAction, default=True,
+                   help="correct the router's index from the cached tokens engines report (default: on)")
     g = parser.add_argument_group("load")
     g.add_argument("--requests", type=int, default=10_000)
     mode = g.add_mutually_exclusive_group()
@@ -54,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", metavar="DIR", help="write TTFT CDF, hit rate and load plots here")
 
 
-def _validated(name: str, value: object) -> None:
+def _validated(name: str, value: object, flag: str | None = None) -> None:
     """Check a router setting against the router's own settings model (one set of valid ranges)."""
     from warmroute.router.settings import RouterSettings
 
@@ -62,12 +68,14 @@ def _validated(name: str, value: object) -> None:
     try:
         TypeAdapter(Annotated[field.annotation, *field.metadata]).validate_python(value)
     except ValidationError as exc:
-        raise UsageError(f"--{name.replace('_', '-')} {value}: {exc.errors()[0]['msg']}") from None
+        raise UsageError(f"{flag or '--' + name.replace('_', '-')} {value}: {exc.errors()[0]['msg']}") from None
 
 
 def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSettings:
     for name in ("prefix_length", "concurrency_threshold", "balance_factor"):
         _validated(name, getattr(args, name))
+    if args.router_kv_capacity_tokens is not None:
+        _validated("kv_capacity_tokens", args.router_kv_capacity_tokens, "--router-kv-capacity-tokens")
     for name in ("instances", "requests", "max_running"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
@@ -76,7 +84,8 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
         closed = 32
     return SimSettings(
         instances=args.instances, profile=args.profile, kv_capacity_tokens=args.kv_capacity_tokens,
-        max_running=args.max_running, prefix_length=args.prefix_length,
+        max_running=args.max_running, router_kv_capacity_tokens=args.router_kv_capacity_tokens,
+        feedback=args.feedback, prefix_length=args.prefix_length,
         concurrency_threshold=args.concurrency_threshold, balance_factor=args.balance_factor,
         requests=args.requests, rate=args.rate, concurrency=closed, speedup=args.speedup,
         scale_events=[_scale_event(s) for s in args.scale_at], seed=args.seed)
@@ -165,8 +174,9 @@ def _describe(s: SimSettings, w: Workload) -> str:
     load = f"{s.rate} req/s" if s.rate else (f"{s.concurrency} concurrent" if s.concurrency else
                                               f"trace clock x{s.speedup}")
     cap = s.kv_capacity_tokens or "profile"
-    return (f"workload {w.name}, {s.instances} x {s.profile} instances, KV {cap} tokens each, {load}, "
-            f"{s.requests} requests")
+    router = f" (router assumes {s.router_kv_capacity_tokens})" if s.router_kv_capacity_tokens else ""
+    return (f"workload {w.name}, {s.instances} x {s.profile} instances, KV {cap} tokens each{router}, {load}, "
+            f"{s.requests} requests, feedback {'on' if s.feedback else 'off'}")
 
 
 def _run_scenario(args: argparse.Namespace, strategies: list[str], started: float) -> int:

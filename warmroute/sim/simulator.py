@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import RoutingKey, key_for_json
-from warmroute.core.strategies import OVERLOAD_SPILL, NoInstanceAvailable, Strategy, StrategySettings, make_strategy
+from warmroute.core.strategies import Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy
 from warmroute.engine.model import EngineConfig, EngineModel
 from warmroute.workloads.base import Workload
 from warmroute.workloads.request import Session, WorkloadRequest
@@ -29,6 +29,8 @@ class SimSettings:
     instances: int = 8
     profile: str = "8b"
     kv_capacity_tokens: int | None = None  # per instance; None: the profile's
+    router_kv_capacity_tokens: int | None = None  # the router's idea of it (misconfiguration); None: the truth
+    feedback: bool = True  # correct the router's index from the cached tokens each engine reports
     max_running: int = 64
     max_batched_tokens: int = 8192
     prefix_length: int = 4096
@@ -106,7 +108,7 @@ class Simulation:
         self.pooled = pooled
         self.cfg = settings.engine_config(settings.instances if pooled else 1)
         self.block_bytes = self.cfg.block_bytes
-        self.fleet = Fleet(FleetSettings(block_bytes=self.block_bytes))
+        self.fleet = Fleet(FleetSettings(block_bytes=self.block_bytes, feedback=settings.feedback))
         self.instances: dict[str, _Instance] = {}
         self.strategy_name = "pooled" if pooled else (strategy if isinstance(strategy, str) else strategy.name)
         for _ in range(1 if pooled else settings.instances):
@@ -122,7 +124,8 @@ class Simulation:
         self._wakeups: list[float] = []  # times at which a request may arrive (see _next_wakeup)
         self._order = itertools.count()
         self.records: list[RequestRecord] = []
-        self._inflight: dict[int, tuple[RequestRecord, WorkloadRequest, Iterator[WorkloadRequest] | None, int]] = {}
+        self._inflight: dict[int, tuple[RequestRecord, WorkloadRequest, Iterator[WorkloadRequest] | None,
+                                        Decision]] = {}
         self._seq = itertools.count()
         self._rejected = 0
         self._last_instance_by_prefix: dict[int, str] = {}
@@ -134,7 +137,9 @@ class Simulation:
         while name in self.instances:
             name += "+"
         inst = self.instances[name] = _Instance(name, EngineModel(self.cfg))
-        self.fleet.add(name, self.cfg.kv_capacity_tokens, 1000.0 / self.cfg.timing.prefill_ms_per_token)
+        router_capacity = self.s.router_kv_capacity_tokens if not self.pooled else None
+        self.fleet.add(name, router_capacity or self.cfg.kv_capacity_tokens,
+                       1000.0 / self.cfg.timing.prefill_ms_per_token)
         return inst
 
     def _scale(self, now: float, delta: int) -> None:
@@ -258,7 +263,7 @@ class Simulation:
         rec = RequestRecord(now, d.instance, key.tokens, d.reason)
         self.records.append(rec)
         seq = next(self._seq)
-        self._inflight[seq] = (rec, req, turns, d.uncached_tokens)
+        self._inflight[seq] = (rec, req, turns, d)
         inst = self.instances[d.instance]
         inst.model.submit(seq, self._engine_blocks(key), key.tokens, max(1, req.max_tokens))
         if not inst.busy:
@@ -288,15 +293,17 @@ class Simulation:
     def _on_step_done(self, now: float, payload: tuple[_Instance, object]) -> None:
         inst, result = payload
         for seq, cached in result.first_tokens.items():  # type: ignore[attr-defined]
-            rec, _, _, uncached = self._inflight[seq]
+            rec, _, _, d = self._inflight[seq]
             rec.first_token, rec.cached_tokens = now, cached
-            self.fleet.first_token(inst.name, uncached)
+            self.fleet.first_token(inst.name, d.uncached_tokens)
+            if self.strategy.records_prefixes:  # the engine reports cached tokens at first token
+                self.fleet.feedback(inst.name, d.blocks, d.matched_tokens, cached)
         for seq, n in result.tokens.items():  # type: ignore[attr-defined]
             self._inflight[seq][0].output_tokens += n
         for seq in result.finished:  # type: ignore[attr-defined]
-            rec, req, turns, uncached = self._inflight.pop(seq)
+            rec, req, turns, d = self._inflight.pop(seq)
             rec.done = now
-            self.fleet.finished(inst.name, uncached)
+            self.fleet.finished(inst.name, d.uncached_tokens)
             nxt = next(turns, None) if turns is not None else None
             if nxt is not None:
                 self._push(now, self.ARRIVE, (nxt, turns, None))

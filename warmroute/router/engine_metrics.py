@@ -1,0 +1,143 @@
+"""Scraping each instance's /metrics for the load and KV capacity the engine reports itself.
+
+Names understood (the rest of the page is ignored):
+  vLLM    vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc (older:
+          vllm:gpu_cache_usage_perc), vllm:cache_config_info{num_gpu_blocks, block_size}
+  SGLang  sglang:num_queue_reqs, sglang:num_running_reqs, sglang:token_usage, sglang:max_total_num_tokens
+Counts are summed over an engine's series (one per data-parallel rank), usage takes the busiest.
+
+A scrape that fails, answers an error, cannot be parsed or has none of these names is counted in
+`warmroute_engine_scrape_errors_total{instance,kind}` and forgets what the last one said, so routing falls
+back to the router's own books; it never ejects the instance (that is health.py's job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from warmroute.core.fleet import Fleet
+from warmroute.router.metrics import Metrics
+from warmroute.router.settings import RouterSettings
+
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+VLLM_CACHE_INFO = "vllm:cache_config_info"
+SGLANG_CAPACITY = "sglang:max_total_num_tokens"
+_NAMES = (*WAITING, *RUNNING, *KV_USAGE, VLLM_CACHE_INFO, SGLANG_CAPACITY)
+
+
+class MalformedMetrics(ValueError):
+    """The page is not Prometheus text."""
+
+
+@dataclass(frozen=True)
+class EngineSignals:
+    waiting: int | None = None
+    running: int | None = None
+    kv_usage: float | None = None  # 0..1
+    capacity_tokens: int | None = None
+
+    @property
+    def has_load(self) -> bool:
+        return self.waiting is not None or self.running is not None or self.kv_usage is not None
+
+
+def parse_engine_metrics(text: str) -> EngineSignals:
+    """The signals in a /metrics page; MalformedMetrics if a line we read is not Prometheus text."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    try:
+        for family in text_string_to_metric_families(_relevant_lines(text)):
+            for s in family.samples:
+                samples.setdefault(s.name, []).append((s.labels, s.value))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MalformedMetrics(str(exc)) from None
+
+    def values(names: tuple[str, ...]) -> list[float]:
+        found = next((samples[n] for n in names if n in samples), [])
+        return [v for _, v in found if v == v and v >= 0]  # drop NaN and negatives
+
+    waiting, running, usage = values(WAITING), values(RUNNING), values(KV_USAGE)
+    return EngineSignals(int(sum(waiting)) if waiting else None, int(sum(running)) if running else None,
+                         max(usage) if usage else None, _capacity(samples))
+
+
+def _relevant_lines(text: str) -> str:
+    """Only the lines of the names we read: an engine's page is mostly histograms we would parse for nothing."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[2] in _NAMES:
+                keep.append(line)
+        elif line.startswith(_NAMES):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def _capacity(samples: dict[str, list[tuple[dict[str, str], float]]]) -> int | None:
+    """KV capacity in tokens: vLLM's num_gpu_blocks x block_size labels, or SGLang's gauge."""
+    for labels, _ in samples.get(VLLM_CACHE_INFO, []):
+        try:
+            tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        except (KeyError, ValueError):
+            continue
+        if tokens > 0:
+            return tokens
+    sglang = [v for _, v in samples.get(SGLANG_CAPACITY, []) if v == v and v > 0]
+    return int(max(sglang)) if sglang else None
+
+
+class EngineScraper:
+    """Every `engine_metrics_interval` seconds: GET /metrics on every instance, hand the figures to the fleet."""
+
+    def __init__(self, fleet: Fleet, urls: dict[str, str], settings: RouterSettings, metrics: Metrics) -> None:
+        self.fleet = fleet
+        self.urls = urls
+        self.settings = settings
+        self.metrics = metrics
+        # Instances whose KV capacity the user did not give: the engine's own figure replaces the default.
+        self._learn_capacity = {b.name for b in settings.backends if not settings.capacity_configured(b)}
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(self.settings.engine_metrics_interval)
+            await self.scrape_all(session)
+
+    async def scrape_all(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self.scrape(session, name) for name in list(self.urls)))
+
+    async def scrape(self, session: aiohttp.ClientSession, name: str) -> None:
+        signals = await self._fetch(session, name)
+        if signals is None:
+            self.fleet.engine_load(name, None, None, None)
+            return
+        if not signals.has_load:
+            self.metrics.scrape_error(name, "missing")
+        self.fleet.engine_load(name, signals.waiting, signals.running, signals.kv_usage)
+        capacity = signals.capacity_tokens
+        inst = self.fleet.instances.get(name)
+        if capacity and name in self._learn_capacity and inst is not None and inst.kv_capacity_tokens != capacity:
+            self.fleet.add(name, capacity)
+
+    async def _fetch(self, session: aiohttp.ClientSession, name: str) -> EngineSignals | None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
+        try:
+            async with session.get(self.urls[name] + "/metrics", timeout=timeout) as resp:
+                body = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            self.metrics.scrape_error(name, "fetch")
+            return None
+        if status != 200:
+            self.metrics.scrape_error(name, "status")
+            return None
+        try:
+            return parse_engine_metrics(body.decode("utf-8", "replace"))
+        except MalformedMetrics:
+            self.metrics.scrape_error(name, "malformed")
+            return None
