@@ -6,11 +6,11 @@ Repeated prefixes must land on the instance that holds them and come back with c
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
 
+from client_helpers import ask
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
 from warmroute.router.app import ROUTER
@@ -43,32 +43,17 @@ def _chat(doc: int, question: int, stream: bool = False) -> dict:
                          {"role": "user", "content": f"Question {question}: what does clause {question} say?"}]}
 
 
-async def _ask(client: aiohttp.ClientSession, url: str, body: dict) -> tuple[str, str, int, int]:
-    """(instance, reason, cached prompt tokens, prompt tokens) of one request through the router."""
-    async with client.post(url + "/v1/chat/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        instance, reason = r.headers["x-warmroute-instance"], r.headers["x-warmroute-reason"]
-        if body.get("stream"):
-            usage = None
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    usage = json.loads(line[6:]).get("usage") or usage
-        else:
-            usage = (await r.json())["usage"]
-    return instance, reason, usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
-
-
 async def test_cache_aware_sends_repeated_prefixes_to_the_instance_that_holds_them(engines):
     router = await _router(engines)
     try:
         async with aiohttp.ClientSession() as client:
             homes: dict[int, str] = {}
             for doc in range(4):  # first sight of each document: cold
-                homes[doc], reason, cached, _ = await _ask(client, router.url, _chat(doc, 0))
+                homes[doc], reason, cached, _ = await ask(client, router.url, _chat(doc, 0))
                 assert reason == "cold" and cached == 0
             for question in range(1, 4):  # again, with new questions, one stream among them
                 for doc in range(4):
-                    instance, reason, cached, prompt = await _ask(client, router.url,
+                    instance, reason, cached, prompt = await ask(client, router.url,
                                                                   _chat(doc, question, stream=question == 2))
                     assert instance == homes[doc] and reason == "cache_hit"
                     assert cached > 0.8 * prompt  # the long document was cached; only the question is new
@@ -83,8 +68,8 @@ async def test_concurrent_load_on_one_prefix_spills_but_stays_cached(engines):
     router = await _router(engines)
     try:
         async with aiohttp.ClientSession() as client:
-            first, *_ = await _ask(client, router.url, _chat(9, 0))
-            results = await asyncio.gather(*(_ask(client, router.url, _chat(9, q)) for q in range(1, 25)))
+            first, *_ = await ask(client, router.url, _chat(9, 0))
+            results = await asyncio.gather(*(ask(client, router.url, _chat(9, q)) for q in range(1, 25)))
         instances = [r[0] for r in results]
         assert instances.count(first) >= len(results) // 3  # the holder keeps most of its prefix's traffic
         hits = sum(1 for r in results if r[2] > 0)
@@ -103,7 +88,7 @@ async def test_random_routing_misses_more_than_cache_aware(engines):
                     for doc in range(3):
                         body = _chat(doc, question)
                         body["cache_salt"] = salt  # a fresh cache namespace per strategy
-                        total += (await _ask(client, router.url, body))[2]
+                        total += (await ask(client, router.url, body))[2]
         finally:
             await router.stop()
         return total

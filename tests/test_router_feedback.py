@@ -3,10 +3,10 @@ hits the engine has evicted; the engine's reported cached tokens (plain and stre
 
 from __future__ import annotations
 
-import json
 
 import aiohttp
 
+from client_helpers import ask
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
 from warmroute.router.app import ROUTER
@@ -24,28 +24,13 @@ def _chat(doc: int, question: int, stream: bool) -> dict:
             "messages": [{"role": "system", "content": text}, {"role": "user", "content": f"Question {question}?"}]}
 
 
-async def _ask(client: aiohttp.ClientSession, url: str, body: dict) -> tuple[str, int, int]:
-    """(decision reason, cached prompt tokens the engine reported, prompt tokens)."""
-    async with client.post(url + "/v1/chat/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        reason = r.headers["x-warmroute-reason"]
-        if body["stream"]:
-            usage = None
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    usage = json.loads(line[6:]).get("usage") or usage
-        else:
-            usage = (await r.json())["usage"]
-    return reason, usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
-
-
 def _sample(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 async def _overpredicted(client: aiohttp.ClientSession, url: str) -> float:
     async with client.get(url + "/metrics") as r:
-        return _sample(await r.text(), 'warmroute_index_feedback_total{instance="e0",verdict="overpredicted"}')
+        return _sample(await r.text(), 'warmroute_index_feedback_total{backend="e0",verdict="overpredicted"}')
 
 
 async def test_predicted_hits_the_engine_evicted_shrink_the_index_until_predictions_match():
@@ -58,15 +43,15 @@ async def test_predicted_hits_the_engine_evicted_shrink_the_index_until_predicti
     try:
         async with aiohttp.ClientSession() as client:
             for doc in range(DOCS):  # first sight: cold everywhere
-                assert (await _ask(client, router.url, _chat(doc, 0, stream=False)))[:2] == ("cold", 0)
+                assert (await ask(client, router.url, _chat(doc, 0, stream=False)))[1:3] == ("cold", 0)
             # The index (64x too large) still holds all of document 0; the engine kept only its head.
-            reason, cached, prompt = await _ask(client, router.url, _chat(0, 1, stream=True))
+            _, reason, cached, prompt = await ask(client, router.url, _chat(0, 1, stream=True))
             assert reason == "cache_hit" and cached < prompt / 2
             assert fleet.cache_scale.value < 1  # corrected from the streamed response's usage chunk
             overs = [await _overpredicted(client, router.url)]
             for question in range(2, 40):
                 for doc in range(DOCS):
-                    await _ask(client, router.url, _chat(doc, question, stream=doc % 2 == 0))
+                    await ask(client, router.url, _chat(doc, question, stream=doc % 2 == 0))
                 overs.append(await _overpredicted(client, router.url))
                 if overs[-1] == overs[-2]:
                     break
@@ -74,13 +59,13 @@ async def test_predicted_hits_the_engine_evicted_shrink_the_index_until_predicti
             assert overs[-1] == overs[-2] >= 10, overs
             assert fleet.cache_scale.value < 1 / 8
             # ... and the hits it has are still predicted: the document just sent, asked again.
-            reason, cached, prompt = await _ask(client, router.url, _chat(DOCS - 1, 99, stream=False))
+            _, reason, cached, prompt = await ask(client, router.url, _chat(DOCS - 1, 99, stream=False))
             assert reason == "cache_hit" and cached > 0.8 * prompt
             async with client.get(router.url + "/metrics") as r:
                 text = await r.text()
-        cached_total = _sample(text, 'warmroute_engine_cached_tokens_total{instance="e0"}')
-        predicted_total = _sample(text, 'warmroute_predicted_cached_tokens_total{instance="e0"}')
-        prompt_total = _sample(text, 'warmroute_engine_prompt_tokens_total{instance="e0"}')
+        cached_total = _sample(text, 'warmroute_engine_cached_tokens_total{backend="e0"}')
+        predicted_total = _sample(text, 'warmroute_predicted_cached_tokens_total{backend="e0"}')
+        prompt_total = _sample(text, 'warmroute_engine_prompt_tokens_total{backend="e0"}')
         assert 0 < cached_total < predicted_total < prompt_total
         assert 0 < _sample(text, "warmroute_index_capacity_scale ") < 1 / 8
     finally:

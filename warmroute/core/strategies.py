@@ -193,18 +193,22 @@ class CacheAwareStrategy(Strategy):
         block_tokens = s.block_bytes // 4
         prompt = key.tokens
 
-        load = {i.name: i.inflight + foreign_requests(i.engine) for i in up}
+        loads = [(i.inflight + foreign_requests(i.engine) if i.engine is not None else i.inflight, i) for i in up]
         cap = min(s.concurrency_threshold,
-                  math.ceil((1 + s.balance_factor) * (sum(load.values()) + 1) / len(up)) + s.balance_slack)
+                  math.ceil((1 + s.balance_factor) * (sum(n for n, _ in loads) + 1) / len(up)) + s.balance_slack)
         costs: list[tuple[float, Instance]] = []
         alpha = s.miss_weight
-        for i in up:
-            if load[i.name] < cap:
-                uncached = prompt - depths.get(i.name, 0) * block_tokens if depths else prompt
-                queued = i.queued_prefill_tokens
-                if i.engine is not None:
-                    queued += backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, fleet.mean_uncached_tokens)
-                costs.append(((queued + alpha * max(0, uncached)) / i.prefill_tokens_per_s, i))
+        miss_cost = alpha * prompt  # of an instance holding none of the prompt
+        get_depth = depths.get
+        for n, i in loads:
+            if n >= cap:
+                continue
+            queued = i.queued_prefill_tokens
+            if i.engine is not None:
+                queued += backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, fleet.mean_uncached_tokens)
+            depth = get_depth(i.name, 0)
+            miss = alpha * max(0, prompt - depth * block_tokens) if depth else miss_cost
+            costs.append(((queued + miss) / i.prefill_tokens_per_s, i))
         if not costs:  # everyone is at the guard: least loaded, whatever it holds
             return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
 
