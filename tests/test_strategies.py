@@ -122,27 +122,29 @@ def test_cold_placement_is_the_same_for_every_replica():
     assert [sa.choose(key(p), a).instance for p in prompts] == [sb.choose(key(p), b).instance for p in prompts]
 
 
-def test_hot_prompt_is_spread_over_a_few_warm_instances_not_pinned():
-    """60% of traffic shares one system prompt; per-instance request counts stay within 1.3x of the mean."""
+def test_hot_prompt_warms_a_few_instances_and_never_breaks_the_guard():
+    """60% of traffic shares one system prompt: it ends up on several warm instances, not pinned to one, and
+    no instance ever holds more than the guard allows. (Request-count balance under real service times is
+    checked in the simulator: tests/test_simulator.py.)"""
     rng = random.Random(0)
     f = fleet(4)
-    s = make_strategy("cache_aware")
-    counts, hot_instances = collections.Counter(), collections.Counter()
+    settings = StrategySettings()
+    s = make_strategy("cache_aware", settings)
+    hot_instances: collections.Counter[str] = collections.Counter()
     running: list[tuple[str, int]] = []
     for n in range(4000):
         hot = rng.random() < 0.6
         system = SYSTEM if hot else f"tenant {rng.randrange(40)} policies " * 100
         d = route(s, f, key(system, f"q{n}"))
-        counts[d.instance] += 1
         if hot:
             hot_instances[d.instance] += 1
+        loads = [i.inflight for i in f.instances.values()]
+        assert max(loads) <= math.ceil((1 + settings.balance_factor) * sum(loads) / 4) + settings.balance_slack
         running.append((d.instance, d.uncached_tokens))
         if len(running) > 16:  # a steady 16 in flight: the oldest completes
             name, unc = running.pop(0)
             f.finished(name, unc, got_first_token=False)
-    mean = sum(counts.values()) / 4
-    assert max(counts.values()) <= 1.3 * mean, counts
-    assert 2 <= len(hot_instances) <= 4
+    assert len(hot_instances) >= 2 and max(hot_instances.values()) < 0.8 * sum(hot_instances.values())
 
 
 def test_session_strategy_is_sticky_per_session():

@@ -53,12 +53,15 @@ class Decision:
         return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)  # keywords only: a positional call silently shifts when a field is added
 class StrategySettings:
     prefix_length: int = 4096  # characters (bytes for /invocations), 1,024..65,536 as in the reference
     concurrency_threshold: int = 32  # in-flight requests, 1..1,024 as in the reference
-    balance_factor: float = 0.25  # ε: no instance above (1+ε) x the mean in-flight (cache_aware) ...
-    balance_slack: int = 2  # ... plus this many requests, so light load is not spread for nothing
+    # cache_aware's guard: no instance above (1+ε) x the mean in-flight plus a slack of requests. The cost
+    # model already steers away from queues, so the guard only stops pile-ups; tighter values (ε 0.25, slack
+    # 2) forced hot-prefix requests onto cold instances and doubled p99 TTFT (docs/benchmarks.md).
+    balance_factor: float = 1.0  # ε
+    balance_slack: int = 4
     cold_to_least_loaded: bool = True
     miss_weight: float = 2.0  # α: cost of an uncached token relative to a queued one (see CacheAwareStrategy)
     block_bytes: int = 64

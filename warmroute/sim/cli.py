@@ -11,7 +11,7 @@ from typing import Annotated
 from pydantic import TypeAdapter, ValidationError
 
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
-from warmroute.core.strategies import STRATEGIES
+from warmroute.core.strategies import STRATEGIES, StrategySettings
 from warmroute.errors import UsageError
 from warmroute.sim.report import Summary, as_json, plot, summarize, table
 from warmroute.sim.scenarios import SCENARIOS
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("router")
     r.add_argument("--prefix-length", type=int, default=4096)
     r.add_argument("--concurrency-threshold", type=int, default=32)
-    r.add_argument("--balance-factor", type=float, default=0.25)
+    r.add_argument("--balance-factor", type=float, default=StrategySettings.balance_factor)
     r.add_argument("--router-kv-capacity-tokens", type=int, metavar="N",
                    help="the router's idea of each instance's KV capacity, to study misconfiguration "
                         "(default: the engines' real capacity)")

@@ -35,7 +35,7 @@ class SimSettings:
     max_batched_tokens: int = 8192
     prefix_length: int = 4096
     concurrency_threshold: int = 32
-    balance_factor: float = 0.25
+    balance_factor: float = StrategySettings.balance_factor
     requests: int = 10_000
     rate: float | None = None  # open loop (Poisson sessions per second); None with no concurrency: the trace's
     concurrency: int | None = None  # closed loop: this many sessions in flight
@@ -59,7 +59,8 @@ class SimSettings:
         return replace(cfg, timing=timing, kv_capacity_tokens=cfg.kv_capacity_tokens * scale)
 
     def strategy_settings(self, block_bytes: int) -> StrategySettings:
-        return StrategySettings(self.prefix_length, self.concurrency_threshold, self.balance_factor, block_bytes)
+        return StrategySettings(prefix_length=self.prefix_length, concurrency_threshold=self.concurrency_threshold,
+                                balance_factor=self.balance_factor, block_bytes=block_bytes)
 
 
 @dataclass
