@@ -264,11 +264,22 @@ def test_every_manifest_parses_and_names_its_kind():
                     assert doc["metadata"]["name"], path
 
 
+def test_rbac_allows_exactly_what_kubernetes_discovery_reads():
+    objects = k8s_objects()
+    (rule,) = objects["Role"]["rules"]
+    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}
+    binding = objects["RoleBinding"]
+    assert binding["roleRef"]["name"] == objects["Role"]["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": objects["ServiceAccount"]["metadata"]["name"]}]
+
+
 def test_kustomization_lists_the_manifests():
     kust = k8s_docs("kustomization.yaml")[0]
     listed = set(kust["resources"])
     on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    optional = {"servicemonitor.yaml"}  # needs the Prometheus Operator's CRDs: applied on its own
+    optional = {"servicemonitor.yaml",  # needs the Prometheus Operator's CRDs: applied on its own
+                "rbac.yaml"}  # only for Kubernetes discovery (kubernetes_service)
     assert listed == on_disk - optional
     container = router_container(k8s_objects()["Deployment"])
     assert container["image"].split(":")[0] in {i["name"] for i in kust.get("images", [])}
@@ -311,7 +322,7 @@ def test_deployment_probes_hit_real_routes_on_the_listening_port(tmp_path):
         assert container_port(container, get["port"]) == settings.port, name
     assert probes["readinessProbe"]["httpGet"]["path"] == "/health"
     # Liveness must not depend on the engines (/health and /ping answer 503 when none is healthy).
-    assert probes["livenessProbe"]["httpGet"]["path"] not in ("/health", "/ping")
+    assert probes["livenessProbe"]["httpGet"]["path"] == "/livez"
 
 
 def test_deployment_replicas_security_and_shutdown(tmp_path):
@@ -369,8 +380,8 @@ def test_service_pdb_and_servicemonitor_select_the_router():
     for endpoint in monitor["spec"]["endpoints"]:
         assert endpoint["port"] in service_ports
         assert endpoint["path"] == "/metrics" and "/metrics" in get_routes()
-        # The router's `instance` label names the engine; without this it becomes exported_instance.
-        assert endpoint["honorLabels"] is True
+        # The engine is the router's `backend` label; `instance` stays the target's, so no honorLabels.
+        assert not endpoint.get("honorLabels", False)
 
 
 # -- systemd ------------------------------------------------------------------------------------------------

@@ -203,8 +203,8 @@ async def test_scraper_reads_an_emulated_engine_and_counts_broken_ones():
             async with client.get(router.url + "/metrics") as r:
                 text = await r.text()
         for instance, kind in (("notfound", "status"), ("malformed", "malformed"), ("refused", "fetch")):
-            assert f'warmroute_engine_scrape_errors_total{{instance="{instance}",kind="{kind}"}} 1.0' in text
-        assert 'instance="e0"' not in text.split("warmroute_engine_scrape_errors_total")[-1]
+            assert f'warmroute_engine_scrape_errors_total{{backend="{instance}",kind="{kind}"}} 1.0' in text
+        assert 'backend="e0"' not in text.split("warmroute_engine_scrape_errors_total")[-1]
     finally:
         await router.stop()
         await broken.stop()

@@ -415,8 +415,8 @@ async def test_upstream_429_and_5xx_pass_through(up_a, client):
                 assert r.status == status and r.headers["Retry-After"] == "7"
                 assert (await r.json())["error"]["message"] == f"upstream says {status}"
         text = await (await client.get(router.url + "/metrics")).text()
-        assert 'warmroute_requests_total{instance="a",status="429"} 1.0' in text
-        assert 'warmroute_upstream_errors_total{instance="a",kind="status_5xx"} 1.0' in text
+        assert 'warmroute_requests_total{backend="a",status="429"} 1.0' in text
+        assert 'warmroute_upstream_errors_total{backend="a",kind="status_5xx"} 1.0' in text
     finally:
         await router.stop()
 
@@ -432,7 +432,7 @@ async def test_failed_health_check_ejects_and_a_passing_one_restores(up_a, up_b,
             async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
                 assert r.headers["x-warmroute-instance"] == "b"
         text = await (await client.get(router.url + "/metrics")).text()
-        assert 'warmroute_instance_healthy{instance="a"} 0.0' in text
+        assert 'warmroute_instance_healthy{backend="a"} 0.0' in text
         up_a.health_status = 200
         await _until(lambda: fleet.instances["a"].healthy)
         got = set()
@@ -474,7 +474,7 @@ async def test_connect_failure_is_retried_once_on_the_next_choice(up_a, up_b, cl
         assert not fleet.instances["a"].healthy
         assert all(i.inflight == 0 for i in fleet.instances.values())
         text = await (await client.get(router.url + "/metrics")).text()
-        assert 'warmroute_upstream_errors_total{instance="a",kind="connect"} 1.0' in text
+        assert 'warmroute_upstream_errors_total{backend="a",kind="connect"} 1.0' in text
     finally:
         await router.stop()
 
@@ -515,15 +515,15 @@ async def test_metrics_exposes_every_family(up_a, client):
         async with client.get(router.url + "/metrics") as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
             text = await r.text()
-        for needle in ('warmroute_requests_total{instance="a",status="200"} 1.0',
-                       'warmroute_requests_total{instance="none",status="400"} 1.0',
-                       'warmroute_inflight{instance="a"} 0.0',
+        for needle in ('warmroute_requests_total{backend="a",status="200"} 1.0',
+                       'warmroute_requests_total{backend="none",status="400"} 1.0',
+                       'warmroute_inflight{backend="a"} 0.0',
                        'warmroute_decisions_total{reason="cold",strategy="cache_aware"} 1.0',
                        "warmroute_matched_prefix_ratio_bucket",
-                       'warmroute_time_to_first_byte_seconds_count{instance="a"} 1.0',
+                       'warmroute_time_to_first_byte_seconds_count{backend="a"} 1.0',
                        "warmroute_decision_seconds_count 1.0",
                        "warmroute_index_entries ", "warmroute_index_bytes ",
-                       'warmroute_instance_healthy{instance="a"} 1.0'):
+                       'warmroute_instance_healthy{backend="a"} 1.0'):
             assert needle in text, needle
         async with client.get(router.url + "/health") as r:
             assert r.status == 200 and (await r.json())["healthy_instances"] == 1

@@ -16,9 +16,12 @@ from collections.abc import Sequence
 
 from warmroute.core.block_cache import BlockCache
 
-# Measured cost of one indexed block (OrderedDict entry in the instance's cache + its share of the
-# bitmask dict), see tests/test_prefix_index.py::test_memory_per_entry_estimate.
-BYTES_PER_ENTRY = 220
+# Measured cost of one indexed block at its peak under churn: the OrderedDict entry in the instance's cache,
+# its share of the bitmask dict, the hash int itself, and the transient of a dict resizing while full
+# (tracemalloc peaks of 270-390 bytes per entry from 4k to 250k entries); see
+# tests/test_prefix_index.py::test_memory_per_entry_estimate and tests/test_reliability_state.py. (220, the
+# steady-state figure without churn, let a full index peak at 1.4x its byte cap.)
+BYTES_PER_ENTRY = 400
 
 
 class PrefixIndex:

@@ -5,6 +5,9 @@
   GET  /v1/models     the healthy instances' model lists, merged
   GET  /health, /ping the router's own health (200 while an instance is healthy, else 503)
   GET  /metrics       Prometheus text
+  GET  /livez         200 while the process serves, whatever the engines' state (liveness probes)
+  GET  /dashboard     live status page (and /dashboard/state, its JSON), unless `dashboard` is off
+  /admin/instances    the admin API (admin.py), only when `admin_token` is set
   anything else       forwarded to the least-loaded instance
 """
 
@@ -20,6 +23,9 @@ import aiohttp
 from aiohttp import web
 
 from warmroute.core.strategies import NoInstanceAvailable
+from warmroute.router import dashboard as dash
+from warmroute.router.admin import MEMBERSHIP, add_admin_routes
+from warmroute.router.discovery import Discovery, Membership, Resolver, resolve
 from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.errors import ApiError, bad_request, json_error, no_instance, too_large
 from warmroute.router.health import Health
@@ -27,6 +33,7 @@ from warmroute.router.metrics import NO_INSTANCE, Metrics
 from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
 from warmroute.router.settings import RouterSettings
+from warmroute.router.shared_index import SharedIndex
 
 log = logging.getLogger("warmroute.router")
 
@@ -36,6 +43,8 @@ HEALTH = web.AppKey("health", Health)
 PROXY = web.AppKey("proxy", Proxy)
 METRICS = web.AppKey("metrics", Metrics)
 SCRAPER = web.AppKey("scraper", EngineScraper)
+DISCOVERY = web.AppKey("discovery", Discovery)
+ACTIVITY = web.AppKey("activity", dash.Activity)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -46,6 +55,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     app = request.app
     body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
     key, decision = app[ROUTER].route(request.path, body, request.headers.get(SESSION_HEADER))
+    app[ACTIVITY].note(key, decision)
     return await app[PROXY].forward(request, body, key, decision)
 
 
@@ -84,8 +94,11 @@ async def models(request: web.Request) -> web.Response:
 async def _models_of(proxy: Proxy, name: str, headers: dict[str, str]) -> list:
     assert proxy.session is not None
     timeout = aiohttp.ClientTimeout(total=proxy.settings.health_timeout)  # as light as a health check
+    base = proxy.urls.get(name)
+    if base is None:  # removed from the fleet (discovery) meanwhile
+        return []
     try:
-        async with proxy.session.get(proxy.urls[name] + "/v1/models", headers=headers, timeout=timeout) as r:
+        async with proxy.session.get(base + "/v1/models", headers=headers, timeout=timeout) as r:
             if r.status != 200:
                 return []
             data = json.loads(await r.read())
@@ -105,6 +118,17 @@ async def health(request: web.Request) -> web.Response:
 async def ping(request: web.Request) -> web.Response:
     """SageMaker's health probe: an empty 200 while the router can serve."""
     return web.Response(status=200 if request.app[HEALTH].is_healthy() else 503)
+
+
+async def livez(request: web.Request) -> web.Response:
+    """Liveness: the event loop answers. Never depends on the engines (that is /health's job)."""
+    return web.json_response({"status": "alive"})
+
+
+async def dashboard_state(request: web.Request) -> web.Response:
+    app = request.app
+    return web.json_response(dash.state(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[SETTINGS].strategy),
+                             headers={"Cache-Control": "no-store"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -144,7 +168,7 @@ def _error(request: web.Request, exc: ApiError) -> web.Response:
 
 
 # -- assembly -------------------------------------------------------------------------------------------------
-def build_app(settings: RouterSettings) -> web.Application:
+def build_app(settings: RouterSettings, resolver: Resolver = resolve) -> web.Application:
     app = web.Application(middlewares=[json_errors], client_max_size=settings.max_body_bytes)
     names = [b.name for b in settings.backends]
     urls = {b.name: b.url for b in settings.backends}
@@ -153,13 +177,22 @@ def build_app(settings: RouterSettings) -> web.Application:
     app[ROUTER] = router = Router(settings, metrics_)
     app[HEALTH] = health_ = Health(router.fleet, urls, settings, metrics_)
     app[PROXY] = Proxy(router, health_, urls, settings)
-    app[SCRAPER] = EngineScraper(router.fleet, urls, settings, metrics_)
+    app[SCRAPER] = scraper = EngineScraper(router.fleet, urls, settings, metrics_)
+    app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper)
+    app[DISCOVERY] = Discovery(membership, settings, resolver)
+    app[ACTIVITY] = dash.Activity(settings.block_bytes)
     app.cleanup_ctx.append(_upstream_lifetime)
 
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ping", ping)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/livez", livez)
+    if settings.dashboard:
+        app.router.add_get("/dashboard", dash.page)
+        app.router.add_get("/dashboard/state", dashboard_state)
+    if settings.admin_token is not None:
+        add_admin_routes(app, settings.admin_token.get_secret_value())
     app.router.add_route("*", "/{tail:.*}", proxied)  # routed paths and everything else
     return app
 
@@ -169,12 +202,29 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     (past in-flight requests)."""
     proxy = app[PROXY]
     proxy.session = session = make_session(app[SETTINGS])
+    await app[DISCOVERY].start(session)  # the backends file and DNS names, before the first health round
+    settings = app[SETTINGS]
+    k8s = None
+    if settings.kubernetes_service:
+        from warmroute.router.kubernetes import KubernetesDiscovery
+
+        k8s = KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port)
+        await k8s.start()
+    if settings.redis_url is not None:
+        shared = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, app[ROUTER].fleet)
+        await shared.start()
+        app[ROUTER].shared = shared
     await app[HEALTH].check_all(session)  # know who is up before the first request
     loops = [asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")]
     if app[SETTINGS].engine_metrics:
         await app[SCRAPER].scrape_all(session)  # and each engine's KV capacity, where not configured
         loops.append(asyncio.create_task(app[SCRAPER].run(session), name="warmroute-engine-metrics"))
     yield
+    await app[DISCOVERY].stop()
+    if k8s is not None:
+        await k8s.stop()
+    if app[ROUTER].shared is not None:
+        await app[ROUTER].shared.stop()
     for task in loops:
         task.cancel()
     for task in loops:

@@ -7,7 +7,7 @@ Names understood (the rest of the page is ignored):
 Counts are summed over an engine's series (one per data-parallel rank), usage takes the busiest.
 
 A scrape that fails, answers an error, cannot be parsed or has none of these names is counted in
-`warmroute_engine_scrape_errors_total{instance,kind}` and forgets what the last one said, so routing falls
+`warmroute_engine_scrape_errors_total{backend,kind}` and forgets what the last one said, so routing falls
 back to the router's own books; it never ejects the instance (that is health.py's job).
 """
 
@@ -126,8 +126,11 @@ class EngineScraper:
 
     async def _fetch(self, session: aiohttp.ClientSession, name: str) -> EngineSignals | None:
         timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
+        base = self.urls.get(name)
+        if base is None:  # removed from the fleet (discovery) since this round began
+            return None
         try:
-            async with session.get(self.urls[name] + "/metrics", timeout=timeout) as resp:
+            async with session.get(base + "/metrics", timeout=timeout) as resp:
                 body = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, OSError, TimeoutError):

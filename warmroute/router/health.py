@@ -60,8 +60,11 @@ class Health:
 
     async def check(self, session: aiohttp.ClientSession, name: str) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
+        base = self.urls.get(name)
+        if base is None:  # removed from the fleet (discovery) since this round began
+            return
         try:
-            async with session.get(self.urls[name] + "/health", timeout=timeout) as resp:
+            async with session.get(base + "/health", timeout=timeout) as resp:
                 await resp.read()
                 status = resp.status
         except (TimeoutError, aiohttp.ServerTimeoutError):

@@ -1,7 +1,8 @@
 """Prometheus metrics of one router process, in a private registry (tests can run several routers at once).
 
-Labelled children are created once per instance at start-up: `.labels()` costs a dictionary build and a
-lock per call, too much for the per-request path.
+Labelled children are created once per instance when it joins (start-up or discovery): `.labels()` costs a
+dictionary build and a lock per call, too much for the per-request path. The engine instance's label is
+`backend`, not `instance`, which Prometheus reserves for the scrape target (it would become exported_instance).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from warmroute.core.feedback import VERDICTS
 from warmroute.core.fleet import Fleet
 from warmroute.core.strategies import REASONS
 
-NO_INSTANCE = "none"  # instance label of requests answered before any instance was chosen (400, 413, 503)
+NO_INSTANCE = "none"  # backend label of requests answered before any instance was chosen (400, 413, 503)
 
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -24,8 +25,8 @@ class Metrics:
     def __init__(self, strategy: str, instances: list[str]) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter("warmroute_requests", "Requests answered, by instance and status code",
-                                ["instance", "status"], registry=r)
-        self.inflight = Gauge("warmroute_inflight", "Requests in flight per instance", ["instance"], registry=r)
+                                ["backend", "status"], registry=r)
+        self.inflight = Gauge("warmroute_inflight", "Requests in flight per instance", ["backend"], registry=r)
         self.decisions = Counter("warmroute_decisions", "Routing decisions by strategy and reason",
                                  ["strategy", "reason"], registry=r)
         self.matched_ratio = Histogram("warmroute_matched_prefix_ratio",
@@ -33,49 +34,68 @@ class Metrics:
                                        buckets=_RATIO_BUCKETS, registry=r)
         self.ttfb = Histogram("warmroute_time_to_first_byte_seconds",
                               "Seconds from forwarding a request to the upstream's first body byte",
-                              ["instance"], buckets=_TTFB_BUCKETS, registry=r)
+                              ["backend"], buckets=_TTFB_BUCKETS, registry=r)
         self.decision_seconds = Histogram("warmroute_decision_seconds",
                                           "Seconds spent parsing the request and choosing an instance",
                                           buckets=_DECISION_BUCKETS, registry=r)
         self.index_entries = Gauge("warmroute_index_entries", "Blocks held in the prefix index", registry=r)
         self.index_bytes = Gauge("warmroute_index_bytes", "Estimated memory of the prefix index", registry=r)
         self.healthy = Gauge("warmroute_instance_healthy", "1 while the instance receives traffic",
-                             ["instance"], registry=r)
+                             ["backend"], registry=r)
         self.upstream_errors = Counter("warmroute_upstream_errors",
                                        "Failed upstream attempts by instance and kind "
                                        "(connect, timeout, disconnect, status_5xx, status_429)",
-                                       ["instance", "kind"], registry=r)
+                                       ["backend", "kind"], registry=r)
+        self.retries = Counter("warmroute_retries", "Requests sent again to another instance after this one "
+                               "failed before any byte reached the client, by failed instance and kind "
+                               "(connect, upstream_timeout, upstream_error)", ["backend", "kind"], registry=r)
         # What the engines say they had cached, next to what the router predicted for the same responses.
         self.engine_prompt_tokens = Counter("warmroute_engine_prompt_tokens",
                                             "Prompt tokens (engine's count) of responses that reported cached "
-                                            "tokens", ["instance"], registry=r)
+                                            "tokens", ["backend"], registry=r)
         self.engine_cached_tokens = Counter("warmroute_engine_cached_tokens",
                                             "Prompt tokens the engine reported cached (usage.prompt_tokens_details"
-                                            ".cached_tokens or timings.cache_n)", ["instance"], registry=r)
+                                            ".cached_tokens or timings.cache_n)", ["backend"], registry=r)
         self.predicted_cached_tokens = Counter("warmroute_predicted_cached_tokens",
                                                "Prompt tokens the router predicted cached for the same responses, "
-                                               "scaled to the engine's count", ["instance"], registry=r)
+                                               "scaled to the engine's count", ["backend"], registry=r)
         self.feedback = Counter("warmroute_index_feedback",
                                 "Engine reports by verdict on the index's prediction (confirmed, overpredicted, "
-                                "underpredicted)", ["instance", "verdict"], registry=r)
+                                "underpredicted)", ["backend", "verdict"], registry=r)
         self.capacity_scale = Gauge("warmroute_index_capacity_scale",
                                     "Factor on the configured KV capacities, learnt from engine reports",
                                     registry=r)
         self.engine_scrape_errors = Counter("warmroute_engine_scrape_errors",
                                             "Failed or incomplete scrapes of an engine's /metrics by kind "
-                                            "(fetch, status, malformed, missing)", ["instance", "kind"],
+                                            "(fetch, status, malformed, missing)", ["backend", "kind"],
                                             registry=r)
 
         self._strategy = strategy
         self._decision = {reason: self.decisions.labels(strategy, reason) for reason in REASONS}
-        self._inflight = {name: self.inflight.labels(name) for name in instances}
-        self._ttfb = {name: self.ttfb.labels(name) for name in instances}
-        self._healthy = {name: self.healthy.labels(name) for name in instances}
-        self._engine = {name: (self.engine_prompt_tokens.labels(name), self.engine_cached_tokens.labels(name),
-                               self.predicted_cached_tokens.labels(name)) for name in instances}
-        self._verdicts = {(name, v): self.feedback.labels(name, v) for name in instances for v in VERDICTS}
+        self._inflight: dict = {}
+        self._ttfb: dict = {}
+        self._healthy: dict = {}
+        self._engine: dict = {}
+        self._verdicts: dict = {}
         for name in instances:
-            self._healthy[name].set(1)
+            self.add_backend(name)
+
+    # -- membership (discovery) ---------------------------------------------------------------------------
+    def add_backend(self, name: str, healthy: bool = True) -> None:
+        if name not in self._inflight:
+            self._inflight[name] = self.inflight.labels(name)
+            self._ttfb[name] = self.ttfb.labels(name)
+            self._healthy[name] = self.healthy.labels(name)
+            self._engine[name] = (self.engine_prompt_tokens.labels(name), self.engine_cached_tokens.labels(name),
+                                  self.predicted_cached_tokens.labels(name))
+            self._verdicts.update({(name, v): self.feedback.labels(name, v) for v in VERDICTS})
+        self._healthy[name].set(1 if healthy else 0)
+
+    def remove_backend(self, name: str) -> None:
+        """The instance left the fleet: drop its gauges (counters stay, so rates over them remain right)."""
+        for store, gauge in ((self._inflight, self.inflight), (self._healthy, self.healthy)):
+            if store.pop(name, None) is not None:
+                gauge.remove(name)
 
     # -- per-request hooks (cheap) ------------------------------------------------------------------------
     def decided(self, reason: str, matched_ratio: float, seconds: float) -> None:
@@ -87,10 +107,14 @@ class Metrics:
         self.decision_seconds.observe(seconds)
 
     def set_inflight(self, name: str, value: int) -> None:
-        self._inflight[name].set(value)
+        gauge = self._inflight.get(name)
+        if gauge is not None:  # None: removed from the fleet while this request was in flight
+            gauge.set(value)
 
     def first_byte(self, name: str, seconds: float) -> None:
-        self._ttfb[name].observe(seconds)
+        hist = self._ttfb.get(name)
+        if hist is not None:
+            hist.observe(seconds)
 
     def answered(self, instance: str, status: int) -> None:
         self.requests.labels(instance, str(status)).inc()
@@ -98,8 +122,13 @@ class Metrics:
     def upstream_error(self, instance: str, kind: str) -> None:
         self.upstream_errors.labels(instance, kind).inc()
 
+    def retried(self, instance: str, kind: str) -> None:
+        self.retries.labels(instance, kind).inc()
+
     def engine_usage(self, name: str, prompt_tokens: int, cached_tokens: int, predicted_tokens: float,
                      verdict: str | None) -> None:
+        if name not in self._engine:
+            return
         prompt, cached, predicted = self._engine[name]
         prompt.inc(prompt_tokens)
         cached.inc(cached_tokens)
@@ -111,7 +140,9 @@ class Metrics:
         self.engine_scrape_errors.labels(name, kind).inc()
 
     def set_healthy(self, name: str, healthy: bool) -> None:
-        self._healthy[name].set(1 if healthy else 0)
+        gauge = self._healthy.get(name)
+        if gauge is not None:
+            gauge.set(1 if healthy else 0)
 
     # -- scrape -------------------------------------------------------------------------------------------
     def render(self, fleet: Fleet) -> tuple[bytes, str]:

@@ -16,7 +16,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from warmroute.core.routing_key import RoutingKey
-from warmroute.core.strategies import Decision
+from warmroute.core.strategies import Decision, NoInstanceAvailable
 from warmroute.router.errors import ApiError
 from warmroute.router.health import Health
 from warmroute.router.routing import Router, Ticket, is_routed
@@ -35,6 +35,16 @@ CLIENT_CLOSED = 499  # status label of a request whose client went away (nginx's
 
 class _ConnectFailed(Exception):
     """No connection could be opened: nothing was sent, so another instance may safely be tried."""
+
+
+class _NoAnswer(Exception):
+    """The instance took the request but sent no byte of an answer (first-byte timeout, or it dropped the
+    connection): nothing reached the client either, so another instance may be tried. `error` is the answer
+    if none can."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def _filter(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -74,7 +84,9 @@ class Proxy:
 
     async def forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
                       decision: Decision) -> web.StreamResponse:
-        """Send to the decision's instance; if no connection can be opened there, once more to the next choice."""
+        """Send to the decision's instance; if it fails before any byte reached the client (no connection, no
+        first byte within first_byte_timeout, connection dropped before answering), once more to the next
+        choice, never the same instance twice in a row."""
         for attempt in (0, 1):
             ticket = self.router.dispatch(decision)
             try:
@@ -86,12 +98,24 @@ class Proxy:
                 if attempt == 1:
                     raise ApiError(502, f"could not connect to instance {decision.instance}", "upstream_error",
                                    instance=decision.instance) from None
+                error = None
+            except _NoAnswer as exc:
+                if attempt == 1:
+                    raise exc.error from None
+                error = exc.error
             except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler
                 self.router.metrics.answered(decision.instance, CLIENT_CLOSED)
                 raise
             finally:
                 ticket.finish()
-            decision = self.router.decide(key)
+            failed = decision.instance
+            try:
+                decision = self.router.decide(key, avoid=failed)
+            except NoInstanceAvailable:
+                if error is None:
+                    raise
+                raise error from None  # nowhere else to go: the first instance's error stands
+            self.router.metrics.retried(failed, "connect" if error is None else error.kind)
         raise AssertionError("unreachable")
 
     async def _exchange(self, request: web.Request, body: bytes, decision: Decision,
@@ -146,15 +170,15 @@ class Proxy:
             self._abandon(upstream)
             self.router.metrics.upstream_error(name, "timeout")
             self.health.failed(name, "first-byte timeout")
-            raise ApiError(504, f"instance {name} sent nothing within first_byte_timeout "
-                                f"({self.settings.first_byte_timeout:g} s)", "upstream_timeout",
-                           instance=name) from None
+            raise _NoAnswer(ApiError(504, f"instance {name} sent nothing within first_byte_timeout "
+                                          f"({self.settings.first_byte_timeout:g} s)", "upstream_timeout",
+                                     instance=name)) from None
         except (aiohttp.ClientError, OSError) as exc:
             self._abandon(upstream)
             self.router.metrics.upstream_error(name, "disconnect")
             self.health.failed(name, f"request failed: {type(exc).__name__}")
-            raise ApiError(502, f"instance {name} closed the connection before answering", "upstream_error",
-                           instance=name) from None
+            raise _NoAnswer(ApiError(502, f"instance {name} closed the connection before answering",
+                                     "upstream_error", instance=name)) from None
         except BaseException:  # cancelled: the client went away
             self._abandon(upstream)
             raise

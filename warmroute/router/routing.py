@@ -16,6 +16,7 @@ from warmroute.core.strategies import Decision, StrategySettings, make_strategy
 from warmroute.router.errors import bad_request
 from warmroute.router.metrics import Metrics
 from warmroute.router.settings import RouterSettings
+from warmroute.router.shared_index import SharedIndex
 from warmroute.router.usage import EngineUsage
 
 SESSION_HEADER = "x-session-id"
@@ -40,6 +41,7 @@ class Router:
             prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
             balance_factor=settings.balance_factor, block_bytes=settings.block_bytes))
         self._any = make_strategy("least_loaded")
+        self.shared: SharedIndex | None = None  # other replicas hear what this one records (redis_url)
 
     # -- deciding ------------------------------------------------------------------------------------------
     def key_of(self, path: str, body: bytes, session: str | None) -> RoutingKey:
@@ -61,8 +63,16 @@ class Router:
         except (RecursionError, TypeError, ValueError, OverflowError):
             raise bad_request("request body cannot be read as a request for " + path) from None
 
-    def decide(self, key: RoutingKey | None) -> Decision:
-        """The strategy's choice for this key (least loaded when there is no key); NoInstanceAvailable if none."""
+    def decide(self, key: RoutingKey | None, avoid: str | None = None) -> Decision:
+        """The strategy's choice for this key (least loaded when there is no key); NoInstanceAvailable if none.
+        `avoid` names an instance that just failed this request: it is left out of this one choice."""
+        inst = self.fleet.instances.get(avoid) if avoid is not None else None
+        if inst is not None and inst.healthy:
+            inst.healthy = False  # for this synchronous choice only (no await in between)
+            try:
+                return self.decide(key)
+            finally:
+                inst.healthy = True
         if key is None:
             return self._any.choose(_NO_KEY, self.fleet)
         return self.strategy.choose(key, self.fleet)
@@ -96,6 +106,8 @@ class Router:
         """The request never reached the instance: it does not hold the blocks after all."""
         if decision.blocks and self.strategy.records_prefixes:
             self.fleet.index.forget(decision.instance, decision.blocks)
+            if self.shared is not None:
+                self.shared.forgotten(decision.instance, decision.blocks)
 
 
 class Ticket:
@@ -110,6 +122,8 @@ class Ticket:
         self._got_first = self._done = False
         blocks = decision.blocks if router.strategy.records_prefixes else None
         router.fleet.dispatched(self.instance, self._uncached, blocks)
+        if blocks and router.shared is not None:
+            router.shared.recorded(self.instance, blocks)
         self._sent_at = time.perf_counter()
         self._publish_inflight()
 

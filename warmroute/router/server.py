@@ -1,6 +1,6 @@
 """Running the router: bind, serve on uvloop, shut down gracefully; in-process for tests, forked for workers.
 
-Shutdown (SIGTERM or SIGINT): stop accepting, give in-flight requests up to `shutdown_timeout` seconds to
+SIGHUP re-reads `backends_file` (discovery.py). Shutdown (SIGTERM or SIGINT): stop accepting, give in-flight requests up to `shutdown_timeout` seconds to
 finish, cancel what is left (which closes those upstream connections), exit 0.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from warmroute.errors import UsageError
-from warmroute.router.app import build_app
+from warmroute.router.app import DISCOVERY, build_app
 from warmroute.router.settings import RouterSettings
 
 log = logging.getLogger("warmroute.router")
@@ -46,7 +46,8 @@ class RunningRouter:
 async def start_router(settings: RouterSettings, sock: socket.socket | None = None) -> RunningRouter:
     """Start serving in the running loop; with port 0 the kernel picks a free port (see `.port`)."""
     runner = web.AppRunner(build_app(settings), handler_cancellation=True,  # a client that leaves cancels
-                           access_log=None, shutdown_timeout=settings.shutdown_timeout)
+                           access_log=None, shutdown_timeout=settings.shutdown_timeout,
+                           keepalive_timeout=settings.client_header_timeout)  # also bounds header reading
     await runner.setup()
     sock = sock or bind(settings)
     site = web.SockSite(runner, sock)
@@ -84,6 +85,8 @@ async def _serve_until_signal(settings: RouterSettings, sock: socket.socket) -> 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     running = await start_router(settings, sock)
+    if hasattr(signal, "SIGHUP"):
+        loop.add_signal_handler(signal.SIGHUP, running.app[DISCOVERY].reload)
     log.info("listening on %s (strategy %s, %d backends, pid %d)", running.url, settings.strategy,
              len(settings.backends), os.getpid())
     await stop.wait()
@@ -107,6 +110,8 @@ def _run_workers(settings: RouterSettings, sock: socket.socket) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, forward)
     for w in workers:
         w.join()
     return max((w.exitcode or 0) for w in workers)

@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
-from warmroute.core.strategies import STRATEGIES
+from warmroute.core.strategies import STRATEGIES, StrategySettings
 from warmroute.errors import UsageError
 
 ENV_PREFIX = "WARMROUTE_"
@@ -88,10 +88,38 @@ class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
     backends: Annotated[list[Backend], NoDecode] = Field(
-        default_factory=list, min_length=1,
+        default_factory=list,
         description="Upstream instances: URL or NAME=URL (names default to instance-0, instance-1, ...). "
                     "Repeat the flag; in env, separate with commas; in YAML, a list of URLs or of "
                     "mappings with name, url and kv_capacity_tokens.")
+    backends_file: str | None = Field(
+        None, description="A YAML file listing more backends (the same forms as `backends`, as a list or under a "
+                          "`backends:` key), re-read when it changes and on SIGHUP; entries that disappear are "
+                          "drained and removed once idle.")
+    backends_file_interval: float = Field(1.0, ge=0.05, le=3600, description="Seconds between two checks of "
+                                                                             "backends_file's modification time.")
+    dns_refresh_interval: float = Field(
+        0.0, ge=0, le=86400,
+        description="Seconds between two resolutions of backend host names (0: off). On, a backend whose name "
+                    "resolves to several addresses becomes one instance per address (NAME, NAME-1, ...).")
+    kubernetes_service: str | None = Field(
+        None, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="[NAMESPACE/]SERVICE whose EndpointSlices list the engine pods (ready ones become instances, "
+                    "terminating ones are drained; needs kubernetes-asyncio and RBAC: deploy/kubernetes/rbac.yaml).")
+    kubernetes_port: str | None = Field(None, description="The engines' port in the EndpointSlices, by name or "
+                                                          "number (unset: the first port).")
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token of the admin API (/admin/instances: list, add, drain, remove). Unset: "
+                          "the admin API does not exist.")
+    redis_url: SecretStr | None = Field(
+        None, description="Share prefix-index updates between router replicas through this Redis "
+                          "(redis://[:PASSWORD@]HOST:PORT[/DB], rediss://, unix://); unset: each replica keeps its own "
+                          "(needs the redis package: pip install 'warmroute[redis]').")
+    redis_channel: str = Field("warmroute:index", min_length=1, max_length=200,
+                               description="Redis pub/sub channel of the shared index (one per fleet).")
+    dashboard: bool = Field(True, description="Serve the live status page at /dashboard (and its JSON at "
+                                              "/dashboard/state): instances, hit rates, hot prefixes, decisions; "
+                                              "never prompt text or addresses.")
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="Port to listen on (0: any free port).")
     strategy: StrategyName = Field("cache_aware", description="Routing strategy.")
@@ -104,8 +132,9 @@ class RouterSettings(BaseSettings):
         description="ConcurrencyThreshold: most in-flight requests the prefix-selected instance may have "
                     "before a request goes elsewhere.")
     balance_factor: float = Field(
-        0.25, ge=0.0, le=10.0,
-        description="cache_aware's bounded-load factor epsilon: no instance above (1+epsilon) x mean in-flight.")
+        StrategySettings.balance_factor, ge=0.0, le=10.0,
+        description="cache_aware's bounded-load factor epsilon: no instance above (1+epsilon) x mean in-flight "
+                    f"+ {StrategySettings.balance_slack}.")
     block_bytes: int = Field(64, ge=16, le=4096, description="Block size of the prefix index in bytes "
                                                              "(multiple of 8; 64 bytes is about 16 tokens).")
     index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = Field(
@@ -131,6 +160,11 @@ class RouterSettings(BaseSettings):
         description="Seconds from sending a request to the upstream's first body byte.")
     idle_timeout: float = Field(60.0, ge=0.1, le=3600,
                                 description="Seconds allowed between two chunks of an upstream response.")
+    client_header_timeout: float = Field(
+        75.0, ge=0.1, le=3600,
+        description="Seconds a client connection may take to send a request's headers, or stay idle between "
+                    "requests, before it is closed (a client that trickles its headers byte by byte is cut off; "
+                    "its body is bounded by idle_timeout).")
     failures_before_ejection: int = Field(
         3, ge=1, le=100,
         description="Consecutive 5xx responses or failed health checks that eject an instance "
@@ -156,6 +190,13 @@ class RouterSettings(BaseSettings):
     def _parse_size(cls, v: Any) -> Any:
         return parse_size(v)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and urlsplit(v.get_secret_value()).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return v
+
     @field_validator("block_bytes")
     @classmethod
     def _check_block(cls, v: int) -> int:
@@ -171,6 +212,14 @@ class RouterSettings(BaseSettings):
         if dupes:
             raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
         return v
+
+    @model_validator(mode="after")
+    def _some_backend_source(self) -> RouterSettings:
+        if not self.backends and not self.backends_file and self.admin_token is None and not self.kubernetes_service:
+            raise ValueError(f"invalid setting backends ({flag_of('backends')}, {env_of('backends')}): at least one "
+                             "backend is required (--backend URL or NAME=URL), or a source of them (--backends-file, "
+                             "--kubernetes-service, or --admin-token to add them through the admin API)")
+        return self
 
     def capacity_configured(self, backend: Backend) -> bool:
         """Whether the user gave this backend's KV capacity (else the engine's own figure is used once known)."""
@@ -305,6 +354,8 @@ def _default_text(name: str) -> str:
     if name == "backends":
         return "none (required)"
     value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "none"
     if isinstance(value, bool):
         return str(value).lower()
     if name.endswith("_bytes") and isinstance(value, int) and value >= MiB:
@@ -359,8 +410,10 @@ def configuration_markdown() -> str:
         "  it is read from each engine's `/metrics` (vLLM's `cache_config_info`, SGLang's `max_total_num_tokens`).",
         "  With `engine_feedback`, a wrong capacity is corrected from the cached tokens the engines report",
         "  (see docs/feedback.md); `warmroute_index_capacity_scale` in `/metrics` shows the factor learnt.",
-        "- With `workers` above 1 every process keeps its own index and metrics; cold prefixes still land on",
-        "  the same instance in every process (rendezvous hashing), so their views converge.",
+        "- With `workers` above 1, or several router replicas, every process keeps its own index and metrics, and",
+        "  each sees only its share of a prefix's requests: the fleet hit rate drops (docs/replicas.md). Set",
+        "  `redis_url` (the same Redis and `redis_channel` for every replica) to share index updates between them.",
+        "- Membership at run time (`backends_file`, `dns_refresh_interval`, `admin_token`): docs/deployment.md.",
         "- Health: a refused connection ejects an instance at once; `failures_before_ejection` consecutive",
         "  5xx answers or timeouts eject it; only a passing `GET /health` brings it back.",
         "",

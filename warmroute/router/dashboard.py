@@ -1,0 +1,180 @@
+"""The live status page: GET /dashboard (plain HTML + JS, no build step) polls GET /dashboard/state every second.
+
+What it shows: instances (health, draining, in flight, requests), the predicted and engine-reported hit
+rates, the hottest prefixes by share of recent traffic, and the latest routing decisions. Never prompt text
+and never addresses: a prefix is shown as a keyed hash of its first KiB (a fresh random key per process, so
+the ids cannot be matched against a dictionary of known prompts), a decision as instance name and reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections import deque
+from typing import Any
+
+from aiohttp import web
+
+from warmroute.core.fleet import Fleet
+from warmroute.core.routing_key import RoutingKey
+from warmroute.core.strategies import Decision
+from warmroute.router.metrics import Metrics
+
+HOT_SLOTS = 64  # prefixes counted (Space-Saving: the heavy hitters are kept, the tail shares the rest)
+HOT_SHOWN = 10
+RECENT = 30  # decisions shown
+HALVE_EVERY = 20_000  # requests: counts are halved so the shares follow recent traffic
+PREFIX_BYTES = 1024  # a prefix is identified by its first KiB
+
+
+class Activity:
+    """Bounded, cheap per-request bookkeeping for the page: O(1) per request except a rare eviction scan."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self._depth = max(1, PREFIX_BYTES // block_bytes)
+        self._block_bytes = block_bytes
+        self._counts: dict[int, float] = {}
+        self._total = 0.0
+        self._seen = 0
+        self._key = os.urandom(16)
+        self.recent: deque[tuple[float, str, str, float]] = deque(maxlen=RECENT)
+        self.predicted_tokens = 0
+        self.prompt_tokens = 0
+
+    def note(self, key: RoutingKey | None, decision: Decision) -> None:
+        self.recent.append((time.time(), decision.instance, decision.reason, decision.matched_ratio))
+        if key is None:
+            return
+        self.predicted_tokens += decision.matched_tokens
+        self.prompt_tokens += decision.prompt_tokens
+        blocks = key.blocks(self._block_bytes)
+        if not blocks:
+            return
+        h = blocks[min(len(blocks), self._depth) - 1]
+        self._count(h)
+
+    def _count(self, h: int) -> None:
+        counts = self._counts
+        if h in counts:
+            counts[h] += 1
+        elif len(counts) < HOT_SLOTS:
+            counts[h] = 1
+        else:  # Space-Saving: the newcomer inherits the smallest count
+            low = min(counts, key=counts.__getitem__)
+            counts[h] = counts.pop(low) + 1
+        self._total += 1
+        self._seen += 1
+        if self._seen % HALVE_EVERY == 0:
+            self._total /= 2
+            for k in counts:
+                counts[k] /= 2
+
+    def hot(self) -> list[dict[str, Any]]:
+        top = sorted(self._counts.items(), key=lambda kv: kv[1], reverse=True)[:HOT_SHOWN]
+        return [{"prefix": self._label(h), "share": round(c / self._total, 4) if self._total else 0.0}
+                for h, c in top]
+
+    def _label(self, h: int) -> str:
+        return hashlib.blake2b(h.to_bytes(8, "little"), key=self._key, digest_size=6).hexdigest()
+
+
+def _engine_totals(metrics: Metrics) -> tuple[float, float, float]:
+    """Sums over every backend: engine-reported prompt and cached tokens, and the router's prediction."""
+    sums = {"warmroute_engine_prompt_tokens": 0.0, "warmroute_engine_cached_tokens": 0.0,
+            "warmroute_predicted_cached_tokens": 0.0}
+    for family in metrics.registry.collect():
+        if family.name in sums:
+            sums[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return (sums["warmroute_engine_prompt_tokens"], sums["warmroute_engine_cached_tokens"],
+            sums["warmroute_predicted_cached_tokens"])
+
+
+def state(fleet: Fleet, activity: Activity, metrics: Metrics, strategy: str) -> dict[str, Any]:
+    now = time.time()
+    total = sum(i.requests_total for i in fleet.instances.values()) or 1
+    instances = [{"name": i.name, "healthy": i.healthy, "draining": i.draining, "inflight": i.inflight,
+                  "requests": i.requests_total, "share": round(i.requests_total / total, 4)}
+                 for i in sorted(fleet.instances.values(), key=lambda i: i.name)]
+    prompt, cached, predicted_same = _engine_totals(metrics)
+    return {
+        "time": now,
+        "strategy": strategy,
+        "instances": instances,
+        "hit_rate": {
+            "predicted": round(activity.predicted_tokens / activity.prompt_tokens, 4) if activity.prompt_tokens
+            else None,
+            "engine_reported": round(cached / prompt, 4) if prompt else None,
+            "predicted_same_responses": round(predicted_same / prompt, 4) if prompt else None,
+        },
+        "hot_prefixes": activity.hot(),
+        "recent_decisions": [{"age_s": round(now - t, 2), "instance": name, "reason": reason,
+                              "matched_ratio": round(ratio, 3)}
+                             for t, name, reason, ratio in reversed(activity.recent)],
+    }
+
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>warmroute</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:16px;background:#f6f7f9;color:#1d2330}
+h1{font-size:20px;margin:0 0 12px} h2{font-size:15px;margin:0 0 8px}
+.grid{display:grid;grid-template-columns:1fr 1fr;gap:14px}
+.card{background:#fff;border-radius:8px;padding:12px 14px;box-shadow:0 1px 3px #0002}
+table{border-collapse:collapse;width:100%} td,th{text-align:left;padding:3px 6px;border-bottom:1px solid #e4e7ec}
+.ok{color:#137333;font-weight:600}.bad{color:#b3261e;font-weight:600}.drain{color:#a05a00;font-weight:600}
+.big{font-size:28px;font-weight:700}.muted{color:#667}
+.bar{height:10px;background:#3b6fd8;border-radius:3px}
+</style></head><body>
+<h1>warmroute <span class="muted" id="strategy"></span> <span class="muted" id="updated"></span></h1>
+<div class="grid">
+ <div class="card"><h2>Hit rate</h2>
+  <div>predicted <span class="big" id="hit-predicted">-</span></div>
+  <div>engine-reported <span class="big" id="hit-engine">-</span>
+   <span class="muted">(router predicted <span id="hit-same">-</span> for the same responses)</span></div></div>
+ <div class="card"><h2>Instances</h2><table><thead><tr><th>name</th><th>state</th><th>in flight</th>
+  <th>requests</th><th>share</th></tr></thead><tbody id="instances"></tbody></table></div>
+ <div class="card"><h2>Hottest prefixes (share of traffic)</h2><table><thead><tr><th>prefix id</th><th>share</th>
+  <th></th></tr></thead><tbody id="hot"></tbody></table></div>
+ <div class="card"><h2>Recent decisions</h2><table><thead><tr><th>age</th><th>instance</th><th>reason</th>
+  <th>predicted cached</th></tr></thead><tbody id="decisions"></tbody></table></div>
+</div>
+<script>
+"use strict";
+const pct = x => x === null || x === undefined ? "-" : (100 * x).toFixed(1) + "%";
+function cell(tr, text, cls) { const td = document.createElement("td"); td.textContent = text;
+  if (cls) td.className = cls; tr.appendChild(td); return td; }
+function rows(id, items, fill) { const body = document.getElementById(id); const out = [];
+  for (const item of items) { const tr = document.createElement("tr"); fill(tr, item); out.push(tr); }
+  body.replaceChildren(...out); }
+function render(s) {
+  document.getElementById("strategy").textContent = "strategy " + s.strategy;
+  document.getElementById("updated").textContent = "updated " + new Date(s.time * 1000).toLocaleTimeString();
+  document.getElementById("hit-predicted").textContent = pct(s.hit_rate.predicted);
+  document.getElementById("hit-engine").textContent = pct(s.hit_rate.engine_reported);
+  document.getElementById("hit-same").textContent = pct(s.hit_rate.predicted_same_responses);
+  rows("instances", s.instances, (tr, i) => {
+    cell(tr, i.name);
+    if (i.draining) cell(tr, "draining", "drain"); else cell(tr, i.healthy ? "healthy" : "ejected", i.healthy ? "ok" : "bad");
+    cell(tr, String(i.inflight)); cell(tr, String(i.requests)); cell(tr, pct(i.share)); });
+  rows("hot", s.hot_prefixes, (tr, p) => { cell(tr, p.prefix); cell(tr, pct(p.share));
+    const bar = document.createElement("div"); bar.className = "bar"; bar.style.width = Math.round(200 * p.share) + "px";
+    cell(tr, "").appendChild(bar); });
+  rows("decisions", s.recent_decisions, (tr, d) => { cell(tr, d.age_s.toFixed(1) + " s"); cell(tr, d.instance);
+    cell(tr, d.reason); cell(tr, pct(d.matched_ratio)); });
+}
+async function poll() {
+  try { const r = await fetch("dashboard/state", {cache: "no-store"}); if (r.ok) render(await r.json()); }
+  catch (e) { document.getElementById("updated").textContent = "router unreachable"; }
+}
+poll(); setInterval(poll, 1000);
+</script></body></html>
+"""
+
+
+async def page(request: web.Request) -> web.Response:
+    return web.Response(text=PAGE, content_type="text/html",
+                        headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
+                                 "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                                            "style-src 'unsafe-inline'"})

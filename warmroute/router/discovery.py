@@ -1,0 +1,345 @@
+"""Who is in the fleet: the static list, a watched backends file, DNS re-resolution, and the admin API.
+
+Every change goes through `Membership`, which keeps the fleet (core/fleet.py), the shared name -> URL map
+that the proxy, health checks and engine scrapes read, and the metrics in step:
+
+  - a new instance starts ejected and gets its first health check at once; it takes traffic when that passes;
+  - an instance that leaves is *drained*: no new requests, its streams finish, and it is removed once idle
+    (`drain`); `remove` drops it at once (the admin API's DELETE): its open streams still finish, uncounted.
+
+Sources, each reconciled on its own (one source never drains another's instances):
+  config  `backends` plus `backends_file` (re-read when its mtime changes, and on SIGHUP), each entry expanded
+          through DNS when `dns_refresh_interval` > 0: a name with several addresses becomes NAME, NAME-1, ...
+          (an address keeps its name for as long as it resolves);
+  admin   instances added through POST /admin/instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from warmroute.core.fleet import Fleet
+from warmroute.router.engine_metrics import EngineScraper
+from warmroute.router.health import Health
+from warmroute.router.metrics import Metrics
+from warmroute.router.settings import Backend, RouterSettings, parse_backends
+
+log = logging.getLogger("warmroute.router")
+
+CONFIG, ADMIN = "config", "admin"
+REAP_INTERVAL = 0.2  # seconds between two looks for drained instances that have gone idle
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """The addresses of a host name, deduplicated, in a stable order."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({info[4][0] for info in infos})
+
+
+def is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def with_host(url: str, address: str) -> str:
+    parts = urlsplit(url)
+    host = f"[{address}]" if ":" in address else address
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", "")).rstrip("/")
+
+
+def read_backends_file(path: str | Path) -> list[Backend]:
+    """A list of backends (URL, NAME=URL or mappings), bare or under `backends:`; ValueError if unreadable."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read backends file {path}: {str(exc).splitlines()[0]}") from None
+    if isinstance(data, dict):
+        data = data.get("backends")
+    if data is None:
+        return []
+    try:
+        backends = TypeAdapter(list[Backend]).validate_python(parse_backends(data))
+    except (ValueError, ValidationError) as exc:
+        raise ValueError(f"backends file {path}: {str(exc).splitlines()[0]}") from None
+    names = [b.name for b in backends]
+    if len(names) != len(set(names)):
+        raise ValueError(f"backends file {path}: backend names must be unique")
+    return backends
+
+
+@dataclass
+class Member:
+    name: str
+    url: str
+    source: str
+    capacity_configured: bool
+
+
+class Membership:
+    """Adds, drains and removes instances; owns the name -> URL map the rest of the shell reads."""
+
+    def __init__(self, fleet: Fleet, urls: dict[str, str], settings: RouterSettings, metrics: Metrics,
+                 health: Health, scraper: EngineScraper) -> None:
+        self.fleet = fleet
+        self.urls = urls
+        self.settings = settings
+        self.metrics = metrics
+        self.health = health
+        self.scraper = scraper
+        self.members = {b.name: Member(b.name, b.url, CONFIG, settings.capacity_configured(b))
+                        for b in settings.backends}
+        self.session: aiohttp.ClientSession | None = None
+        self._checks: set[asyncio.Task] = set()
+
+    # -- one instance ------------------------------------------------------------------------------------------
+    def add(self, backend: Backend, source: str) -> bool:
+        """Add (or update the address of, or cancel the drain of) an instance; False if the name is taken by
+        another source."""
+        member = self.members.get(backend.name)
+        if member is not None and member.source != source:
+            return False
+        inst = self.fleet.instances.get(backend.name)
+        if member is not None and inst is not None:
+            if inst.draining:
+                log.warning("instance %s rejoins", backend.name)
+                inst.draining = False
+            if member.url != backend.url:
+                member.url = self.urls[backend.name] = backend.url
+                self._check_soon(backend.name)
+            if backend.kv_capacity_tokens:
+                self.fleet.add(backend.name, backend.kv_capacity_tokens)
+            return True
+        configured = backend.kv_capacity_tokens is not None or "kv_capacity_tokens" in self.settings.model_fields_set
+        self.members[backend.name] = Member(backend.name, backend.url, source, configured)
+        self.urls[backend.name] = backend.url
+        inst = self.fleet.add(backend.name, backend.kv_capacity_tokens)
+        inst.healthy = False  # until its first health check passes
+        self.metrics.add_backend(backend.name, healthy=False)
+        if not configured:
+            self.scraper._learn_capacity.add(backend.name)
+        log.warning("instance %s joins (%s)", backend.name, source)
+        self._check_soon(backend.name)
+        return True
+
+    def drain(self, name: str) -> bool:
+        """No new requests; removed once its in-flight requests are done. False if unknown."""
+        inst = self.fleet.instances.get(name)
+        if inst is None:
+            return False
+        if not inst.draining:
+            log.warning("instance %s draining (%d in flight)", name, inst.inflight)
+        inst.draining = True
+        self.reap()
+        return True
+
+    def remove(self, name: str) -> bool:
+        if name not in self.fleet.instances and name not in self.members:
+            return False
+        self.fleet.remove(name)
+        self.members.pop(name, None)
+        self.urls.pop(name, None)
+        self.metrics.remove_backend(name)
+        self.scraper._learn_capacity.discard(name)
+        log.warning("instance %s removed", name)
+        return True
+
+    def reap(self) -> None:
+        """Remove drained instances that have nothing in flight."""
+        for inst in list(self.fleet.instances.values()):
+            if inst.draining and inst.inflight == 0:
+                self.remove(inst.name)
+
+    def _check_soon(self, name: str) -> None:
+        if self.session is None:
+            return  # not serving yet: the start-up round checks everyone
+        task = asyncio.get_running_loop().create_task(self.health.check(self.session, name))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    # -- a whole source ----------------------------------------------------------------------------------------
+    def reconcile(self, source: str, desired: list[Backend]) -> None:
+        """Make the source's instances exactly `desired`: add or update those listed, drain the others."""
+        wanted = {b.name for b in desired}
+        for b in desired:
+            if not self.add(b, source):
+                log.warning("backend %s from %s ignored: the name is already in use", b.name, source)
+        for name, member in list(self.members.items()):
+            if member.source == source and name not in wanted:
+                self.drain(name)
+
+    def listing(self) -> list[dict[str, Any]]:
+        out = []
+        for name, inst in self.fleet.instances.items():
+            member = self.members.get(name)
+            out.append({"name": name, "url": member.url if member else self.urls.get(name),
+                        "source": member.source if member else CONFIG, "healthy": inst.healthy,
+                        "draining": inst.draining, "inflight": inst.inflight,
+                        "kv_capacity_tokens": inst.kv_capacity_tokens})
+        return out
+
+
+class Discovery:
+    """The config source: static backends + backends_file, expanded through DNS; its polling loops."""
+
+    def __init__(self, membership: Membership, settings: RouterSettings, resolver: Resolver = resolve) -> None:
+        self.membership = membership
+        self.settings = settings
+        self.resolver = resolver
+        self._file_mtime: float | None = None
+        self._file_backends: list[Backend] = []
+        self._dns: dict[str, list[str]] = {}  # configured name -> addresses last resolved
+        self._slots: dict[tuple[str, str], str] = {}  # (configured name, address) -> instance name
+        self._tasks: list[asyncio.Task] = []
+        self._lock = asyncio.Lock()
+
+    @property
+    def dns_on(self) -> bool:
+        return self.settings.dns_refresh_interval > 0
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """First sync (before the start-up health round), then the loops."""
+        await self.refresh(force_file=True, resolve_names=True)
+        self.membership.session = session
+        self._tasks.append(asyncio.create_task(self._reaper(), name="warmroute-drain"))
+        if self.settings.backends_file:
+            self._tasks.append(asyncio.create_task(self._watch_file(), name="warmroute-backends-file"))
+        if self.dns_on:
+            self._tasks.append(asyncio.create_task(self._refresh_dns(), name="warmroute-dns"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    def reload(self) -> asyncio.Task:
+        """Re-read the backends file now (SIGHUP)."""
+        log.warning("reloading backends (SIGHUP)")
+        return asyncio.get_running_loop().create_task(self.refresh(force_file=True))
+
+    async def refresh(self, force_file: bool = False, resolve_names: bool = False) -> None:
+        async with self._lock:
+            if self.settings.backends_file:
+                self._read_file(force_file)
+            configured = [*self.settings.backends, *self._file_backends]
+            if self.dns_on and resolve_names:
+                await self._resolve_all(configured)
+            self.membership.reconcile(CONFIG, self._expand(configured))
+
+    # -- the backends file -------------------------------------------------------------------------------------
+    def _read_file(self, force: bool) -> None:
+        path = self.settings.backends_file
+        assert path is not None
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except OSError as exc:
+            if force or self._file_mtime is not None:
+                log.warning("backends file %s: %s; keeping the last list", path, exc.strerror)
+            self._file_mtime = None if force else self._file_mtime
+            return
+        if not force and mtime == self._file_mtime:
+            return
+        self._file_mtime = mtime
+        try:
+            backends = read_backends_file(path)
+        except ValueError as exc:
+            log.warning("%s; keeping the last list", exc)
+            return
+        static = {b.name for b in self.settings.backends}
+        self._file_backends = [b for b in backends if b.name not in static]
+        for b in backends:
+            if b.name in static:
+                log.warning("backends file %s: %s is already a static backend; ignored", path, b.name)
+
+    async def _watch_file(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.backends_file_interval)
+            before = self._file_mtime
+            try:
+                mtime = os.stat(self.settings.backends_file).st_mtime_ns  # type: ignore[arg-type]
+            except OSError:
+                mtime = None
+            if mtime != before:
+                await self.refresh(force_file=True, resolve_names=mtime is not None)
+
+    # -- DNS ------------------------------------------------------------------------------------------------------
+    async def _resolve_all(self, configured: list[Backend]) -> None:
+        async def one(b: Backend) -> None:
+            parts = urlsplit(b.url)
+            host = parts.hostname or ""
+            if is_address(host):
+                return
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                addresses = await self.resolver(host, port)
+            except (OSError, UnicodeError) as exc:
+                log.warning("backend %s: cannot resolve %s (%s); keeping the last addresses", b.name, host, exc)
+                return
+            if addresses:
+                self._dns[b.name] = addresses
+
+        await asyncio.gather(*(one(b) for b in configured))
+
+    async def _refresh_dns(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.dns_refresh_interval)
+            await self.refresh(resolve_names=True)
+
+    def _expand(self, configured: list[Backend]) -> list[Backend]:
+        """One backend per resolved address; an address keeps its instance name while it resolves."""
+        if not self.dns_on:
+            return configured
+        out = []
+        for b in configured:
+            addresses = self._dns.get(b.name)
+            if not addresses:
+                out.append(b)  # an address literal, or never resolved: the URL as configured
+                continue
+            current = {addr: self._slots[b.name, addr] for addr in addresses if (b.name, addr) in self._slots}
+            for key in [k for k in self._slots if k[0] == b.name and k[1] not in addresses]:
+                del self._slots[key]
+            taken = set(current.values()) | set(self.membership.fleet.instances)
+            for addr in addresses:
+                if addr not in current:
+                    name = next(n for n in (b.name, *(f"{b.name}-{i}" for i in range(1, 10_000)))
+                                if n not in taken or self._owned_by(b.name, n))
+                    current[addr] = self._slots[b.name, addr] = name
+                    taken.add(name)
+            for addr in addresses:
+                out.append(b.model_copy(update={"name": current[addr], "url": with_host(b.url, addr)}))
+        return out
+
+    def _owned_by(self, configured: str, name: str) -> bool:
+        """A name free for reuse: an instance of this backend that is not held by any current address."""
+        member = self.membership.members.get(name)
+        inst = self.membership.fleet.instances.get(name)
+        held = name in self._slots.values()
+        return (member is not None and member.source == CONFIG and not held
+                and (inst is None or not inst.draining) and (name == configured or name.startswith(configured + "-")))
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL)
+            self.membership.reap()

@@ -1,0 +1,187 @@
+"""Index updates shared between router replicas through Redis pub/sub (setting `redis_url`; off by default).
+
+Without it every replica knows only the prefixes it routed itself: with N replicas behind a round-robin load
+balancer a replica has seen about 1/N of each prefix's requests, takes the rest for cold, and scatters them
+(measured in docs/replicas.md). With it, every chain a replica records for an instance (and every one it
+takes back because the request never got there) is published; every other replica records it in its own
+index too. Only block hashes and instance names travel, never prompt text.
+
+Fire and forget, on purpose: pub/sub keeps nothing, a replica that (re)connects starts from what it hears
+next, a lost message costs one possible cache miss, and no request ever waits for Redis. Updates are batched
+per event-loop turn into one message. If Redis is unreachable, the replica routes on its own index alone and
+reconnects in the background.
+
+Message: 8-byte replica id, then entries of op (1 byte: 0 record, 1 forget), name length (1 byte), name (UTF-8),
+block count (uint32 LE), blocks (uint64 LE each).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+import sys
+
+from warmroute.core.fleet import Fleet
+
+log = logging.getLogger("warmroute.router")
+
+RECORD, FORGET = 0, 1
+_HEAD = struct.Struct("<BB")
+_COUNT = struct.Struct("<I")
+RECONNECT_S = 1.0
+
+
+def pack(replica: bytes, entries: list[tuple[int, str, list[int]]]) -> bytes:
+    out = bytearray(replica)
+    for op, name, blocks in entries:
+        raw = name.encode()
+        out += _HEAD.pack(op, len(raw)) + raw + _COUNT.pack(len(blocks))
+        a = array.array("Q", blocks)
+        if sys.byteorder != "little":
+            a.byteswap()
+        out += a.tobytes()
+    return bytes(out)
+
+
+def unpack(payload: bytes) -> tuple[bytes, list[tuple[int, str, list[int]]]]:
+    """(replica id, entries); ValueError on a malformed message."""
+    if len(payload) < 8:
+        raise ValueError("message too short")
+    replica, pos, entries = payload[:8], 8, []
+    try:
+        while pos < len(payload):
+            op, n = _HEAD.unpack_from(payload, pos)
+            pos += _HEAD.size
+            name = payload[pos:pos + n].decode()
+            pos += n
+            (count,) = _COUNT.unpack_from(payload, pos)
+            pos += _COUNT.size
+            end = pos + 8 * count
+            if end > len(payload) or op not in (RECORD, FORGET):
+                raise ValueError("truncated or unknown entry")
+            a = array.array("Q")
+            a.frombytes(payload[pos:end])
+            if sys.byteorder != "little":
+                a.byteswap()
+            entries.append((op, name, a.tolist()))
+            pos = end
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(str(exc)) from None
+    return replica, entries
+
+
+class SharedIndex:
+    def __init__(self, url: str, channel: str, fleet: Fleet) -> None:
+        self.url = url
+        self.channel = channel
+        self.fleet = fleet
+        self.replica = os.urandom(8)
+        self.received = 0  # entries applied from other replicas (tests, debugging)
+        self._pending: list[tuple[int, str, list[int]]] = []
+        self._flush_scheduled = False
+        self._client = None
+        self._tasks: list[asyncio.Task] = []
+        self._publishes: set[asyncio.Task] = set()
+        self.connected = asyncio.Event()
+
+    # -- outgoing (called on the request path: no I/O here) -----------------------------------------------------
+    def recorded(self, name: str, blocks: list[int] | tuple[int, ...]) -> None:
+        self._queue(RECORD, name, blocks)
+
+    def forgotten(self, name: str, blocks: list[int] | tuple[int, ...]) -> None:
+        self._queue(FORGET, name, blocks)
+
+    def _queue(self, op: int, name: str, blocks: list[int] | tuple[int, ...]) -> None:
+        if not blocks or self._client is None:
+            return
+        self._pending.append((op, name, list(blocks)))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        entries, self._pending = self._pending, []
+        if not entries or self._client is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._publish(pack(self.replica, entries)))
+        self._publishes.add(task)
+        task.add_done_callback(self._publishes.discard)
+
+    async def _publish(self, payload: bytes) -> None:
+        try:
+            await self._client.publish(self.channel, payload)
+        except Exception as exc:  # redis.exceptions.* and OSError: an update lost, nothing else
+            log.debug("shared index: publish failed: %s", exc)
+
+    # -- incoming ----------------------------------------------------------------------------------------------
+    def apply(self, payload: bytes) -> None:
+        try:
+            replica, entries = unpack(payload)
+        except ValueError as exc:
+            log.warning("shared index: malformed message ignored (%s)", exc)
+            return
+        if replica == self.replica:
+            return
+        index = self.fleet.index
+        for op, name, blocks in entries:
+            if name not in self.fleet.instances:
+                continue  # an instance this replica does not have (yet): nothing to learn
+            if op == RECORD:
+                index.record(name, blocks)
+            else:
+                index.forget(name, blocks)
+            self.received += 1
+
+    async def start(self) -> None:
+        import redis.asyncio as redis
+
+        self._client = redis.from_url(self.url)
+        self._tasks.append(asyncio.create_task(self._listen(), name="warmroute-shared-index"))
+        with contextlib.suppress(TimeoutError):  # do not hold start-up for long if Redis is down
+            async with asyncio.timeout(2.0):
+                await self.connected.wait()
+
+    async def _listen(self) -> None:
+        warned = False
+        while True:
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                self.connected.set()
+                if warned:
+                    log.warning("shared index: connected to Redis again")
+                    warned = False
+                while True:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is not None and msg.get("type") == "message":
+                        self.apply(msg["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.connected.clear()
+                if not warned:
+                    log.warning("shared index: Redis unavailable (%s); routing on this replica's index alone",
+                                type(exc).__name__)
+                    warned = True
+                await asyncio.sleep(RECONNECT_S)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._publishes:
+            await asyncio.gather(*self._publishes, return_exceptions=True)
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+        self._client = None
