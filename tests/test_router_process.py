@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import sys
+import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 CHUNKS = 5
@@ -15,10 +18,10 @@ CHUNKS = 5
 
 async def _sse_upstream() -> tuple[web.AppRunner, str]:
     async def sse(request: web.Request) -> web.StreamResponse:
-        await request.read()
+        chunks = json.loads(await request.read()).get("chunks", CHUNKS)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(CHUNKS):
+        for i in range(chunks):
             await resp.write(f"data: {i}\n\n".encode())
             await asyncio.sleep(0.1)
         return resp
@@ -60,6 +63,36 @@ async def test_sigterm_lets_in_flight_streams_finish_then_exits_0():
                 rest = await asyncio.wait_for(r.content.read(), 5)
             assert rest.count(b"data:") == CHUNKS - 1  # the stream finished after the signal
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await upstream.cleanup()
+
+
+async def test_sigterm_stops_accepting_and_cuts_streams_at_the_deadline():
+    """After SIGTERM no new connection is accepted; a stream still running past shutdown_timeout is cut (the
+    client sees a truncated response, not a hang); the process exits 0 right after."""
+    upstream, url = await _sse_upstream()
+    proc, router = await _start_router(url, "--shutdown-timeout", "1")  # the last flag wins
+    port = int(router.rsplit(":", 1)[1])
+    try:
+        async with aiohttp.ClientSession() as client:
+            async with client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi", "chunks": 100}) as r:
+                assert r.status == 200
+                await r.content.readuntil(b"\n\n")
+                proc.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                await asyncio.sleep(0.3)
+                with pytest.raises(OSError):  # the listening socket is closed: refused
+                    await asyncio.open_connection("127.0.0.1", port)
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await asyncio.wait_for(r.content.read(), 5)
+                cut_after = time.monotonic() - signalled
+        assert await asyncio.wait_for(proc.wait(), 5) == 0
+        exited_after = time.monotonic() - signalled
+        assert 0.9 <= cut_after <= 1.5 and exited_after <= 2.5, (cut_after, exited_after)
+        print(f"\nSIGTERM: stream cut after {cut_after:.2f}s (deadline 1 s), exit 0 after {exited_after:.2f}s")
     finally:
         if proc.returncode is None:
             proc.kill()

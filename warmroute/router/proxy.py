@@ -81,9 +81,28 @@ class Proxy:
         self.urls = urls  # instance name -> base URL; only ever from settings, never from the request
         self.settings = settings
         self.session: aiohttp.ClientSession | None = None
+        self._forwarding: set[asyncio.Task] = set()
 
     async def forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
                       decision: Decision) -> web.StreamResponse:
+        """Forward one request and relay its answer (see `_forward`), tracked until it is done."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._forwarding.add(task)  # so a shutdown deadline can cut what is still running
+        try:
+            return await self._forward(request, body, key, decision)
+        finally:
+            self._forwarding.discard(task)
+
+    def cancel_forwarding(self) -> int:
+        """Cancel every request still being forwarded (the shutdown deadline); returns how many."""
+        tasks = list(self._forwarding)
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+    async def _forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
+                       decision: Decision) -> web.StreamResponse:
         """Send to the decision's instance; if it fails before any byte reached the client (no connection, no
         first byte within first_byte_timeout, connection dropped before answering), once more to the next
         choice, never the same instance twice in a row."""

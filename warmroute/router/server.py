@@ -15,12 +15,30 @@ import socket
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from warmroute.errors import UsageError
-from warmroute.router.app import DISCOVERY, build_app
+from warmroute.router.app import DISCOVERY, PROXY, SETTINGS, build_app
 from warmroute.router.settings import RouterSettings
 
 log = logging.getLogger("warmroute.router")
+
+
+class _NoRequestBytes(logging.Filter):
+    """aiohttp's HTTP parser errors quote the bytes they choked on, which can be a prompt (a body read as the
+    next request line after a wrong Content-Length): keep the kind of error, drop the bytes and traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            lines = str(exc.message or "").strip().splitlines()
+            kind = lines[0].strip().rstrip(":") if lines else type(exc).__name__
+            record.msg, record.args = f"{record.getMessage()}: bad HTTP request ({exc.code}, {kind})", None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_PARSER_LOG_FILTER = _NoRequestBytes()
 
 
 @dataclass
@@ -40,13 +58,24 @@ class RunningRouter:
         return self.runner.app
 
     async def stop(self) -> None:
-        await self.runner.cleanup()
+        """Stop accepting; in-flight requests get `shutdown_timeout` seconds, then what is left is cancelled.
+        (aiohttp alone waits shutdown_timeout, asks handlers to stop, and waits as long again; a relayed stream
+        does not notice being asked, so the router cuts it at the deadline itself.)"""
+        app = self.runner.app
+        deadline = asyncio.get_running_loop().call_later(app[SETTINGS].shutdown_timeout,
+                                                          app[PROXY].cancel_forwarding)
+        try:
+            await self.runner.cleanup()
+        finally:
+            deadline.cancel()
 
 
 async def start_router(settings: RouterSettings, sock: socket.socket | None = None) -> RunningRouter:
     """Start serving in the running loop; with port 0 the kernel picks a free port (see `.port`)."""
+    logging.getLogger("aiohttp.server").addFilter(_PARSER_LOG_FILTER)  # once: filters are a set
     runner = web.AppRunner(build_app(settings), handler_cancellation=True,  # a client that leaves cancels
-                           access_log=None, shutdown_timeout=settings.shutdown_timeout,
+                           access_log=None,  # RunningRouter.stop() cuts forwarded requests at the deadline;
+                           shutdown_timeout=settings.shutdown_timeout + 0.5,  # aiohttp's own comes after it
                            keepalive_timeout=settings.client_header_timeout)  # also bounds header reading
     await runner.setup()
     sock = sock or bind(settings)
