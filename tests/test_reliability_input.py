@@ -245,7 +245,6 @@ def test_slowloris_body_gets_a_408(stack):
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
     with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as s:
         s.sendall(head)
-        start = time.monotonic()
         answer, took = _trickle_on(s, body, 0.02, 5)
     assert _status_of(answer) == 408 and b"idle_timeout" in answer
     assert took < BODY_TIMEOUT + 1.0

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,6 +33,7 @@ from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
 from warmroute.router.settings import RouterSettings
 from warmroute.router.shared_index import SharedIndex
+from warmroute.router.background import cancel_all
 
 log = logging.getLogger("warmroute.router")
 
@@ -225,9 +225,5 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
         await k8s.stop()
     if app[ROUTER].shared is not None:
         await app[ROUTER].shared.stop()
-    for task in loops:
-        task.cancel()
-    for task in loops:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await cancel_all(loops)
     await session.close()

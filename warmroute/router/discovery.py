@@ -17,7 +17,6 @@ Sources, each reconciled on its own (one source never drains another's instances
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import os
@@ -37,6 +36,7 @@ from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.health import Health
 from warmroute.router.metrics import Metrics
 from warmroute.router.settings import Backend, RouterSettings, parse_backends
+from warmroute.router.background import cancel_all
 
 log = logging.getLogger("warmroute.router")
 
@@ -227,11 +227,7 @@ class Discovery:
             self._tasks.append(asyncio.create_task(self._refresh_dns(), name="warmroute-dns"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self._tasks)
         self._tasks.clear()
 
     def reload(self) -> asyncio.Task:

@@ -26,6 +26,7 @@ from typing import Any
 
 from warmroute.router.discovery import Membership, with_host
 from warmroute.router.settings import Backend
+from warmroute.router.background import cancel_all
 
 log = logging.getLogger("warmroute.router")
 
@@ -100,12 +101,7 @@ class KubernetesDiscovery:
                         self.namespace, self.service)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_all([self._task])
 
     def _apply(self) -> None:
         self.membership.reconcile(SOURCE, instances_of(self.slices, self.service, self.port))

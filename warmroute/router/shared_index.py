@@ -26,6 +26,7 @@ import struct
 import sys
 
 from warmroute.core.fleet import Fleet
+from warmroute.router.background import cancel_all
 
 log = logging.getLogger("warmroute.router")
 
@@ -174,11 +175,7 @@ class SharedIndex:
                     await pubsub.aclose()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self._tasks)
         if self._publishes:
             await asyncio.gather(*self._publishes, return_exceptions=True)
         if self._client is not None:
