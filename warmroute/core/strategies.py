@@ -177,7 +177,7 @@ class CacheAwareStrategy(Strategy):
         cost = (prefill tokens already queued there + α x this request's tokens not cached there) / rate
     The cheapest wins. α > 1 (default 2) charges a cache miss for the delay its recompute imposes on every
     later request too; with α = 1 (greedy TTFT) a saturated fleet spills warm requests, recomputes their
-    prefixes, lengthens every queue and spills more (measured in docs/benchmarks.md). Instances within one
+    prefixes, lengthens every queue and spills more (benchmarks/miss_weight.py, docs/benchmarks.md). Instances within one
     block of the cheapest tie: the less loaded of them, then the highest in the prefix's rendezvous order,
     so cold prefixes land where other router replicas would put them, and a hot prefix warms a small,
     stable set of instances instead of one (the guard makes it spill) or all of them. Where the engines

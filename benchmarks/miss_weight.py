@@ -1,0 +1,42 @@
+#!/usr/bin/env python3
+"""cache_aware's miss weight α (cost = queued prefill + α x uncached tokens), measured in the simulator.
+
+    .venv/bin/python benchmarks/miss_weight.py
+
+Every other setting is the default; α = 1 is the greedy estimate of this request's own TTFT.
+"""
+
+from __future__ import annotations
+
+from warmroute.core.strategies import CacheAwareStrategy, StrategySettings
+from warmroute.sim.report import summarize
+from warmroute.sim.simulator import Simulation, SimSettings
+from warmroute.workloads.registry import make_workload
+
+CASES = [
+    ("mixed, 12 req/s", "mixed", SimSettings(instances=4, requests=3000, rate=12, kv_capacity_tokens=30_000,
+                                             max_running=32), {}),
+    ("hot, 32 req/s", "hot", SimSettings(instances=4, requests=4000, rate=32, kv_capacity_tokens=30_000,
+                                         max_running=32), {}),
+    ("70B, 24k-token prefixes, 29 of them, 64 clients", "shared",
+     SimSettings(instances=7, profile="70b", max_running=256, requests=1500, concurrency=64,
+                 concurrency_threshold=64),
+     dict(pool_size=29, system_tokens=24576, question_tokens=256, zipf=0.0, max_tokens=128)),
+]
+
+
+def main() -> None:
+    print(f"{'case':<50} {'α':>3} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>6}")
+    for label, workload, settings, params in CASES:
+        for alpha in (1.0, 2.0, 4.0):
+            sim = Simulation(settings, make_workload(workload, seed=0, **params), "cache_aware")
+            sim.strategy = CacheAwareStrategy(StrategySettings(
+                prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
+                block_bytes=sim.block_bytes, miss_weight=alpha))
+            s = summarize(sim.run())
+            print(f"{label:<50} {alpha:>3.0f} {s.hit_rate:>8.1%} {s.ttft_p50_ms:>7.0f}ms {s.ttft_p99_ms:>7.0f}ms "
+                  f"{s.throughput_rps:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
