@@ -59,7 +59,8 @@ class StrategySettings:
     concurrency_threshold: int = 32  # in-flight requests, 1..1,024 as in the reference
     # cache_aware's guard: no instance above (1+ε) x the mean in-flight plus a slack of requests. The cost
     # model already steers away from queues, so the guard only stops pile-ups; tighter values (ε 0.25, slack
-    # 2) forced hot-prefix requests onto cold instances and doubled p99 TTFT (docs/benchmarks.md).
+    # 2) forced hot-prefix requests onto cold instances and nearly tripled p99 TTFT in the simulator
+    # (benchmarks/cache_aware_tuning.py, docs/benchmarks.md).
     balance_factor: float = 1.0  # ε
     balance_slack: int = 4
     cold_to_least_loaded: bool = True
@@ -177,7 +178,7 @@ class CacheAwareStrategy(Strategy):
         cost = (prefill tokens already queued there + α x this request's tokens not cached there) / rate
     The cheapest wins. α > 1 (default 2) charges a cache miss for the delay its recompute imposes on every
     later request too; with α = 1 (greedy TTFT) a saturated fleet spills warm requests, recomputes their
-    prefixes, lengthens every queue and spills more (benchmarks/miss_weight.py, docs/benchmarks.md). Instances within one
+    prefixes, lengthens every queue and spills more (benchmarks/cache_aware_tuning.py, docs/benchmarks.md). Instances within one
     block of the cheapest tie: the less loaded of them, then the highest in the prefix's rendezvous order,
     so cold prefixes land where other router replicas would put them, and a hot prefix warms a small,
     stable set of instances instead of one (the guard makes it spill) or all of them. Where the engines

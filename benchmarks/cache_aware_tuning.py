@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""cache_aware's miss weight α (cost = queued prefill + α x uncached tokens), measured in the simulator.
+"""cache_aware's two tuning knobs, measured in the simulator (everything else at its default):
 
-    .venv/bin/python benchmarks/miss_weight.py
+  * the miss weight α (cost = queued prefill + α x uncached tokens; α = 1 is the greedy estimate of this
+    request's own TTFT), and
+  * the bounded-load guard: no instance above (1 + ε) x mean in-flight + slack.
 
-Every other setting is the default; α = 1 is the greedy estimate of this request's own TTFT.
+    .venv/bin/python benchmarks/cache_aware_tuning.py
 """
 
 from __future__ import annotations
@@ -25,17 +27,22 @@ CASES = [
 ]
 
 
+VARIANTS = [("α", dict(miss_weight=a)) for a in (1.0, 2.0, 4.0)] + [
+    ("guard", dict(balance_factor=e, balance_slack=k)) for e, k in ((0.25, 2), (1.0, 4), (10.0, 64))]
+
+
 def main() -> None:
-    print(f"{'case':<50} {'α':>3} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>6}")
+    print(f"{'case':<50} {'setting':<32} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>6} {'spread':>6}")
     for label, workload, settings, params in CASES:
-        for alpha in (1.0, 2.0, 4.0):
+        for _, change in VARIANTS:
             sim = Simulation(settings, make_workload(workload, seed=0, **params), "cache_aware")
             sim.strategy = CacheAwareStrategy(StrategySettings(
                 prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
-                block_bytes=sim.block_bytes, miss_weight=alpha))
+                block_bytes=sim.block_bytes, **change))
             s = summarize(sim.run())
-            print(f"{label:<50} {alpha:>3.0f} {s.hit_rate:>8.1%} {s.ttft_p50_ms:>7.0f}ms {s.ttft_p99_ms:>7.0f}ms "
-                  f"{s.throughput_rps:>6.2f}", flush=True)
+            setting = ", ".join(f"{k}={v:g}" for k, v in change.items())
+            print(f"{label:<50} {setting:<32} {s.hit_rate:>8.1%} {s.ttft_p50_ms:>7.0f}ms {s.ttft_p99_ms:>7.0f}ms "
+                  f"{s.throughput_rps:>6.2f} {s.load_spread:>6.2f}", flush=True)
 
 
 if __name__ == "__main__":
