@@ -64,11 +64,6 @@ class PrefixIndex:
         del self._names[bit], self._caches[name], self._wanted[name]
         self._rebalance()
 
-    def clear_instance(self, name: str) -> None:
-        """Forget everything an instance held (it restarted, or reported its cache cleared)."""
-        if name in self._caches:
-            self._caches[name].clear()
-
     def _rebalance(self) -> None:
         share = self.max_entries // max(1, len(self._caches))
         for name, cache in self._caches.items():
