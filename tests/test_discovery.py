@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from client_helpers import wait_for
 from warmroute.router.app import DISCOVERY, METRICS, ROUTER
 from warmroute.router.discovery import read_backends_file, with_host
 from warmroute.router.server import start_router
@@ -63,13 +64,6 @@ class Engine:
 
 def base(**values) -> dict:
     return {"port": 0, "health_interval": 3600, "engine_metrics": False, **values}
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture

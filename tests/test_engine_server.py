@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from client_helpers import wait_for
 from warmroute.cli import main
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import Fleet, start_fleet
@@ -154,13 +155,6 @@ async def test_informational_routes(fleet: Fleet, http: aiohttp.ClientSession) -
         assert info["model_path"] == "warmroute-emulated" and info["is_generation"] is True
     async with http.get(url + "/get_server_info") as resp:
         assert (await resp.json())["name"] == "engine-1"
-
-
-async def wait_for(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def test_client_disconnect_cancels_the_sequence(http: aiohttp.ClientSession) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from client_helpers import StubEngine, wait_for
 from warmroute.router.app import ROUTER
 from warmroute.router.kubernetes import instances_of
 from warmroute.router.server import start_router
@@ -84,32 +84,6 @@ class FakeApi:
         await self.runner.cleanup()
 
 
-class Engine:
-    async def start(self) -> Engine:
-        app = web.Application()
-        app.router.add_get("/health", self._ok)
-        app.router.add_route("*", "/{tail:.*}", self._any)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.port = self.runner.addresses[0][1]
-        return self
-
-    async def _ok(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _any(self, request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({})
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 def test_only_ready_endpoints_on_the_named_port_become_instances():
     slices = {"a": slice_("a", 8000, endpoint("vllm-0", "10.0.0.1"), endpoint("vllm-1", "10.0.0.2", ready=False),
                           endpoint("vllm-2", "10.0.0.3", ready=True, terminating=True))}
@@ -123,7 +97,7 @@ def test_only_ready_endpoints_on_the_named_port_become_instances():
 async def test_endpointslices_drive_the_fleet(tmp_path, monkeypatch):
     api = FakeApi()
     api_url = await api.start()
-    engine = await Engine().start()  # every pod is 127.0.0.x on the engine's port
+    engine = await StubEngine().start()  # every pod is 127.0.0.x on the engine's port
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "fake",
@@ -146,19 +120,19 @@ async def test_endpointslices_drive_the_fleet(tmp_path, monkeypatch):
         # a second pod becomes ready
         api.change("MODIFIED", slice_("vllm-abc", engine.port, endpoint("vllm-0", "127.0.0.1"),
                                       endpoint("vllm-1", "127.0.0.2")))
-        await wait_for(lambda: "vllm-1" in fleet.instances)
+        await wait_for(lambda: "vllm-1" in fleet.instances, timeout=10)
         # the first one terminates: drained (idle, so removed at once)
         api.change("MODIFIED", slice_("vllm-abc", engine.port, endpoint("vllm-0", "127.0.0.1", terminating=True),
                                       endpoint("vllm-1", "127.0.0.2")))
-        await wait_for(lambda: set(fleet.instances) == {"vllm-1"})
+        await wait_for(lambda: set(fleet.instances) == {"vllm-1"}, timeout=10)
         # the watch ends; what changes while nobody watches is found by listing again
         lists = api.lists
         api.slices["vllm-def"] = slice_("vllm-def", engine.port, endpoint("vllm-2", "127.0.0.3"))
         api.events.put_nowait(None)
-        await wait_for(lambda: api.lists > lists and set(fleet.instances) == {"vllm-1", "vllm-2"})
+        await wait_for(lambda: api.lists > lists and set(fleet.instances) == {"vllm-1", "vllm-2"}, timeout=10)
         # a deleted slice drains its pods
         api.change("DELETED", api.slices["vllm-def"])
-        await wait_for(lambda: set(fleet.instances) == {"vllm-1"})
+        await wait_for(lambda: set(fleet.instances) == {"vllm-1"}, timeout=10)
     finally:
         api.events.put_nowait(None)
         await router.stop()

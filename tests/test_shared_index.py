@@ -12,8 +12,8 @@ import time
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from client_helpers import StubEngine
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -63,30 +63,8 @@ def redis_url():
     proc.wait(10)
 
 
-class Engine:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    async def start(self) -> Engine:
-        app = web.Application()
-        app.router.add_get("/health", self._ok)
-        app.router.add_route("*", "/{tail:.*}", self._any)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        return self
-
-    async def _ok(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _any(self, request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"engine": self.name})
-
-
 async def test_replicas_learn_each_others_prefixes(redis_url):
-    engines = [await Engine(f"gpu-{i}").start() for i in range(4)]
+    engines = [await StubEngine(f"gpu-{i}").start() for i in range(4)]
     values = {"backends": [f"{e.name}={e.url}" for e in engines], "port": 0, "health_interval": 3600,
               "engine_metrics": False, "engine_feedback": False, "redis_url": redis_url,
               "redis_channel": f"test:{free_port()}"}
@@ -119,7 +97,7 @@ async def test_replicas_learn_each_others_prefixes(redis_url):
 
 async def test_a_router_whose_redis_is_down_still_serves():
     pytest.importorskip("redis")
-    engine = await Engine("gpu-0").start()
+    engine = await StubEngine("gpu-0").start()
     router = await start_router(load_settings({
         "backends": [f"gpu-0={engine.url}"], "port": 0, "health_interval": 3600, "engine_metrics": False,
         "redis_url": f"redis://127.0.0.1:{free_port()}/0"}, env={}))
