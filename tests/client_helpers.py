@@ -66,3 +66,6 @@ class StubEngine:
     async def _any(self, request: web.Request) -> web.Response:
         await request.read()
         return web.json_response({"engine": self.name})
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()

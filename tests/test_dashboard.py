@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from client_helpers import StubEngine
 from warmroute.router.dashboard import HOT_SLOTS, Activity
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -19,34 +20,14 @@ from warmroute.router.settings import load_settings
 SECRET_TEXT = "confidential-system-prompt-XYZZY"
 
 
-class Engine:
+class Engine(StubEngine):
     """A stand-in engine answering chat completions with a usage report (half the prompt cached)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    async def start(self) -> Engine:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_route("*", "/{tail:.*}", self._any)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.port = self.runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        return self
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
 
     async def _any(self, request: web.Request) -> web.Response:
         await request.read()
         return web.json_response({"choices": [{"message": {"role": "assistant", "content": "hi"}}],
                                   "usage": {"prompt_tokens": 400, "completion_tokens": 1,
                                             "prompt_tokens_details": {"cached_tokens": 200}}})
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
 
 
 @pytest.fixture
