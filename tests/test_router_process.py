@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -51,10 +53,23 @@ async def _start_router(upstream: str, *extra: str) -> tuple[asyncio.subprocess.
             return proc, m.group(1)
 
 
-async def test_sigterm_lets_in_flight_streams_finish_then_exits_0():
+@contextlib.asynccontextmanager
+async def _router_over_upstream(*extra: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """A router process in front of one streaming upstream; both gone afterwards, whatever happened."""
     upstream, url = await _sse_upstream()
-    proc, router = await _start_router(url)
+    proc = None
     try:
+        proc, router = await _start_router(url, *extra)
+        yield proc, router
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await upstream.cleanup()
+
+
+async def test_sigterm_lets_in_flight_streams_finish_then_exits_0():
+    async with _router_over_upstream() as (proc, router):
         async with aiohttp.ClientSession() as client:
             async with client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi"}) as r:
                 assert r.status == 200
@@ -63,20 +78,13 @@ async def test_sigterm_lets_in_flight_streams_finish_then_exits_0():
                 rest = await asyncio.wait_for(r.content.read(), 5)
             assert rest.count(b"data:") == CHUNKS - 1  # the stream finished after the signal
         assert await asyncio.wait_for(proc.wait(), 10) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        await upstream.cleanup()
 
 
 async def test_sigterm_stops_accepting_and_cuts_streams_at_the_deadline():
     """After SIGTERM no new connection is accepted; a stream still running past shutdown_timeout is cut (the
     client sees a truncated response, not a hang); the process exits 0 right after."""
-    upstream, url = await _sse_upstream()
-    proc, router = await _start_router(url, "--shutdown-timeout", "1")  # the last flag wins
-    port = int(router.rsplit(":", 1)[1])
-    try:
+    async with _router_over_upstream("--shutdown-timeout", "1") as (proc, router):  # the last flag wins
+        port = int(router.rsplit(":", 1)[1])
         async with aiohttp.ClientSession() as client:
             async with client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi", "chunks": 100}) as r:
                 assert r.status == 200
@@ -93,25 +101,13 @@ async def test_sigterm_stops_accepting_and_cuts_streams_at_the_deadline():
         exited_after = time.monotonic() - signalled
         assert 0.9 <= cut_after <= 1.5 and exited_after <= 2.5, (cut_after, exited_after)
         print(f"\nSIGTERM: stream cut after {cut_after:.2f}s (deadline 1 s), exit 0 after {exited_after:.2f}s")
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        await upstream.cleanup()
 
 
 async def test_workers_share_the_port_and_stop_together():
-    upstream, url = await _sse_upstream()
-    proc, router = await _start_router(url, "--workers", "2")
-    try:
+    async with _router_over_upstream("--workers", "2") as (proc, router):
         async with aiohttp.ClientSession() as client:
             for _ in range(4):
                 async with client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi"}) as r:
                     assert r.status == 200 and (await r.read()).count(b"data:") == CHUNKS
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        await upstream.cleanup()
