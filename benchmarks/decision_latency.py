@@ -2,10 +2,19 @@
 """Routing decision latency of the pure core: 64 instances, 100,000 indexed prefixes, 32,000-character prompts.
 
     .venv/bin/python benchmarks/decision_latency.py [--instances 64] [--prefixes 100000] [--chars 32000]
+        [--samples 2000] [--engine-load] [--baseline GITREV]
 
 Times, per request: building the routing key from the parsed body, hashing its blocks, the strategy's choice
-(index lookups + cost), and recording the chosen instance's blocks in the index. Prints p50/p99 in µs for a
-warm prompt (its prefix is indexed) and a cold one, for cache_aware and prefix, measured in the same run.
+(index lookups + cost), and recording the chosen instance's blocks in the index. Prints p50/p99 in µs of every
+stage, of the decision (key + block hashes + choose, summed per request before taking percentiles; `prefix`
+needs no block hashes, so its decision is key + choose) and of the total with the record, for a warm prompt
+(its prefix is indexed) and a cold one, for cache_aware and prefix.
+
+--engine-load gives every instance a scraped engine load (the cost model's engine terms then run for all).
+--baseline GITREV also runs the core modules (block_hash, rendezvous, block_cache, prefix_index, strategies) as
+they are at that git revision, on a second fleet and index built the same way, in turns of 50 requests with
+the working tree's (the same requests), so that both see the same machine load; the table then shows both and
+their ratio (baseline / now).
 """
 
 from __future__ import annotations
@@ -13,11 +22,21 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import subprocess
+import sys
 import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+from warmroute.core import block_hash, prefix_index, strategies
 from warmroute.core.fleet import Fleet, FleetSettings
-from warmroute.core.routing_key import key_for_json
-from warmroute.core.strategies import make_strategy
+from warmroute.core.routing_key import RoutingKey, key_for_json
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("key (parse to bytes)", "block hashes", "choose", "record in index")
+CHUNK = 50  # with --baseline, requests per turn of each core (per request, each would evict the other's caches)
 
 
 def words(rng: random.Random, n_chars: int) -> str:
@@ -38,52 +57,119 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=1000)[int(q * 10) - 1] if len(xs) > 1 else xs[0]
 
 
+class Core:
+    """The functions a request goes through, from one version of warmroute.core."""
+
+    def __init__(self, label: str, hashes: Callable[..., list[int]], index_cls: type,
+                 make_strategy: Callable[..., Any]) -> None:
+        self.label, self.hashes, self.index_cls, self.make_strategy = label, hashes, index_cls, make_strategy
+
+    def blocks(self, key: RoutingKey, block_bytes: int = 64) -> list[int]:
+        # RoutingKey caches its block hashes per block size; seeding that cache makes the strategy use them.
+        got = key._blocks[block_bytes] = self.hashes(key.data, key.seed, block_bytes)
+        return got
+
+
+def current_core() -> Core:
+    return Core("now", block_hash.block_hashes, prefix_index.PrefixIndex, strategies.make_strategy)
+
+
+def baseline_core(rev: str) -> Core:
+    """The core modules as they are at `rev`, loaded beside the working tree's."""
+    mods: dict[str, types.ModuleType] = {}
+    for name in ("block_hash", "rendezvous", "block_cache", "prefix_index", "strategies"):
+        src = subprocess.run(["git", "show", f"{rev}:warmroute/core/{name}.py"], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout
+        mod = mods[name] = types.ModuleType(f"baseline_{name}")
+        sys.modules[mod.__name__] = mod  # dataclasses look their module up
+        exec(compile(src, f"{rev}:warmroute/core/{name}.py", "exec"), mod.__dict__)
+    # Their imports of each other found the working tree's modules: point them at the baseline's.
+    mods["prefix_index"].BlockCache = mods["block_cache"].BlockCache
+    mods["strategies"].rendezvous = mods["rendezvous"]
+    return Core(rev, mods["block_hash"].block_hashes, mods["prefix_index"].PrefixIndex,
+                mods["strategies"].make_strategy)
+
+
+def build_fleet(core: Core, args: argparse.Namespace) -> tuple[Fleet, str]:
+    rng = random.Random(0)
+    fleet = Fleet(FleetSettings())
+    fleet.index = core.index_cls(fleet.index.max_entries)
+    for i in range(args.instances):
+        fleet.add(f"instance-{i}", kv_capacity_tokens=10**8)
+    if args.engine_load:
+        for inst in fleet.instances.values():
+            fleet.engine_load(inst.name, waiting=rng.randint(0, 3), running=rng.randint(0, 8), kv_usage=0.3)
+    t0 = time.perf_counter()
+    for p in range(args.prefixes):  # 100k distinct ~600-character prompts spread over the fleet
+        k = key_for_json("/v1/chat/completions", body(f"tenant {p} " + words(rng, 600), "hi"))
+        fleet.index.record(f"instance-{p % args.instances}", core.blocks(k))
+    print(f"[{core.label}] indexed {args.prefixes:,} prefixes ({fleet.index.entries():,} block entries, "
+          f"≈{fleet.index.estimated_bytes() / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s")
+    long_system = words(rng, args.chars - 200)
+    fleet.index.record("instance-7", core.blocks(key_for_json("/v1/chat/completions", body(long_system, "warm-up"))))
+    return fleet, long_system
+
+
+def one_request(core: Core, strategy: Any, fleet: Fleet, b: dict) -> list[float]:
+    """Stage times in µs (block hashes 0 where the strategy needs none)."""
+    t0 = time.perf_counter_ns()
+    key = key_for_json("/v1/chat/completions", b)
+    t1 = time.perf_counter_ns()
+    if strategy.records_prefixes:
+        core.blocks(key)
+    t2 = time.perf_counter_ns()
+    d = strategy.choose(key, fleet)
+    t3 = time.perf_counter_ns()
+    if strategy.records_prefixes:
+        fleet.index.record(d.instance, d.blocks)
+    t4 = time.perf_counter_ns()
+    return [(t1 - t0) / 1000, (t2 - t1) / 1000, (t3 - t2) / 1000, (t4 - t3) / 1000]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=64)
     ap.add_argument("--prefixes", type=int, default=100_000)
     ap.add_argument("--chars", type=int, default=32_000)
     ap.add_argument("--samples", type=int, default=2_000)
+    ap.add_argument("--engine-load", action="store_true", help="every instance reports its own load")
+    ap.add_argument("--baseline", metavar="GITREV", help="also time the core at this git revision")
     args = ap.parse_args()
-    rng = random.Random(0)
 
-    fleet = Fleet(FleetSettings())
-    for i in range(args.instances):
-        fleet.add(f"instance-{i}", kv_capacity_tokens=10**8)
-    t0 = time.perf_counter()
-    for p in range(args.prefixes):  # 100k distinct ~600-character prompts spread over the fleet
-        k = key_for_json("/v1/chat/completions", body(f"tenant {p} " + words(rng, 600), "hi"))
-        fleet.index.record(f"instance-{p % args.instances}", k.blocks())
-    print(f"indexed {args.prefixes:,} prefixes ({fleet.index.entries():,} block entries, "
-          f"≈{fleet.index.estimated_bytes() / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s")
+    cores = [current_core()] + ([baseline_core(args.baseline)] if args.baseline else [])
+    fleets = [build_fleet(c, args) for c in cores]
+    long_system = fleets[0][1]
+    rng = random.Random(1)
 
-    long_system = words(rng, args.chars - 200)
-    warm_key = key_for_json("/v1/chat/completions", body(long_system, "warm-up"))
-    fleet.index.record("instance-7", warm_key.blocks())
-
-    print(f"{'strategy':<12} {'prompt':<5} {'stage':<22} {'p50 µs':>8} {'p99 µs':>8}")
+    head = f"{'strategy':<12} {'prompt':<5} {'stage':<34} {'p50 µs':>8} {'p99 µs':>8}"
+    if args.baseline:
+        head += f" {'base p50':>9} {'base p99':>9} {'p50 ×':>6} {'p99 ×':>6}"
+    print(head)
     for name in ("cache_aware", "prefix"):
-        strategy = make_strategy(name)
+        strats = [c.make_strategy(name) for c in cores]
         for label in ("warm", "cold"):
-            stages: dict[str, list[float]] = {"key (parse to bytes)": [], "block hashes": [], "choose": [],
-                                              "record in index": [], "total": []}
-            for n in range(args.samples):
-                system = long_system if label == "warm" else f"{n} " + long_system
-                b = body(system, f"question {n} " + words(rng, 150))
-                t0 = time.perf_counter_ns()
-                key = key_for_json("/v1/chat/completions", b)
-                t1 = time.perf_counter_ns()
-                key.blocks()
-                t2 = time.perf_counter_ns()
-                d = strategy.choose(key, fleet)
-                t3 = time.perf_counter_ns()
-                if strategy.records_prefixes:
-                    fleet.index.record(d.instance, d.blocks)
-                t4 = time.perf_counter_ns()
-                for stage, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
-                    stages[stage].append(dt / 1000)
-            for stage, xs in stages.items():
-                print(f"{name:<12} {label:<5} {stage:<22} {pct(xs, 50):8.1f} {pct(xs, 99):8.1f}")
+            times: list[list[list[float]]] = [[] for _ in cores]  # core -> request -> stage
+            for start in range(0, args.samples, CHUNK):
+                chunk = [body(long_system if label == "warm" else f"{n} " + long_system,
+                              f"question {n} " + words(rng, 150))
+                         for n in range(start, min(start + CHUNK, args.samples))]
+                order = range(len(cores)) if start // CHUNK % 2 else reversed(range(len(cores)))
+                for c in order:  # the same requests, in turns, so that both see the same machine load
+                    times[c] += [one_request(cores[c], strats[c], fleets[c][0], b) for b in chunk]
+            hashes = strats[0].records_prefixes
+            rows = {stage: [[t[s] for t in ts] for ts in times] for s, stage in enumerate(STAGES)}
+            if not hashes:
+                del rows["block hashes"], rows["record in index"]
+            decision = "decision (key + hashes + choose)" if hashes else "decision (key + choose)"
+            rows[decision] = [[t[0] + t[1] + t[2] for t in ts] for ts in times]
+            rows["total (decision + record)"] = [[sum(t) for t in ts] for ts in times]
+            for stage, per_core in rows.items():
+                line = f"{name:<12} {label:<5} {stage:<34} {pct(per_core[0], 50):8.1f} {pct(per_core[0], 99):8.1f}"
+                if args.baseline:
+                    b50, b99 = pct(per_core[1], 50), pct(per_core[1], 99)
+                    line += (f" {b50:9.1f} {b99:9.1f} {b50 / max(pct(per_core[0], 50), 1e-9):6.2f}"
+                             f" {b99 / max(pct(per_core[0], 99), 1e-9):6.2f}")
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,22 @@ as recent as its children and is evicted after them: a cached chain is always a 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 
 class BlockCache:
-    def __init__(self, capacity_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
+    def __init__(self, capacity_blocks: int, on_evict: Callable[[int], None] | None = None,
+                 on_evict_many: Callable[[list[int]], None] | None = None) -> None:
+        """`on_evict` is called for every block that leaves the cache (evicted, removed or cleared), after it
+        has left; `on_evict_many` once per batch of them, in the same order (cheaper than a call per block:
+        a cold chain at capacity evicts hundreds)."""
         if capacity_blocks < 0:
             raise ValueError("capacity_blocks must be >= 0")
         self.capacity = capacity_blocks
         self.on_evict = on_evict
+        self.on_evict_many = on_evict_many
         self._free: OrderedDict[int, None] = OrderedDict()  # cached, evictable; least recent first
         self._pinned: dict[int, int] = {}  # cached and in use by running sequences: hash -> refcount
         self.reserved = 0  # blocks held by running sequences outside the prefix cache (decode tokens)
@@ -55,29 +61,60 @@ class BlockCache:
     # -- writing without pins (the router's estimate) ----------------------------------------------
     def insert(self, blocks: Sequence[int]) -> list[int]:
         """Cache the chain (or refresh it); evicts LRU blocks past capacity. Returns the blocks added."""
+        added = self.touch(blocks)
+        self.trim()
+        return added
+
+    def touch(self, blocks: Sequence[int]) -> list[int]:
+        """insert() without its eviction: the cache may stand over capacity until trim(). (The prefix index
+        marks the added blocks' owner in between, so evicting one of them later needs no special case.)"""
         free, pinned = self._free, self._pinned
+        to_end = free.move_to_end
         added = []
-        for h in reversed(blocks):  # tail first: the head ends up most recent
+        todo = reversed(blocks)  # tail first: the head ends up most recent
+        for h in todo:  # the uncached tail of the chain
             if h in free:
-                free.move_to_end(h)
+                to_end(h)
+                break
+            if h not in pinned:
+                free[h] = None
+                added.append(h)
+        else:
+            return added
+        # A cached chain is a prefix, so the rest is usually cached too: refresh it in one C loop (map). A
+        # block that is not (a hole, or pinned) stops it with a KeyError; the rest then goes one by one.
+        try:
+            deque(map(to_end, todo), maxlen=0)
+            return added
+        except KeyError as e:
+            todo = chain(e.args[:1], todo)
+        for h in todo:
+            if h in free:
+                to_end(h)
             elif h not in pinned:
                 free[h] = None
                 added.append(h)
-        self._evict_to(self.capacity)
         return added
+
+    def trim(self) -> None:
+        """Evict least recently used blocks past capacity."""
+        self._evict_to(self.capacity)
 
     def remove(self, blocks: Sequence[int]) -> int:
         """Forget these blocks (a predicted hit the engine did not have). Returns blocks removed."""
-        removed = 0
+        free = self._free
+        removed = []
         for h in blocks:
-            if h in self._free:
-                self._drop(h)
-                removed += 1
-        return removed
+            if h in free:
+                del free[h]
+                removed.append(h)
+        self._left(removed)
+        return len(removed)
 
     def clear(self) -> None:
-        for h in list(self._free):
-            self._drop(h)
+        gone = list(self._free)
+        self._free.clear()
+        self._left(gone)
 
     def resize(self, capacity_blocks: int) -> None:
         self.capacity = capacity_blocks
@@ -125,13 +162,18 @@ class BlockCache:
 
     # -- internals -------------------------------------------------------------------------------------
     def _evict_to(self, capacity: int) -> None:
-        free, on_evict = self._free, self.on_evict
+        free = self._free
         excess = min(len(free) + len(self._pinned) + self.reserved - capacity, len(free))
-        for _ in range(excess):
-            h, _ = free.popitem(last=False)
-            if on_evict is not None:
-                on_evict(h)
+        if excess > 0:
+            pop = free.popitem
+            self._left([pop(last=False)[0] for _ in range(excess)])
 
-    def _drop(self, h: int) -> None:
-        if self._free.pop(h, 0) is None and self.on_evict is not None:
-            self.on_evict(h)
+    def _left(self, blocks: list[int]) -> None:
+        """Tell the callbacks that these blocks left the cache."""
+        if not blocks:
+            return
+        if self.on_evict_many is not None:
+            self.on_evict_many(blocks)
+        if self.on_evict is not None:
+            for h in blocks:
+                self.on_evict(h)

@@ -13,6 +13,7 @@ byte budget by the caller); each instance's share is min(its KV capacity, max_en
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 
 from warmroute.core.block_cache import BlockCache
 
@@ -41,7 +42,7 @@ class PrefixIndex:
             return
         bit = 1 << next(i for i in range(len(self._bit) + 1) if (1 << i) not in self._names)
         self._bit[name], self._names[bit] = bit, name
-        self._caches[name] = BlockCache(0, on_evict=lambda h, b=bit: self._drop_owner(h, b))
+        self._caches[name] = BlockCache(0, on_evict_many=lambda blocks, b=bit: self._drop_owner(blocks, b))
         self._wanted[name] = capacity_blocks
         self._rebalance()
 
@@ -69,12 +70,15 @@ class PrefixIndex:
         for name, cache in self._caches.items():
             cache.resize(min(self._wanted[name], share))
 
-    def _drop_owner(self, block: int, bit: int) -> None:
-        mask = self._owners.get(block, 0) & ~bit
-        if mask:
-            self._owners[block] = mask
-        else:
-            self._owners.pop(block, None)
+    def _drop_owner(self, blocks: list[int], bit: int) -> None:
+        """These blocks left the instance with this bit: clear it, and forget blocks nobody else holds."""
+        owners = self._owners
+        # Usually the instance was a block's only holder: pop them all in one C loop, then put back the rest.
+        masks = list(map(owners.pop, blocks, repeat(0)))
+        if masks.count(bit) != len(masks):
+            for h, mask in zip(blocks, masks):
+                if mask & ~bit:
+                    owners[h] = mask & ~bit
 
     # -- updates ------------------------------------------------------------------------------------------
     def record(self, name: str, blocks: Sequence[int]) -> None:
@@ -83,9 +87,17 @@ class PrefixIndex:
         if cache is None or not blocks:
             return
         bit, owners = self._bit[name], self._owners
-        for h in cache.insert(blocks):  # only new blocks need the bit; refreshed ones have it
-            if h in cache:  # a chain longer than the whole cache keeps only its head
-                owners[h] = owners.get(h, 0) | bit
+        added = cache.touch(blocks)  # only new blocks need the bit; refreshed ones have it
+        # Usually nobody else holds a new block: setdefault stores the bit in one step (C loop); a mask that
+        # comes back different belongs to other instances and gets this bit added.
+        masks = list(map(owners.setdefault, added, repeat(bit)))
+        if masks.count(bit) != len(masks):
+            for h, mask in zip(added, masks):
+                if mask != bit:
+                    owners[h] = mask | bit
+        # Evicting past capacity clears the bit again (_drop_owner), also from new blocks of a chain longer
+        # than the whole cache: it keeps only its head.
+        cache.trim()
 
     def forget(self, name: str, blocks: Sequence[int]) -> int:
         """The instance does not hold these blocks after all (engine feedback). Returns entries removed."""

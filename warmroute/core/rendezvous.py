@@ -8,6 +8,7 @@ replica computes the same order with no shared state.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 import xxhash
 
@@ -16,19 +17,38 @@ _hash = xxhash.xxh3_64_intdigest
 _name_bytes: dict[str, bytes] = {}
 
 
-def weight(key: int, name: str) -> int:
-    """The (key, instance) weight: xxh3 of the name, seeded by the key (one C call)."""
+def _encoded(name: str) -> bytes:
     b = _name_bytes.get(name)
     if b is None:
         b = _name_bytes[name] = name.encode("utf-8", "surrogatepass")
-    return _hash(b, key & _M64)
+    return b
+
+
+def weight(key: int, name: str) -> int:
+    """The (key, instance) weight: xxh3 of the name, seeded by the key (one C call)."""
+    return _hash(_encoded(name), key & _M64)
+
+
+def _weights(key: int, names: Sequence[str]) -> list[int]:
+    """weight(key, n) for every name, looped in C (map) rather than in Python: ≈ 40 ns a name instead of ≈ 150."""
+    try:
+        raw = list(map(_name_bytes.__getitem__, names))
+    except KeyError:  # a name not seen before
+        raw = [_encoded(n) for n in names]
+    return list(map(_hash, raw, repeat(key & _M64)))
 
 
 def top(key: int, names: Iterable[str]) -> str | None:
-    """The instance this key prefers (None if there are none)."""
-    return max(names, key=lambda n: weight(key, n), default=None)
+    """The instance this key prefers (None if there are none); the first of equal weights, as max() picks."""
+    names = names if isinstance(names, (list, tuple)) else list(names)
+    if not names:
+        return None
+    w = _weights(key, names)
+    return names[w.index(max(w))]
 
 
-def order(key: int, names: Sequence[str]) -> list[str]:
-    """All instances, most preferred first."""
-    return sorted(names, key=lambda n: weight(key, n), reverse=True)
+def order(key: int, names: Iterable[str]) -> list[str]:
+    """All instances, most preferred first (a stable sort: equal weights keep their given order)."""
+    names = names if isinstance(names, (list, tuple)) else list(names)
+    w = _weights(key, names)
+    return [names[k] for k in sorted(range(len(names)), key=w.__getitem__, reverse=True)]

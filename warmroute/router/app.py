@@ -63,6 +63,8 @@ async def _read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)  # refuse before reading it
     try:
+        if request.content.is_eof():  # the whole body arrived with the headers (the usual case): no timer
+            return await request.read()
         async with asyncio.timeout(timeout):  # a client that stalls mid-body does not hold a handler forever
             return await request.read()  # aiohttp enforces client_max_size (= limit) on chunked bodies
     except TimeoutError:

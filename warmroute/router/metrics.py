@@ -77,6 +77,7 @@ class Metrics:
         self._healthy: dict = {}
         self._engine: dict = {}
         self._verdicts: dict = {}
+        self._answered: dict = {}  # (backend, status) -> its warmroute_requests child
         for name in instances:
             self.add_backend(name)
 
@@ -117,7 +118,10 @@ class Metrics:
             hist.observe(seconds)
 
     def answered(self, instance: str, status: int) -> None:
-        self.requests.labels(instance, str(status)).inc()
+        counter = self._answered.get((instance, status))
+        if counter is None:  # first answer with this status from this instance
+            counter = self._answered[instance, status] = self.requests.labels(instance, str(status))
+        counter.inc()
 
     def upstream_error(self, instance: str, kind: str) -> None:
         self.upstream_errors.labels(instance, kind).inc()

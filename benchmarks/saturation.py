@@ -1,0 +1,1105 @@
+#!/usr/bin/env python3
+"""Saturation throughput and added latency of the router on trivial instances, beside SGLang Model Gateway.
+
+    .venv/bin/python benchmarks/saturation.py [--quick] [--rounds N] [--duration S] [--fleets stub engine]
+                                              [--contenders direct warmroute "warmroute x2" smg]
+                                              [--phases saturation latency] [--no-doc]
+
+Issue #2's two performance targets, measured side by side in one run on one machine:
+
+(a) Saturation throughput: a closed loop of many keep-alive connections (`--connections`, default 128), each
+    sending small chat completions back to back (short prompts: one of 8 system prompts of 263 characters
+    plus a question; `max_tokens` 8; every other request streamed), for a fixed window. Contenders: `direct`
+    (the connections spread straight over the instances: the bound no router can beat), warmroute
+    (`warmroute serve --strategy cache_aware`, one worker and `--workers 2`) and SGLang Model Gateway
+    (`smg launch --policy cache_aware`). All routers run for the whole phase in front of the same fleet;
+    each round measures every contender once, the order reversed every other round (ABBA), so a change in
+    the machine's other load falls on all of them alike. Ratios to smg are taken within a round.
+    Fleets (`--fleets`): `stub`, trivial instances that answer with prebuilt bytes
+    (`warmroute.bench.trivial`), and `engine`, the emulated engine at `--time-scale 0` (an instant fleet
+    whose Python costs ≈ 0.25 ms per request: it saturates before a fast router does).
+
+(b) Added latency at 64 concurrent streams: 64 sessions (`--streams`), each sending the same streamed
+    request at the same moment straight to an instance and through the router (which of the two is written
+    first alternates), waiting for both to end, and repeating. The instances are trivial ones that write the
+    first token at once and each further token `--itl-ms` (20) later, for 32 tokens, so the router relays 64
+    live streams at a decoding engine's pace (≈ 3,200 chunks/s) without saturating the machine itself.
+    TTFT = time from writing the request to the first body byte of the answer (the first SSE event).
+    Reported: p50 and p99 of both TTFT distributions and their differences (the target), and percentiles of
+    the paired differences.
+
+The load generator is a plain asyncio protocol on uvloop (no aiohttp client): 20–80 µs of CPU per request
+(the more requests per wake-up, the less), measured and reported per window beside the router's and the
+instances' CPU, so it can be seen not to be the bottleneck (wrk or h2load are not needed; neither is
+installed here). The peers come from .peers-venv/ (see benchmarks/compare_peers.py; `--install` installs
+them there if missing); a peer that is missing or does not start is reported and skipped.
+
+Writes out/saturation.json, and (unless --no-doc) the section "Saturation throughput and added latency
+(issue #2)" of docs/benchmarks.md and its two rows in the summary table at the top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_peers as cp  # noqa: E402  (the peers' virtualenv, router command lines, readiness)
+
+from warmroute.bench.processes import Child, free_ports  # noqa: E402
+from warmroute.bench.stats import percentile  # noqa: E402
+from warmroute.errors import UsageError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+SECTION = "Saturation throughput and added latency (issue #2)"
+INSTANCES = 4
+KV_CAPACITY = 1 << 20  # warmroute's configured capacity per instance: large, nothing is ever evicted
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+TARGET_P50_MS, TARGET_P99_MS = 1.0, 3.0
+
+SYSTEM_PROMPTS = [
+    f"You are assistant number {i}. " + " ".join(
+        ["Answer briefly and precisely.", "Cite nothing you cannot check.", "Prefer plain words.",
+         "Keep every answer under three sentences.", "If a question is unclear, say what is missing.",
+         "Never invent numbers.", "Use metric units.", "Write for a busy engineer."][(i + k) % 8]
+        for k in range(8))
+    for i in range(8)
+]
+
+
+# -- contenders and fleets ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Contender:
+    label: str
+    router: str | None  # None: straight to the instances; "warmroute" or "smg"
+    workers: int = 1
+
+    @property
+    def is_peer(self) -> bool:
+        return self.router not in (None, "warmroute")
+
+    def argv(self, port: int, urls: list[str], venv: Path) -> list[str]:
+        """compare_peers' command line for this router (cache_aware, defaults otherwise), plus --workers."""
+        assert self.router is not None
+        args = cp.Contender(self.label, self.router, "cache_aware").argv(port, port + 1, urls, KV_CAPACITY, venv)
+        return args + (["--workers", str(self.workers)] if self.workers > 1 else [])
+
+
+CONTENDERS = [
+    Contender("direct", None),
+    Contender("warmroute", "warmroute"),
+    Contender("warmroute x2", "warmroute", workers=2),
+    Contender("smg", "smg"),
+]
+PEER = "smg"
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """Trivial instances: `stub` (warmroute.bench.trivial) or `engine` (warmroute engine --time-scale 0)."""
+
+    kind: str
+    instances: int = INSTANCES
+    processes: int = 1
+    itl_ms: float = 0.0  # stub only: paced streams
+
+    def counts(self) -> list[int]:
+        """Instances per process."""
+        per = -(-self.instances // self.processes)
+        return [n for n in (min(per, self.instances - p * per) for p in range(self.processes)) if n > 0]
+
+    def children(self, port: int, logs: Path, tag: str) -> list[Child]:
+        out: list[Child] = []
+        first = port
+        try:
+            for p, count in enumerate(self.counts()):
+                if self.kind == "stub":
+                    args = ["--count", str(count), "--port", str(first), "--itl-ms", f"{self.itl_ms:g}"]
+                    out.append(Child(f"{tag}-{p}", args, logs, module="warmroute.bench.trivial"))
+                else:
+                    args = ["engine", "--count", str(count), "--port", str(first), "--time-scale", "0",
+                            "--kv-capacity-tokens", str(KV_CAPACITY), "--max-running", "256"]
+                    out.append(Child(f"{tag}-{p}", args, logs))
+                first += count
+        except BaseException:
+            for c in out:
+                c.stop()
+            raise
+        return out
+
+    def describe(self) -> str:
+        procs = f"{self.processes} process{'es' if self.processes > 1 else ''}"
+        if self.kind == "stub":
+            paced = f", tokens {self.itl_ms:g} ms apart" if self.itl_ms else ""
+            return f"{self.instances} trivial instances (warmroute.bench.trivial) in {procs}{paced}"
+        return f"{self.instances} emulated engines (`warmroute engine --time-scale 0`) in {procs}"
+
+
+# -- request bodies -----------------------------------------------------------------------------------------------
+def request_bodies(model: str, count: int, stream: Callable[[int], bool], max_tokens: int,
+                   salt: int = 0) -> list[bytes]:
+    """`count` chat completions: a system prompt of 8, a short question; streamed ones ask for usage."""
+    out = []
+    for i in range(count):
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)]},
+                         {"role": "user", "content": f"Question {salt}-{i}: what is {i} times {salt % 97 + 3}?"}],
+            "max_tokens": max_tokens,
+        }
+        if stream(i):
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        out.append(json.dumps(body, separators=(",", ":")).encode())
+    return out
+
+
+def http_request(host: str, port: int, path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+# -- the load generator: raw keep-alive HTTP/1.1 on asyncio protocols ----------------------------------------------
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection, one request at a time; owner.done(conn, end_time, error) as each answer ends."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.t0 = self.first = 0.0
+        self.head_end = -1
+        self.length: int | None = None
+        self.chunked = False
+        self.pos = 0
+        self.status = 0
+        self.close_after = False
+        self.waiting = False
+        self.streamed = False  # set by the owner: what kind of request is in flight
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, data: bytes) -> None:
+        self.buf.clear()
+        self.head_end, self.length, self.chunked, self.pos, self.status, self.first = -1, None, False, 0, 0, 0.0
+        self.waiting = True
+        self.t0 = time.perf_counter()
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.waiting:
+            return
+        buf = self.buf
+        buf += data
+        if self.head_end < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self.head_end = end + 4
+            head = bytes(buf[:end]).lower()
+            try:
+                self.status = int(head[9:12])
+                at = head.find(b"\r\ncontent-length:")
+                if at >= 0:
+                    stop = head.find(b"\r\n", at + 2)
+                    self.length = int(head[at + 17:stop if stop >= 0 else len(head)])
+                else:
+                    self.chunked = b"chunked" in head
+                    if not self.chunked:
+                        self._finish(False, "unframed")
+                        return
+            except ValueError:
+                self._finish(False, "bad_head")
+                return
+            self.close_after = b"\r\nconnection: close" in head
+            self.pos = self.head_end
+        if not self.first and len(buf) > self.head_end:
+            self.first = time.perf_counter()
+        if self.length is not None:
+            if len(buf) - self.head_end >= self.length:
+                self._finish(True, None)
+            return
+        pos = self.pos
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            try:
+                size = int(bytes(buf[pos:eol]).split(b";")[0], 16)
+            except ValueError:
+                self._finish(False, "bad_chunk")
+                return
+            if size == 0:
+                if buf.find(b"\r\n", eol + 2) >= 0:  # the empty line after the last chunk (no trailers)
+                    self._finish(True, None)
+                return
+            if len(buf) < eol + 4 + size:
+                break
+            pos = eol + 4 + size
+        self.pos = pos
+
+    def _finish(self, framed: bool, error: str | None) -> None:
+        self.waiting = False
+        if error is None and self.status != 200:
+            error = f"http_{self.status}"
+        if error is None:
+            body = self.buf[self.head_end:]
+            if b"[DONE]" not in body[-64:] and b'"choices"' not in body:
+                error = "bad_body"
+        end = time.perf_counter()
+        if error is not None or self.close_after:
+            self.close()
+        self.owner.done(self, end, error)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.waiting:
+            self.waiting = False
+            self.owner.done(self, time.perf_counter(), "disconnected")
+
+
+async def _connect(owner: Any, host: str, port: int) -> _Conn:
+    loop = asyncio.get_running_loop()
+    _, conn = await loop.create_connection(lambda: _Conn(owner), host, port)
+    return conn
+
+
+@dataclass
+class Window:
+    """What one measured window saw (requests that ended inside it)."""
+
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    latency_s: list[float] = field(default_factory=list)  # end to end, sampled
+    ttft_s: list[float] = field(default_factory=list)  # streamed requests, sampled
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+SAMPLE_EVERY = 8  # keep one latency in 8 (enough for p99, little work per request)
+
+
+class ClosedLoop:
+    """`connections` keep-alive connections over `targets`, each sending its requests back to back."""
+
+    def __init__(self, targets: Sequence[tuple[str, int]], path: str, bodies: Sequence[bytes],
+                 connections: int) -> None:
+        self.targets = list(targets)
+        self.requests = [[http_request(h, p, path, b) for b in bodies] for h, p in self.targets]
+        self.streamed = [b'"stream":true' in b for b in bodies]
+        self.connections = connections
+        self.window = Window()
+        self.measuring = self.running = False
+        self.next_index: dict[_Conn, int] = {}
+        self.target_of: dict[_Conn, int] = {}
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.counter = 0
+        self.reconnects: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self.running = True
+        for k in range(self.connections):
+            await self._open(k % len(self.targets), k)
+
+    async def _open(self, t: int, start: int) -> None:
+        host, port = self.targets[t]
+        conn = await _connect(self, host, port)
+        self.target_of[conn] = t
+        self.next_index[conn] = start
+        self._send(conn)
+
+    def _send(self, conn: _Conn) -> None:
+        i = self.next_index[conn] % len(self.requests[0])
+        self.next_index[conn] = i + self.connections
+        self.in_flight += 1
+        conn.send(self.requests[self.target_of[conn]][i])
+        conn.streamed = self.streamed[i]
+
+    def done(self, conn: _Conn, end: float, error: str | None) -> None:
+        self.in_flight -= 1
+        if self.measuring:
+            w = self.window
+            if error is None:
+                w.ok += 1
+                self.counter += 1
+                if self.counter % SAMPLE_EVERY == 0:
+                    w.latency_s.append(end - conn.t0)
+                    if conn.streamed:
+                        w.ttft_s.append(conn.first - conn.t0)
+            else:
+                w.error(error)
+        if not self.running:
+            if self.in_flight == 0:
+                self.idle.set()
+            return
+        if conn.transport is None or conn.transport.is_closing():
+            t = self.target_of.pop(conn)
+            start = self.next_index.pop(conn)
+            task = asyncio.get_running_loop().create_task(self._reopen(t, start))
+            self.reconnects.add(task)
+            task.add_done_callback(self.reconnects.discard)
+            return
+        self._send(conn)
+
+    async def _reopen(self, t: int, start: int) -> None:
+        try:
+            await self._open(t, start)
+        except OSError:
+            self.window.error("connect")
+            await asyncio.sleep(0.05)
+            if self.running:
+                await self._reopen(t, start)
+
+    async def stop(self, drain_s: float = 5.0) -> None:
+        self.running = False
+        for task in list(self.reconnects):
+            task.cancel()
+        if self.in_flight:
+            try:
+                await asyncio.wait_for(self.idle.wait(), drain_s)
+            except TimeoutError:
+                pass
+        for conn in list(self.target_of):
+            conn.close()
+
+
+class PairedStreams:
+    """`sessions` sessions; each sends one streamed request straight to an instance and the same through the
+    router at the same moment, waits for both answers, repeats. Pairs ending inside the window are kept."""
+
+    def __init__(self, instances: Sequence[tuple[str, int]], router: tuple[str, int], path: str,
+                 bodies: Sequence[bytes], sessions: int) -> None:
+        self.instances, self.router, self.path, self.bodies = list(instances), router, path, list(bodies)
+        self.sessions = sessions
+        self.pairs: list[tuple[float, float]] = []  # (direct TTFT, router TTFT), seconds
+        self.errors: dict[str, int] = {}
+        self.measuring = self.running = False
+        self.state: dict[_Conn, _Session] = {}
+        self.active = 0
+        self.idle = asyncio.Event()
+
+    async def start(self, stagger_s: float) -> None:
+        self.running = True
+        rng = random.Random(1)
+        for k in range(self.sessions):
+            host, port = self.instances[k % len(self.instances)]
+            s = _Session(k, await _connect(self, host, port), await _connect(self, *self.router),
+                         [http_request(host, port, self.path, b) for b in self.bodies],
+                         [http_request(*self.router, self.path, b) for b in self.bodies])
+            self.state[s.direct] = self.state[s.routed] = s
+            asyncio.get_running_loop().call_later(rng.uniform(0, stagger_s), self._go, s)
+
+    def _go(self, s: _Session) -> None:
+        if not self.running or s.broken:
+            return
+        i = s.n % len(self.bodies)
+        s.pending, s.error = 2, None
+        self.active += 1
+        first, second = ((s.direct, s.direct_req), (s.routed, s.routed_req))
+        if (s.k + s.n) % 2:
+            first, second = second, first
+        s.n += 1
+        first[0].send(first[1][i])
+        second[0].send(second[1][i])
+
+    def done(self, conn: _Conn, end: float, error: str | None) -> None:
+        s = self.state[conn]
+        if error is not None:
+            s.error = error
+            s.broken = s.broken or conn.transport is None or conn.transport.is_closing()
+        s.pending -= 1
+        if s.pending:
+            return
+        self.active -= 1
+        if self.measuring:
+            if s.error is None:
+                self.pairs.append((s.direct.first - s.direct.t0, s.routed.first - s.routed.t0))
+            else:
+                self.errors[s.error] = self.errors.get(s.error, 0) + 1
+        if self.running and not s.broken:
+            self._go(s)
+        elif self.active == 0:
+            self.idle.set()
+
+    async def stop(self, drain_s: float = 5.0) -> None:
+        self.running = False
+        if self.active:
+            try:
+                await asyncio.wait_for(self.idle.wait(), drain_s)
+            except TimeoutError:
+                pass
+        for conn in list(self.state):
+            conn.close()
+
+
+@dataclass(eq=False)
+class _Session:
+    k: int
+    direct: _Conn
+    routed: _Conn
+    direct_req: list[bytes]
+    routed_req: list[bytes]
+    n: int = 0
+    pending: int = 0
+    error: str | None = None
+    broken: bool = False
+
+
+# -- CPU accounting ------------------------------------------------------------------------------------------------
+def session_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of every process, summed by session id (each child runs in its own)."""
+    out: dict[int, float] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        out[int(fields[3])] = out.get(int(fields[3]), 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def machine_busy() -> float:
+    """CPU seconds the whole machine has been busy (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
+    return (sum(parts[:8]) - idle) / CLK_TCK
+
+
+class CpuMeter:
+    """Cores used over a window by each named group of processes, by this process, and by everything else."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups  # label -> session ids
+
+    def snapshot(self) -> tuple[float, dict[int, float], float, float]:
+        return time.perf_counter(), session_cpu(), time.process_time(), machine_busy()
+
+    def cores(self, a: tuple, b: tuple) -> dict[str, float]:
+        wall = b[0] - a[0]
+        out = {label: sum(b[1].get(s, 0.0) - a[1].get(s, 0.0) for s in sids) / wall
+               for label, sids in self.groups.items()}
+        out["load generator"] = (b[2] - a[2]) / wall
+        out["machine"] = (b[3] - a[3]) / wall
+        out["other processes"] = max(0.0, out["machine"] - sum(v for k, v in out.items() if k != "machine"))
+        return {k: round(v, 3) for k, v in out.items()}
+
+
+# -- the runs -----------------------------------------------------------------------------------------------------
+@dataclass
+class Running:
+    """A started fleet and the routers in front of it."""
+
+    fleet: FleetSpec
+    children: list[Child]
+    urls: list[str]
+    routers: dict[str, tuple[Child, str]]  # contender label -> (process, base URL)
+    model: str
+    notes: list[str] = field(default_factory=list)
+
+    def sids(self) -> dict[str, list[int]]:
+        groups = {"instances": [c.proc.pid for c in self.children]}
+        for label, (proc, _) in self.routers.items():
+            groups[label] = [proc.proc.pid]
+        return groups
+
+    def stop(self) -> None:
+        for proc, _ in self.routers.values():
+            proc.stop()
+        for c in self.children:
+            c.stop()
+
+
+async def start_fleet(fleet: FleetSpec, contenders: Sequence[Contender], venv: Path, logs: Path,
+                      tag: str) -> Running:
+    port = free_ports(fleet.instances + 2 * len(contenders))
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(fleet.instances)]
+    children = fleet.children(port, logs, f"{tag}-instances")
+    running = Running(fleet, children, urls, {}, "")
+    try:
+        for child, count in zip(children, fleet.counts()):
+            await child.wait_for_log("listening on", count, timeout_s=60)
+        next_port = port + fleet.instances
+        for c in contenders:
+            if c.router is None:
+                continue
+            rport = free_ports(2, next_port)
+            next_port = rport + 2
+            proc = cp.Proc(f"{tag}-{c.label.replace(' ', '-')}", c.argv(rport, urls, venv), logs)
+            target = f"http://127.0.0.1:{rport}"
+            try:
+                running.model = await cp.wait_ready(proc, target)
+            except UsageError as exc:
+                proc.stop()
+                running.notes.append(f"{c.label} ({fleet.kind}): {exc}")
+                log(f"   {c.label} did not start: {exc}")
+                continue
+            running.routers[c.label] = (proc, target)
+        if not running.model:
+            running.model = await cp.wait_ready(children[0], urls[0])
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def _hostport(url: str) -> tuple[str, int]:
+    host, _, port = url.rsplit("/", 1)[-1].rpartition(":")
+    return host, int(port)
+
+
+async def saturation_window(running: Running, contender: Contender, args: argparse.Namespace,
+                            meter: CpuMeter) -> dict[str, Any]:
+    if contender.router is None:
+        targets = [_hostport(u) for u in running.urls]
+    else:
+        targets = [_hostport(running.routers[contender.label][1])]
+    bodies = request_bodies(running.model, 256, lambda i: i % 2 == 1, args.max_tokens,
+                            salt=random.randrange(1 << 20))
+    load = ClosedLoop(targets, "/v1/chat/completions", bodies, args.connections)
+    await load.start()
+    try:
+        await asyncio.sleep(args.warmup)
+        a = meter.snapshot()
+        load.measuring = True
+        await asyncio.sleep(args.duration)
+        load.measuring = False
+        b = meter.snapshot()
+    finally:
+        await load.stop()
+    w, wall = load.window, b[0] - a[0]
+    lat = sorted(w.latency_s)
+    ttft = sorted(w.ttft_s)
+    return {
+        "contender": contender.label, "fleet": running.fleet.kind, "requests": w.ok, "errors": w.errors,
+        "seconds": round(wall, 3), "rps": round(w.ok / wall, 1),
+        "latency_ms": {"p50": _ms(percentile(lat, 50)), "p99": _ms(percentile(lat, 99))},
+        "stream_ttft_ms": {"p50": _ms(percentile(ttft, 50)), "p99": _ms(percentile(ttft, 99))},
+        "cpu_cores": meter.cores(a, b),
+    }
+
+
+async def latency_window(running: Running, contender: Contender, args: argparse.Namespace,
+                         meter: CpuMeter) -> dict[str, Any]:
+    bodies = request_bodies(running.model, 256, lambda i: True, args.stream_tokens, salt=random.randrange(1 << 20))
+    pairs = PairedStreams([_hostport(u) for u in running.urls], _hostport(running.routers[contender.label][1]),
+                          "/v1/chat/completions", bodies, args.streams)
+    stream_s = args.stream_tokens * args.itl_ms / 1000
+    await pairs.start(stagger_s=stream_s)
+    try:
+        await asyncio.sleep(args.warmup + stream_s)
+        a = meter.snapshot()
+        pairs.measuring = True
+        await asyncio.sleep(args.duration)
+        pairs.measuring = False
+        b = meter.snapshot()
+    finally:
+        await pairs.stop()
+    return {"contender": contender.label, "pairs": [[round(d, 6), round(r, 6)] for d, r in pairs.pairs],
+            "errors": pairs.errors, "seconds": round(b[0] - a[0], 3), "cpu_cores": meter.cores(a, b)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 3)
+
+
+def round_orders(contenders: Sequence[Contender], rounds: int) -> list[list[Contender]]:
+    """ABBA: each round every contender once, the order reversed every other round."""
+    return [list(contenders) if r % 2 == 0 else list(reversed(contenders)) for r in range(rounds)]
+
+
+async def phase_saturation(fleet: FleetSpec, contenders: Sequence[Contender], args: argparse.Namespace,
+                           logs: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    log(f"== (a) saturation, {fleet.describe()}")
+    running = await start_fleet(fleet, contenders, args.peers_venv, logs, f"sat-{fleet.kind}")
+    out: list[dict[str, Any]] = []
+    try:
+        present = [c for c in contenders if c.router is None or c.label in running.routers]
+        meter = CpuMeter(running.sids())
+        for r, order in enumerate(round_orders(present, args.rounds)):
+            for c in order:
+                res = await saturation_window(running, c, args, meter)
+                res["round"] = r
+                out.append(res)
+                cpu = res["cpu_cores"]
+                router_cpu = cpu.get(c.label, 0.0)
+                log(f"   round {r} {c.label:<13} {res['rps']:>9,.0f} req/s  errors {sum(res['errors'].values())}  "
+                    f"cores: router {router_cpu:.2f} instances {cpu['instances']:.2f} "
+                    f"loadgen {cpu['load generator']:.2f} other {cpu['other processes']:.2f}")
+    finally:
+        running.stop()
+    return out, running.notes
+
+
+async def phase_latency(contenders: Sequence[Contender], args: argparse.Namespace,
+                        logs: Path) -> tuple[list[dict[str, Any]], list[str], FleetSpec]:
+    fleet = FleetSpec("stub", itl_ms=args.itl_ms)
+    routed = [c for c in contenders if c.router is not None]
+    log(f"== (b) added latency, {args.streams} concurrent streams, {fleet.describe()}")
+    running = await start_fleet(fleet, routed, args.peers_venv, logs, "lat")
+    out: list[dict[str, Any]] = []
+    try:
+        present = [c for c in routed if c.label in running.routers]
+        meter = CpuMeter(running.sids())
+        for r, order in enumerate(round_orders(present, args.rounds)):
+            for c in order:
+                res = await latency_window(running, c, args, meter)
+                res["round"] = r
+                out.append(res)
+                s = latency_summary(res["pairs"])
+                log(f"   round {r} {c.label:<13} {len(res['pairs']):>6} pairs  errors {sum(res['errors'].values())}  "
+                    f"TTFT p50 {s['direct_p50']} -> {s['router_p50']} ms, p99 {s['direct_p99']} -> "
+                    f"{s['router_p99']} ms  machine {res['cpu_cores']['machine']:.2f} cores")
+    finally:
+        running.stop()
+    return out, running.notes, fleet
+
+
+# -- summaries (pure) ---------------------------------------------------------------------------------------------
+def latency_summary(pairs: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """TTFT percentiles (ms) straight and through the router, their differences, and the paired differences."""
+    direct = [1000 * d for d, _ in pairs]
+    routed = [1000 * r for _, r in pairs]
+    diffs = [r - d for d, r in zip(direct, routed)]
+
+    def q(xs: list[float], p: float) -> float | None:
+        v = percentile(xs, p)
+        return None if v is None else round(v, 3)
+
+    out: dict[str, Any] = {"pairs": len(pairs)}
+    for p in (50, 99):
+        out[f"direct_p{p}"], out[f"router_p{p}"] = q(direct, p), q(routed, p)
+        out[f"added_p{p}"] = (None if out[f"direct_p{p}"] is None
+                              else round(out[f"router_p{p}"] - out[f"direct_p{p}"], 3))
+        out[f"paired_p{p}"] = q(diffs, p)
+    return out
+
+
+def saturation_summary(windows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per contender: median req/s over the rounds, every round's, the median ratio to smg within a round, errors,
+    and median cores used per component (and CPU µs per request)."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for w in windows:
+        by.setdefault(w["contender"], []).append(w)
+    peer_by_round = {w["round"]: w["rps"] for w in by.get(PEER, [])}
+    out: dict[str, dict[str, Any]] = {}
+    for label, ws in by.items():
+        ratios = [w["rps"] / peer_by_round[w["round"]] for w in ws if peer_by_round.get(w["round"])]
+        keys = ws[0]["cpu_cores"].keys()
+        cores = {k: round(statistics.median(w["cpu_cores"].get(k, 0.0) for w in ws), 2) for k in keys}
+        rps = statistics.median(w["rps"] for w in ws)
+        router_us = None
+        if label != "direct" and label in cores and rps:
+            router_us = round(1e6 * cores[label] / rps, 1)
+        out[label] = {
+            "rps": round(rps, 1), "rounds": [w["rps"] for w in ws],
+            "ratio_to_peer": round(statistics.median(ratios), 3) if ratios else None,
+            "errors": sum(sum(w["errors"].values()) for w in ws),
+            "requests": sum(w["requests"] for w in ws),
+            "latency_p50_ms": statistics.median(w["latency_ms"]["p50"] or 0 for w in ws),
+            "latency_p99_ms": statistics.median(w["latency_ms"]["p99"] or 0 for w in ws),
+            "cores": cores, "router_cpu_us_per_request": router_us,
+            "instances_cpu_us_per_request": round(1e6 * cores.get("instances", 0) / rps, 1) if rps else None,
+            "loadgen_cpu_us_per_request": round(1e6 * cores.get("load generator", 0) / rps, 1) if rps else None,
+        }
+    peer_us = out.get(PEER, {}).get("router_cpu_us_per_request")
+    for row in out.values():
+        us = row["router_cpu_us_per_request"]
+        row["per_core_ratio_to_peer"] = round(peer_us / us, 3) if us and peer_us else None
+    return out
+
+
+def latency_by_contender(windows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    by: dict[str, list[dict[str, Any]]] = {}
+    for w in windows:
+        by.setdefault(w["contender"], []).append(w)
+    out = {}
+    for label, ws in by.items():
+        s = latency_summary([p for w in ws for p in w["pairs"]])
+        s["errors"] = sum(sum(w["errors"].values()) for w in ws)
+        s["rounds_added_p50"] = [latency_summary(w["pairs"])["added_p50"] for w in ws]
+        s["rounds_added_p99"] = [latency_summary(w["pairs"])["added_p99"] for w in ws]
+        s["machine_cores"] = round(statistics.median(w["cpu_cores"]["machine"] for w in ws), 2)
+        s["router_cores"] = round(statistics.median(w["cpu_cores"].get(label, 0.0) for w in ws), 2)
+        out[label] = s
+    return out
+
+
+def latency_met(s: dict[str, Any] | None) -> bool | None:
+    if not s or s.get("added_p50") is None:
+        return None
+    return s["added_p50"] <= TARGET_P50_MS and s["added_p99"] <= TARGET_P99_MS
+
+
+# -- report (pure) ------------------------------------------------------------------------------------------------
+def _f(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def _times(ratio: float | None) -> str:
+    return "" if ratio is None else f" ({ratio:.2f}×)"
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f} µs"
+
+
+def render_section(meta: dict[str, Any], sat: dict[str, dict[str, dict[str, Any]]],
+                   lat: dict[str, dict[str, Any]]) -> str:
+    """The docs/benchmarks.md section (heading included)."""
+    lines = [f"## {SECTION}", "", "Regenerated by (do not edit by hand):", "", "    " + meta["command"], "",
+             f"Run {meta['date']} on {meta['machine']}; load average before the run {meta['load_before']}, "
+             f"after {meta['load_after']}. Peer: {meta['peer_version']}. {meta['config']}. "
+             f"Code: {meta['tree']}.", ""]
+    lines += ["**Who shares the 2 cores.** Everything runs on this one machine: the instances, every router "
+              "(all started for the whole phase; only the measured one is busy), the load generator (this "
+              "script, one process) and whatever else runs there (another engineer's benchmarks). The tables "
+              "give the cores each used during the measured windows (medians over the rounds; `other` is the "
+              "rest of the machine). A router's throughput here is bounded by the CPU the instances and the "
+              "load generator leave it.", ""]
+    for fleet, rows in sat.items():
+        lines += [f"### (a) Saturation throughput: {meta['fleets'][fleet]}", "",
+                  f"Closed loop, {meta['connections']} keep-alive connections, chat completions of ≈"
+                  f"{meta['prompt_chars']} characters, max_tokens {meta['max_tokens']}, every other one streamed; "
+                  f"{meta['rounds']} rounds × {meta['duration']:g} s per contender (after {meta['warmup']:g} s "
+                  "unmeasured), ABBA order. req/s: median over the rounds (every round in brackets); "
+                  "× smg: median of the rounds' ratios. The other work on the machine comes and goes within "
+                  "seconds, so a router's req/s depends on how much of it fell into its windows; the CPU a "
+                  "router spends per request (its cores ÷ its req/s, medians) does not, and req/s per router "
+                  "core (× smg's) is the comparison to trust when the `other` column differs between rows.", "",
+                  "| contender | req/s (rounds) | × smg | errors | latency p50 / p99 | cores: router / instances / "
+                  "load gen / other | router CPU per request | req/s per router core |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for label, s in rows.items():
+            c = s["cores"]
+            router = c.get(label) if label != "direct" else None
+            us = s["router_cpu_us_per_request"]
+            lines.append(
+                f"| {label} | {s['rps']:,.0f} ({', '.join(f'{x:,.0f}' for x in s['rounds'])}) | "
+                f"{_f(s['ratio_to_peer'])} | {s['errors']} | {_f(s['latency_p50_ms'], 1)} / "
+                f"{_f(s['latency_p99_ms'], 1)} ms | {_f(router)} / {_f(c.get('instances'))} / "
+                f"{_f(c.get('load generator'))} / {_f(c.get('other processes'))} | "
+                f"{_us(us)} | {'-' if not us else f'{1e6 / us:,.0f}'}{_times(s['per_core_ratio_to_peer'])} |")
+        lines += ["", loadgen_note(rows), ""]
+    if lat:
+        lines += [f"### (b) Added latency at {meta['streams']} concurrent streams", "",
+                  f"{meta['latency_fleet']}; {meta['streams']} sessions, each sending the same streamed request "
+                  f"({meta['stream_tokens']} tokens) at the same moment straight to an instance and through the "
+                  "router, then the next; TTFT = request written → first body byte (the first SSE event). "
+                  f"{meta['rounds']} rounds × {meta['duration']:g} s per router, ABBA order; pairs pooled over the "
+                  "rounds. Added = router percentile − direct percentile (the target); paired = percentile of "
+                  "the per-pair differences.", "",
+                  "| router | pairs | errors | direct TTFT p50 / p99 | routed TTFT p50 / p99 | **added p50 / p99** | "
+                  "paired diff p50 / p99 | added p50 per round | added p99 per round | cores: router / machine |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for label, s in lat.items():
+            lines.append(
+                f"| {label} | {s['pairs']:,} | {s['errors']} | {_f(s['direct_p50'])} / {_f(s['direct_p99'])} ms | "
+                f"{_f(s['router_p50'])} / {_f(s['router_p99'])} ms | **{_f(s['added_p50'])} / "
+                f"{_f(s['added_p99'])} ms** | {_f(s['paired_p50'])} / {_f(s['paired_p99'])} ms | "
+                f"{', '.join(_f(x) for x in s['rounds_added_p50'])} | "
+                f"{', '.join(_f(x) for x in s['rounds_added_p99'])} | {_f(s['router_cores'])} / "
+                f"{_f(s['machine_cores'])} |")
+        lines.append("")
+    lines += ["### Targets", ""] + [f"- {v}" for v in verdicts(sat, lat)]
+    if meta.get("notes"):
+        lines += ["", "Not measured:", ""] + [f"- {n}" for n in meta["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def loadgen_note(rows: dict[str, dict[str, Any]]) -> str:
+    """Whether the load generator could have been the bottleneck, from the cores it used."""
+    routed = {k: v for k, v in rows.items() if k != "direct"}
+    parts = []
+    if routed:
+        worst = max(routed.values(), key=lambda v: v["cores"].get("load generator", 0.0))
+        parts.append(f"Load generator: at most {worst['cores'].get('load generator', 0.0):.2f} cores in a router's "
+                     f"windows ({_us(worst['loadgen_cpu_us_per_request'])} per request), far from one core: the "
+                     "routers, not it, set their throughput.")
+    if "direct" in rows:
+        d = rows["direct"]["cores"]
+        parts.append(f"`direct` ({d.get('load generator', 0.0):.2f} cores load generator, "
+                     f"{d.get('instances', 0.0):.2f} instances) is bounded by the CPU they share, not by a router: "
+                     "it shows how far the instances are from limiting the routers.")
+    return " ".join(parts)
+
+
+def verdicts(sat: dict[str, dict[str, dict[str, Any]]], lat: dict[str, dict[str, Any]]) -> list[str]:
+    out = []
+    for fleet, rows in sat.items():
+        peer = rows.get(PEER)
+        for label in ("warmroute", "warmroute x2"):
+            s = rows.get(label)
+            if s is None or peer is None or s["ratio_to_peer"] is None:
+                continue
+            met = s["ratio_to_peer"] >= 1.0
+            per_core = ("" if s["per_core_ratio_to_peer"] is None
+                        else f" (per router core {s['per_core_ratio_to_peer']:.2f}×)")
+            out.append(f"(a) {fleet} fleet, {label}: {s['rps']:,.0f} vs smg {peer['rps']:,.0f} req/s, "
+                       f"{s['ratio_to_peer']:.2f}×{per_core} — **{'met' if met else 'missed'}**")
+    for label, s in lat.items():
+        met = latency_met(s)
+        if met is None:
+            continue
+        out.append(f"(b) {label}: adds {s['added_p50']:.2f} ms at p50 (≤ {TARGET_P50_MS:g}) and "
+                   f"{s['added_p99']:.2f} ms at p99 (≤ {TARGET_P99_MS:g}) — **{'met' if met else 'missed'}**")
+    return out or ["nothing measured"]
+
+
+def summary_rows(sat: dict[str, dict[str, dict[str, Any]]], lat: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The two rows of the summary table, keyed by their first cell's start."""
+    rows = {}
+    if sat:
+        parts, best_ratio = [], []
+        for fleet, r in sat.items():
+            peer = r.get(PEER)
+            if peer is None:
+                continue
+            ours = {k: r[k] for k in ("warmroute", "warmroute x2") if k in r and r[k]["ratio_to_peer"] is not None}
+            if not ours:
+                continue
+            best_ratio.append(max(v["ratio_to_peer"] for v in ours.values()))
+            cpu = (f", router CPU per request {_us(ours['warmroute']['router_cpu_us_per_request'])} vs "
+                   f"{_us(peer['router_cpu_us_per_request'])} "
+                   f"({ours['warmroute']['per_core_ratio_to_peer']:.2f}× smg's req/s per core)"
+                   if "warmroute" in ours and ours["warmroute"]["per_core_ratio_to_peer"] else "")
+            parts.append(f"{fleet} instances: smg {peer['rps']:,.0f} req/s; " + ", ".join(
+                f"{k} {v['rps']:,.0f} ({v['ratio_to_peer']:.2f}×)" for k, v in ours.items()) + cpu)
+        if parts:
+            status = "met" if min(best_ratio) >= 1 else ("missed" if max(best_ratio) < 1 else "met on some fleets")
+            rows["| saturation throughput"] = (
+                "| saturation throughput with trivial instances ≥ SGLang Model Gateway's, same machine (#2) | "
+                + "; ".join(parts) + "; routers, instances, load generator and other work share 2 cores "
+                "([below](#saturation-throughput-and-added-latency-issue-2)) | " + status + " |")
+    if lat:
+        ours = lat.get("warmroute")
+        if ours is not None and ours.get("added_p50") is not None:
+            peer = lat.get(PEER)
+            peer_txt = (f" (smg {peer['added_p50']:.2f} / {peer['added_p99']:.2f} ms)"
+                        if peer and peer.get("added_p50") is not None else "")
+            x2 = lat.get("warmroute x2")
+            x2_txt = (f", 2 workers {x2['added_p50']:.2f} / {x2['added_p99']:.2f} ms"
+                      if x2 and x2.get("added_p50") is not None else "")
+            met = latency_met(ours)
+            rows["| router added latency"] = (
+                "| router added latency p50 ≤ 1 ms, p99 ≤ 3 ms at 64 streams (#2) | TTFT through the router minus "
+                f"straight to the instance, 64 paced streams: p50 {ours['added_p50']:.2f} ms, p99 "
+                f"{ours['added_p99']:.2f} ms{x2_txt}{peer_txt}; long Mooncake prompts (12–64k tokens) add "
+                "2.0–2.3 ms median ([peers.md](peers.md)) | "
+                + ("met for short prompts" if met else "missed") + " |")
+    return rows
+
+
+def update_doc(text: str, section: str, rows: dict[str, str]) -> str:
+    """`text` with the section replaced (or appended) and each summary row replaced (or added after the last
+    row of the summary table)."""
+    heading = f"## {SECTION}"
+    start = text.find(heading + "\n")
+    if start >= 0:
+        nxt = text.find("\n## ", start + len(heading))
+        end = len(text) if nxt < 0 else nxt + 1
+        text = text[:start] + section + ("\n" if nxt >= 0 else "") + text[end:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    lines = text.split("\n")
+    for prefix, row in rows.items():
+        hit = next((i for i, ln in enumerate(lines) if ln.startswith(prefix)), None)
+        if hit is not None:
+            lines[hit] = row
+            continue
+        summary = next((i for i, ln in enumerate(lines) if ln.startswith("## Summary against the targets")), None)
+        if summary is None:
+            continue
+        i = summary + 1
+        while i < len(lines) and not lines[i].startswith("|"):
+            i += 1
+        while i < len(lines) and lines[i].startswith("|"):
+            i += 1
+        lines.insert(i, row)
+    return "\n".join(lines)
+
+
+# -- driver ---------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    labels = [c.label for c in CONTENDERS]
+    p.add_argument("--contenders", nargs="+", metavar="LABEL", default=labels, help="subset of: " + ", ".join(
+        repr(x) for x in labels))
+    p.add_argument("--fleets", nargs="+", choices=["stub", "engine"], default=["stub", "engine"],
+                   help="instances for (a): trivial stubs and/or the emulated engine at time scale 0")
+    p.add_argument("--engine-processes", type=int, default=2, help="processes the emulated fleet is split over")
+    p.add_argument("--phases", nargs="+", choices=["saturation", "latency"], default=["saturation", "latency"],
+                   help="(a), (b) or both (the default; only a run of both rewrites the doc section)")
+    p.add_argument("--quick", action="store_true", help="2 rounds of 4 s (instead of 5 of 5)")
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--duration", type=float, help="measured seconds per window")
+    p.add_argument("--warmup", type=float, default=1.5, help="unmeasured seconds before each window")
+    p.add_argument("--connections", type=int, default=128, help="(a) keep-alive connections")
+    p.add_argument("--max-tokens", type=int, default=8, help="(a) max_tokens per request")
+    p.add_argument("--streams", type=int, default=64, help="(b) concurrent streams through the router")
+    p.add_argument("--stream-tokens", type=int, default=32, help="(b) tokens per stream")
+    p.add_argument("--itl-ms", type=float, default=20.0, help="(b) milliseconds between two streamed tokens")
+    p.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
+    p.add_argument("--install", action="store_true", help="pip-install a missing peer into --peers-venv")
+    p.add_argument("--json", type=Path, default=ROOT / "out" / "saturation.json")
+    p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
+    p.add_argument("--logs", type=Path, help="keep every child's log in this folder")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.duration = args.duration or (4.0 if args.quick else 5.0)
+    unknown = set(args.contenders) - set(labels)
+    if unknown:
+        p.error(f"unknown contenders: {', '.join(sorted(unknown))}")
+    return args
+
+
+def command_line(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/saturation.py", *argv])
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def tree_state() -> str:
+    """The commit measured, and the source files that differed from it (uncommitted work is measured too)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "warmroute"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    files = sorted(line[3:] for line in changed if line.strip())
+    return f"commit {head or 'unknown'}" + (f" plus uncommitted changes to {', '.join(files)}" if files else "")
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+async def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Both phases; returns everything measured (what out/saturation.json holds)."""
+    contenders = [c for c in CONTENDERS if c.label in args.contenders]
+    notes: list[str] = []
+    peer_version = "not run"
+    if any(c.is_peer for c in contenders):
+        peers = cp.ensure_peers(args.peers_venv, args.install, log)
+        smg = peers.get("smg")
+        if smg is None or not smg.ok:
+            notes.append(f"smg: {smg.note if smg else 'not installed'}")
+            contenders = [c for c in contenders if not c.is_peer]
+            peer_version = "smg unavailable"
+        else:
+            peer_version = f"smg {smg.version}"
+    load_before = load_average()
+    started = time.monotonic()
+    sat_windows: dict[str, list[dict[str, Any]]] = {}
+    lat_windows: list[dict[str, Any]] = []
+    fleets = {k: FleetSpec(k, processes=args.engine_processes if k == "engine" else 1) for k in args.fleets}
+    latency_fleet = ""
+    with tempfile.TemporaryDirectory(prefix="warmroute-saturation-") as tmp:
+        logs = args.logs or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        if "saturation" in args.phases:
+            for kind, fleet in fleets.items():
+                sat_windows[kind], more = await phase_saturation(fleet, contenders, args, logs)
+                notes += more
+        if "latency" in args.phases and any(c.router for c in contenders):
+            lat_windows, more, lfleet = await phase_latency(contenders, args, logs)
+            latency_fleet = lfleet.describe()
+            notes += more
+    log(f"done in {time.monotonic() - started:.0f} s")
+    return {
+        "meta": {
+            "command": command_line(argv),
+            "tree": tree_state(),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other work",
+            "load_before": load_before, "load_after": load_average(),
+            "peer_version": peer_version,
+            "config": f"{args.rounds} rounds, {args.warmup:g} s warm-up + {args.duration:g} s measured per window",
+            "rounds": args.rounds, "duration": args.duration, "warmup": args.warmup,
+            "connections": args.connections, "max_tokens": args.max_tokens,
+            "prompt_chars": len(SYSTEM_PROMPTS[0]) + 30,  # system prompt + question
+            "streams": args.streams, "stream_tokens": args.stream_tokens, "itl_ms": args.itl_ms,
+            "fleets": {k: f.describe() for k, f in fleets.items() if k in sat_windows},
+            "latency_fleet": latency_fleet,
+            "notes": notes,
+        },
+        "saturation": {k: saturation_summary(v) for k, v in sat_windows.items()},
+        "latency": latency_by_contender(lat_windows),
+        "windows": {"saturation": sat_windows, "latency": [{k: v for k, v in w.items() if k != "pairs"}
+                                                           | {"pairs": len(w["pairs"])} for w in lat_windows]},
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(render_section(result["meta"], result["saturation"], result["latency"]))
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        import uvloop
+        result = uvloop.run(measure(args, argv))
+    except UsageError as exc:
+        log(f"error: {exc}")
+        return 2
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print_table(result)
+    if not args.no_doc and set(args.phases) != {"saturation", "latency"}:
+        log(f"only {' and '.join(args.phases)} measured: {args.doc} left as it is (see {args.json})")
+    elif not args.no_doc:
+        section = render_section(result["meta"], result["saturation"], result["latency"])
+        args.doc.write_text(update_doc(args.doc.read_text(), section,
+                                       summary_rows(result["saturation"], result["latency"])))
+        log(f"wrote {args.doc} and {args.json}")
+    bad = any(s["errors"] for rows in result["saturation"].values() for s in rows.values()) or any(
+        s["errors"] for s in result["latency"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

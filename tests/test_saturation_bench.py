@@ -1,0 +1,123 @@
+"""benchmarks/saturation.py: its machinery in a tiny configuration (warmroute only, no peer), and its pure parts.
+
+No timing assertions: only that requests complete, without errors, and that the numbers are well formed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from warmroute.bench.trivial import start_trivial_fleet
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "saturation.py"
+_spec = importlib.util.spec_from_file_location("saturation", _PATH)
+sat = importlib.util.module_from_spec(_spec)
+sys.modules["saturation"] = sat  # dataclasses look their module up while the file executes
+_spec.loader.exec_module(sat)
+
+
+def test_tiny_run_of_both_phases(tmp_path):
+    """The script's own driver: stub fleet, direct and warmroute, one short round of each phase."""
+    argv = ["--contenders", "direct", "warmroute", "--fleets", "stub", "--rounds", "1", "--duration", "1",
+            "--warmup", "0.3", "--connections", "8", "--streams", "4", "--stream-tokens", "4", "--itl-ms", "5",
+            "--json", str(tmp_path / "sat.json"), "--no-doc", "--logs", str(tmp_path / "logs")]
+    args = sat.parse_args(argv)
+    result = asyncio.run(sat.measure(args, argv))
+
+    rows = result["saturation"]["stub"]
+    assert set(rows) == {"direct", "warmroute"}
+    for row in rows.values():
+        assert row["requests"] > 0 and row["rps"] > 0
+        assert row["errors"] == 0
+        assert row["ratio_to_peer"] is None  # no smg in this run
+        assert row["cores"]["load generator"] >= 0
+    assert rows["warmroute"]["router_cpu_us_per_request"] is not None
+
+    lat = result["latency"]["warmroute"]
+    assert lat["pairs"] > 0 and lat["errors"] == 0
+    assert lat["direct_p50"] > 0 and lat["router_p50"] > 0
+    assert not result["meta"]["notes"]
+
+    section = sat.render_section(result["meta"], result["saturation"], result["latency"])
+    assert section.startswith(f"## {sat.SECTION}\n")
+    assert "| warmroute |" in section
+
+
+async def test_trivial_instances_answer_like_an_engine():
+    """Plain and streamed answers parse as OpenAI responses; paced streams arrive token by token."""
+    servers = await start_trivial_fleet(1, itl_ms=2.0)
+    url = servers[0].url
+    try:
+        async with aiohttp.ClientSession() as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            async with client.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                data = await r.json()
+            assert data["choices"][0]["message"]["content"] == "lorem ipsum dolor "
+            assert "prompt_tokens_details" not in data["usage"]
+            stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            async with client.post(url + "/v1/completions", json={**stream, "prompt": "x"}) as r:
+                events = [line[6:] async for line in r.content if line.startswith(b"data: ")]
+            assert events[-1].strip() == b"[DONE]"
+            parsed = [json.loads(e) for e in events[:-1]]
+            assert "".join(c["choices"][0]["text"] for c in parsed if c["choices"]) == "lorem ipsum dolor "
+            assert parsed[-1]["usage"]["completion_tokens"] == 3
+            async with client.get(url + "/get_server_info") as r:
+                assert (await r.json())["max_running_requests"] > 0
+            async with client.get(url + "/nowhere") as r:
+                assert r.status == 404
+    finally:
+        for s in servers:
+            await s.close()
+
+
+def test_latency_summary_and_verdict():
+    pairs = [(0.001, 0.0015)] * 99 + [(0.002, 0.006)]
+    s = sat.latency_summary(pairs)
+    assert s["pairs"] == 100
+    assert s["added_p50"] == pytest.approx(0.5)
+    assert s["paired_p50"] == pytest.approx(0.5)
+    assert s["router_p99"] > s["direct_p99"]
+    assert sat.latency_met(s) is (s["added_p99"] <= sat.TARGET_P99_MS)
+    assert sat.latency_met({}) is None
+
+
+def test_saturation_ratios_are_taken_within_a_round():
+    def w(label, r, rps):
+        return {"contender": label, "round": r, "rps": rps, "requests": int(rps), "errors": {},
+                "latency_ms": {"p50": 1.0, "p99": 2.0}, "cpu_cores": {"instances": 0.1, "load generator": 0.1,
+                                                                       label: 0.5, "machine": 1.0}}
+    rows = sat.saturation_summary([w("smg", 0, 100), w("warmroute", 0, 50), w("smg", 1, 200), w("warmroute", 1, 150)])
+    assert rows["warmroute"]["ratio_to_peer"] == pytest.approx((0.5 + 0.75) / 2)
+    assert rows["smg"]["ratio_to_peer"] == 1.0
+    assert rows["warmroute"]["rps"] == 100
+
+
+def test_update_doc_replaces_section_and_rows():
+    doc = ("# B\n\n## Summary against the targets\n\n| target | measured | status |\n| --- | --- | --- |\n"
+           "| router added latency p50 old | x | y |\n\n## Other\n\ntext\n")
+    section = f"## {sat.SECTION}\n\nnew numbers\n"
+    rows = {"| router added latency": "| router added latency NEW | a | b |",
+            "| saturation throughput": "| saturation throughput NEW | c | d |"}
+    once = sat.update_doc(doc, section, rows)
+    assert "| router added latency NEW | a | b |\n| saturation throughput NEW | c | d |\n\n## Other" in once
+    assert once.endswith(section)
+    twice = sat.update_doc(once, section.replace("new", "newer"), rows)
+    assert twice.count(f"## {sat.SECTION}") == 1 and "newer numbers" in twice
+    assert twice.count("saturation throughput NEW") == 1
+    # a section in the middle is replaced in place, the rest kept
+    middle = sat.update_doc(once + "\n## Later\n\nkept\n", section, rows)
+    assert middle.count(f"## {sat.SECTION}") == 1 and middle.endswith("## Later\n\nkept\n")
+
+
+def test_round_orders_alternate():
+    cs = sat.CONTENDERS[:3]
+    orders = sat.round_orders(cs, 3)
+    assert orders[0] == cs and orders[1] == list(reversed(cs)) and orders[2] == cs
