@@ -131,3 +131,28 @@ def test_unknown_instance_is_ignored():
     f = fleet()
     assert f.feedback("gone", chain(4), 4 * BT, 0).kind == fb.OVERPREDICTED
     assert f.cache_scale.value == 1.0
+
+
+def test_overprediction_for_a_request_that_queued_behind_others_is_no_evidence():
+    """A busy engine evicts free blocks to admit the requests ahead of a new one: that says nothing about the
+    size of its cache, so it must not shrink the model (it used to, and the index then forgot live chats)."""
+    f = fleet()
+    f.index.record("a", chain(40))
+    v = f.feedback("a", chain(40), predicted_tokens=40 * BT, cached_tokens=0, queued_ahead=3)
+    assert v.kind == fb.OVERPREDICTED and f.cache_scale.value == 1.0 and f.index.capacity("a") == 100
+    f.feedback("a", chain(40), predicted_tokens=40 * BT, cached_tokens=0, queued_ahead=0)
+    assert f.cache_scale.value < 1
+
+
+def test_a_finished_request_refreshes_its_chain():
+    """Engines free a finished sequence's blocks to the most-recent end of their LRU; the model does the same,
+    so a conversation's history outlives chains that were sent before it finished."""
+    f = fleet()  # 100 blocks per instance
+    f.dispatched("a", 40 * BT, chain(40))
+    f.dispatched("a", 40 * BT, chain(40, start=1000))
+    f.finished("a", 40 * BT, blocks=chain(40))  # sent first, finished last
+    f.dispatched("a", 40 * BT, chain(40, start=2000))  # 120 blocks: 20 must go
+    depths = f.index.match_depths
+    assert depths(chain(40)).get("a") == 40 and depths(chain(40, start=1000)).get("a", 0) < 40
+    f.finished("a", 40 * BT, got_first_token=False, blocks=chain(40, start=5000))  # failed: never held
+    assert depths(chain(40, start=5000)) == {}

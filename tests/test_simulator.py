@@ -46,12 +46,23 @@ def test_cache_aware_answers_sooner_than_random():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_hot_prompt_under_load_is_spread_not_pinned(seed):
     """60% of requests share one prompt and the fleet is busy (32 req/s on 4 instances): cache_aware keeps
-    per-instance request counts near the mean (measured 1.23 and 1.31 for these seeds; issue #2 asks for
+    per-instance request counts near the mean (measured 1.28 and 1.26 for these seeds; issue #2 asks for
     1.3) where the reference's prefix routing pins the hot prompt to one instance (2.2-2.6)."""
     settings = small(rate=32.0, requests=4000, seed=seed)
     spread = {s: summarize(Simulation(settings, make_workload("hot", seed=seed), s).run()).load_spread
               for s in ("cache_aware", "prefix")}
     assert spread["cache_aware"] <= 1.35 and spread["prefix"] > 2
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hot_prompt_on_small_caches_is_copied_not_concentrated(seed):
+    """The HTTP peer comparison's hot case (16 clients, caches of 10k tokens): the hot prompt's holders are
+    fast, so one miss weight of 2 kept it on a few of them and their request counts reached 1.6x the mean.
+    A prefix several instances hold is costed at its own TTFT (α = 1) and spreads (measured 1.11 and 1.16)."""
+    settings = SimSettings(instances=4, requests=2000, concurrency=16, kv_capacity_tokens=10240, max_running=8,
+                           seed=seed)
+    r = summarize(Simulation(settings, make_workload("hot", seed=seed, hot=0.6, max_tokens=2), "cache_aware").run())
+    assert r.load_spread <= 1.3 and r.hit_rate > 0.75
 
 
 def test_closed_loop_keeps_the_concurrency():
@@ -119,3 +130,16 @@ def test_cli_sweep_reports_the_winner():
     assert p.returncode == 0, p.stderr
     assert "prefix_length=1024" in p.stdout and "prefix_length=8192" in p.stdout
     assert "best setting for cache_aware by TTFT p50: prefix_length=" in p.stdout
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_long_chats_keep_their_history_warm_like_sticky_routing(seed):
+    """32 closed-loop chats (6-12 turns, 300-token replies) on 4 instances whose caches about hold the working
+    set: the HTTP comparison's chat case (docs/peers.md). cache_aware must keep conversations where their
+    history is. Measured: 54.5% and 59.5% against the SGLang-like reference's 59.8% and 63.7%; before the
+    private-prefix miss weight and the refresh at finish it was 42-44%."""
+    settings = SimSettings(instances=4, kv_capacity_tokens=13312, max_running=8, concurrency=32, requests=1500,
+                           seed=seed)
+    workload = make_workload("chat", seed=seed, max_tokens=2, min_turns=6, max_turns=12, reply_tokens=300)
+    hit = {s: summarize(Simulation(settings, workload, s).run()).hit_rate for s in ("cache_aware", "sglang_like")}
+    assert hit["cache_aware"] >= 0.5 and hit["cache_aware"] >= 0.85 * hit["sglang_like"]

@@ -86,11 +86,29 @@ def test_cache_aware_prefers_a_cached_prefix_over_an_idle_instance_until_the_que
     warm = route(s, f, key(SYSTEM, "q0"))
     f.finished(warm.instance, warm.uncached_tokens, got_first_token=False)
     other = next(n for n in f.instances if n != warm.instance)
-    f.instances[warm.instance].queued_prefill_tokens = 100  # less than the prompt's ~750 tokens
+    alpha = s.settings.miss_weight  # one instance holds the prefix: a private one
+    prompt = key(SYSTEM, "q1").tokens
+    f.instances[warm.instance].queued_prefill_tokens = 0.5 * alpha * prompt  # less than α x a cold prefill
     assert s.choose(key(SYSTEM, "q1"), f).instance == warm.instance
-    f.instances[warm.instance].queued_prefill_tokens = 5_000  # more queued work than a cold prefill
+    f.instances[warm.instance].queued_prefill_tokens = 1.5 * alpha * prompt  # more queued work than that
     d = s.choose(key(SYSTEM, "q1"), f)
     assert d.instance == other and d.reason == OVERLOAD_SPILL
+
+
+def test_cache_aware_sticks_to_a_private_prefix_but_copies_a_shared_one():
+    """The miss weight depends on who holds the prefix: the same queue in front of the holders keeps a prefix
+    only one instance holds there, and sends a prefix two instances hold to a third, idle one."""
+    f = fleet(3)
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))
+    a, b, c = sorted(f.instances)
+    k = key(SYSTEM, "q1")
+    queue = 4 * k.tokens  # between the shared (1) and the private (16) miss weight x the prompt
+    f.index.record(a, k.blocks())
+    f.instances[a].queued_prefill_tokens = f.instances[b].queued_prefill_tokens = queue
+    assert s.choose(k, f).instance == a
+    f.index.record(b, k.blocks())
+    d = s.choose(k, f)
+    assert d.instance == c and d.reason == OVERLOAD_SPILL and d.matched_tokens == 0
 
 
 @pytest.mark.parametrize("slack", [0, 2])

@@ -109,13 +109,18 @@ class Fleet:
             inst.queued_prefill_tokens = max(0.0, inst.queued_prefill_tokens - uncached_tokens)
             inst.pending = max(0, inst.pending - 1)
 
-    def finished(self, name: str, uncached_tokens: int = 0, got_first_token: bool = True) -> None:
+    def finished(self, name: str, uncached_tokens: int = 0, got_first_token: bool = True,
+                 blocks: list[int] | tuple[int, ...] | None = None) -> None:
+        """The request is done. Its blocks are refreshed in the index: engines free a finished sequence's
+        blocks to the most-recent end of their LRU, so that is when they become the last to be evicted."""
         inst = self.instances.get(name)
         if inst is None:
             return
         inst.inflight = max(0, inst.inflight - 1)
         if not got_first_token:
             self.first_token(name, uncached_tokens)
+        if blocks and got_first_token:
+            self.index.record(name, blocks)
 
     # -- what the engines report ---------------------------------------------------------------------------
     def engine_load(self, name: str, waiting: int | None, running: int | None, kv_usage: float | None) -> None:
@@ -129,9 +134,11 @@ class Fleet:
             inst.engine = observe(waiting, running, kv_usage, inst.inflight, inst.pending)
 
     def feedback(self, name: str, blocks: list[int] | tuple[int, ...], predicted_tokens: int, cached_tokens: int,
-                 engine_prompt_tokens: int | None = None, prompt_tokens: int | None = None) -> fb.Verdict:
+                 engine_prompt_tokens: int | None = None, prompt_tokens: int | None = None,
+                 queued_ahead: int = 0) -> fb.Verdict:
         """The engine reported `cached_tokens` for a request routed to `name` with this chain, where the index
-        had predicted `predicted_tokens`: correct the index's idea of that instance's cache."""
+        had predicted `predicted_tokens`: correct the index's idea of that instance's cache. `queued_ahead`:
+        requests sent there before this one that had no first token yet when it was sent."""
         bt = self.block_tokens
         reported = fb.reported_blocks(cached_tokens, engine_prompt_tokens, prompt_tokens or len(blocks) * bt,
                                       bt, len(blocks))
@@ -141,8 +148,11 @@ class Fleet:
         # The chain itself is held now either way (the engine just computed it), so it stays recorded; a wrong
         # prediction says the index models the caches as too large or too small: rescale them all (see
         # core/feedback.py). An underprediction while the index is still refilling after a shrink is no evidence.
+        # An overprediction for a request that queued behind others is no evidence either: the engine may have
+        # evicted the blocks to admit the requests ahead of it (a busy engine's free cache churns; its size did
+        # not change). Shrinking on those made the index forget live conversations under load (docs/feedback.md).
         under = verdict.kind == fb.UNDERPREDICTED
-        evidence = verdict.kind == fb.OVERPREDICTED or (under and self._index_full(name))
+        evidence = (verdict.kind == fb.OVERPREDICTED and not queued_ahead) or (under and self._index_full(name))
         if under:
             self.index.record(name, blocks[:reported])
         if evidence and self.cache_scale.update(verdict):

@@ -59,17 +59,32 @@ class StrategySettings:
     concurrency_threshold: int = 32  # in-flight requests, 1..1,024 as in the reference
     # cache_aware's guard: no instance above (1+ε) x the mean in-flight plus a slack of requests. The cost
     # model already steers away from queues, so the guard only stops pile-ups; tighter values (ε 0.25, slack
-    # 2) forced hot-prefix requests onto cold instances and nearly tripled p99 TTFT in the simulator
+    # 2) forced hot-prefix requests onto cold instances and about doubled p99 TTFT in the simulator
     # (benchmarks/cache_aware_tuning.py, docs/benchmarks.md).
     balance_factor: float = 1.0  # ε
     balance_slack: int = 4
     cold_to_least_loaded: bool = True
-    miss_weight: float = 2.0  # α: cost of an uncached token relative to a queued one (see CacheAwareStrategy)
+    # α: cost of an uncached token relative to a queued one, by who holds the prefix (see CacheAwareStrategy)
+    miss_weight: float = 16.0  # one instance holds its deepest match: a private prefix (a conversation)
+    shared_miss_weight: float = 1.0  # several do (a popular prefix), or none does
     block_bytes: int = 64
 
 
 def _least_loaded(instances: list[Instance]) -> Instance:
     return min(instances, key=lambda i: (i.inflight, i.queued_prefill_tokens, i.name))
+
+
+def _guard_loads(up: list[Instance]) -> list[float]:
+    """In-flight requests per instance as the load guard counts them: other routers' requests too, where the
+    engine reports them."""
+    return [i.inflight if i.engine is None else i.inflight + foreign_requests(i.engine) for i in up]
+
+
+def _under_cap(up: list[Instance], loads: list[float], cap: int) -> list[Instance]:
+    """The instances whose load is under the guard's cap, in order."""
+    if max(loads) < cap:  # the usual case, no copy (a non-NaN max under the cap bounds every load)
+        return up
+    return [i for i, n in zip(up, loads) if not n >= cap]
 
 
 def _routable(fleet: Fleet) -> list[Instance]:
@@ -176,10 +191,16 @@ class CacheAwareStrategy(Strategy):
     For every routable instance under the guard (in-flight < ConcurrencyThreshold and below
     (1+ε) x mean + slack):
         cost = (prefill tokens already queued there + α x this request's tokens not cached there) / rate
-    The cheapest wins. α > 1 (default 2) charges a cache miss for the delay its recompute imposes on every
-    later request too; with α = 1 (greedy TTFT) a saturated fleet spills warm requests, recomputes their
-    prefixes, lengthens every queue and spills more (benchmarks/cache_aware_tuning.py, docs/benchmarks.md). Instances within one
-    block of the cheapest tie: the less loaded of them, then the highest in the prefix's rendezvous order,
+    The cheapest wins. α weighs a cache miss against queueing, and depends on who holds the prefix:
+      * one instance holds the deepest match (a conversation's history, a document being asked about):
+        α = 16. Sending the request elsewhere recomputes all of it and strands the only warm copy, and
+        every later turn pays again; kept on its instance, a conversation's blocks are the freshest there
+        and survive until its next turn. (With α = 2 for everything, long multi-turn chats moved between
+        instances and hit 31-42% where sticky routing hits 55-65%; docs/peers.md.)
+      * several instances hold it (a popular system prompt), or none: α = 1, this request's own time to
+        first token. One more copy of a prefix already proven popular is an investment that spreads its
+        load; α = 2 here pinned a hot prompt to a few instances (request counts 1.6x the mean).
+    Instances within one block of the cheapest tie: the less loaded of them, then the highest in the prefix's rendezvous order,
     so cold prefixes land where other router replicas would put them, and a hot prefix warms a small,
     stable set of instances instead of one (the guard makes it spill) or all of them. Where the engines
     report their own load (scraped /metrics), what other routers sent there counts as in flight and as queued
@@ -189,6 +210,11 @@ class CacheAwareStrategy(Strategy):
     name = "cache_aware"
     records_prefixes = True
 
+    # How the rule is computed (the rule itself is in the docstring above): every routable instance's cost
+    # has to be looked at, so the per-instance work is a few list comprehensions over plain attributes
+    # (≈ 20-40 ns an instance each, a third of a loop that builds tuples); what depends on the prompt's
+    # holders is computed once per holder. Decisions are exactly those of a straightforward loop over the
+    # rule (tests/test_choose_equivalence.py keeps one and compares them on random fleets).
     def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
         up = _routable(fleet)
         s = self.settings
@@ -197,36 +223,50 @@ class CacheAwareStrategy(Strategy):
         block_tokens = s.block_bytes // 4
         prompt = key.tokens
 
-        loads = [(i.inflight + foreign_requests(i.engine) if i.engine is not None else i.inflight, i) for i in up]
+        loads = _guard_loads(up)
         cap = min(s.concurrency_threshold,
-                  math.ceil((1 + s.balance_factor) * (sum(n for n, _ in loads) + 1) / len(up)) + s.balance_slack)
-        costs: list[tuple[float, Instance]] = []
-        alpha = s.miss_weight
-        miss_cost = alpha * prompt  # of an instance holding none of the prompt
-        get_depth = depths.get
-        for n, i in loads:
-            if n >= cap:
-                continue
-            queued = i.queued_prefill_tokens
-            if i.engine is not None:
-                queued += backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, fleet.mean_uncached_tokens)
-            depth = get_depth(i.name, 0)
-            miss = alpha * max(0, prompt - depth * block_tokens) if depth else miss_cost
-            costs.append(((queued + miss) / i.prefill_tokens_per_s, i))
-        if not costs:  # everyone is at the guard: least loaded, whatever it holds
+                  math.ceil((1 + s.balance_factor) * (sum(loads) + 1) / len(up)) + s.balance_slack)
+        candidates = _under_cap(up, loads, cap)
+        if not candidates:  # everyone is at the guard: least loaded, whatever it holds
             return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
+        alpha = self.miss_weight(depths)
+        costs = self._costs(candidates, depths, prompt, block_tokens, fleet, alpha)
 
-        best = min(c for c, _ in costs)
-        slack = alpha * block_tokens / min(i.prefill_tokens_per_s for _, i in costs)
-        tied = [i for c, i in costs if c <= best + slack]
+        best = min(costs)
+        slack = alpha * block_tokens / min([i.prefill_tokens_per_s for i in candidates])
+        limit = best + slack
+        tied = [i for i, c in zip(candidates, costs) if c <= limit]
         if len(tied) > 1 and s.cold_to_least_loaded:
             # Equal cost (typically a cold prefix): keep warm instances' headroom for their own prefixes.
-            least = min(i.inflight for i in tied)
+            least = min([i.inflight for i in tied])
             tied = [i for i in tied if i.inflight <= least + s.balance_slack]
         name = tied[0].name if len(tied) == 1 else rendezvous.top(key.prefix_hash(s.prefix_length),
                                                                   [i.name for i in tied])
         inst = fleet.instances[name]
         return self._decision(inst, self._reason(inst, depths), depths, block_tokens, prompt, blocks)
+
+    def miss_weight(self, depths: dict[str, int]) -> float:
+        """α for this request: private (one instance holds its deepest match) or shared (several, or none)."""
+        deepest = max(depths.values(), default=0)
+        if deepest > 0 and sum(1 for d in depths.values() if d == deepest) == 1:
+            return self.settings.miss_weight
+        return self.settings.shared_miss_weight
+
+    def _costs(self, candidates: list[Instance], depths: dict[str, int], prompt: int, block_tokens: int,
+               fleet: Fleet, alpha: float) -> list[float]:
+        """Estimated time to first token on each candidate (with miss weight α), in the candidates' order."""
+        mean = fleet.mean_uncached_tokens
+        # Prefill queued ahead of this request: the router's books, plus what the engine reports beyond them.
+        queued = [i.queued_prefill_tokens if i.engine is None
+                  else i.queued_prefill_tokens + backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, mean)
+                  for i in candidates]
+        # Prompt tokens to compute, x α: all of them, except on the (few) instances holding its first blocks.
+        miss_all = alpha * prompt
+        if not depths:
+            return [(q + miss_all) / i.prefill_tokens_per_s for q, i in zip(queued, candidates)]
+        miss = {name: alpha * max(0, prompt - depth * block_tokens) if depth else miss_all
+                for name, depth in depths.items()}
+        return [(q + miss.get(i.name, miss_all)) / i.prefill_tokens_per_s for q, i in zip(queued, candidates)]
 
     def match_depths(self, blocks: list[int], fleet: Fleet) -> dict[str, int]:
         """Cached prefix length (blocks) per instance: the router's estimate (the simulator's oracle overrides)."""

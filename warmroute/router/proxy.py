@@ -48,9 +48,10 @@ class _NoAnswer(Exception):
 
 
 def _filter(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    # Headers named by Connection are hop-by-hop too.
-    named = {h.strip().lower() for v in headers.getall("Connection", ()) for h in v.split(",")}
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop and k.lower() not in named)
+    connection = headers.getall("Connection", ())
+    if connection:  # headers named by Connection are hop-by-hop too
+        drop = drop | {h.strip().lower() for v in connection for h in v.split(",")}
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
 def _target(request: web.Request) -> str:
@@ -154,7 +155,7 @@ class Proxy:
             self.router.metrics.answered(name, outcome)
             usage = tap.result() if tap is not None and completed else None
             if usage is not None:
-                self.router.engine_usage(decision, usage)
+                self.router.engine_usage(decision, usage, ticket.queued_ahead)
             return resp
         finally:
             if completed:
@@ -229,8 +230,11 @@ class Proxy:
                     tap.feed(chunk)
                 await resp.write(chunk)
                 try:
-                    async with asyncio.timeout(self.settings.idle_timeout):
-                        chunk = await content.readany()
+                    if content.is_eof():  # the rest of the answer is already here: no wait, no timer
+                        chunk = content.read_nowait()
+                    else:
+                        async with asyncio.timeout(self.settings.idle_timeout):
+                            chunk = await content.readany()
                 except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     self._cut(request, resp, name, "timeout" if isinstance(exc, TimeoutError) else "disconnect")
                     return 502

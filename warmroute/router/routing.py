@@ -89,15 +89,16 @@ class Router:
     def dispatch(self, decision: Decision) -> Ticket:
         return Ticket(self, decision)
 
-    def engine_usage(self, decision: Decision, usage: EngineUsage) -> None:
-        """The engine said how much of this request's prompt it had cached: count it, correct the index."""
+    def engine_usage(self, decision: Decision, usage: EngineUsage, queued_ahead: int = 0) -> None:
+        """The engine said how much of this request's prompt it had cached: count it, correct the index.
+        `queued_ahead`: requests that were waiting for their first token there when this one was sent."""
         name = decision.instance
         if name not in self.fleet.instances:
             return
         verdict = None
         if decision.blocks and self.strategy.records_prefixes:
             verdict = self.fleet.feedback(name, decision.blocks, decision.matched_tokens, usage.cached_tokens,
-                                          usage.prompt_tokens, decision.prompt_tokens).kind
+                                          usage.prompt_tokens, decision.prompt_tokens, queued_ahead).kind
         prompt = usage.prompt_tokens or decision.prompt_tokens
         predicted = decision.matched_tokens * prompt / decision.prompt_tokens if decision.prompt_tokens else 0.0
         self.metrics.engine_usage(name, prompt, usage.cached_tokens, predicted, verdict)
@@ -113,7 +114,7 @@ class Router:
 class Ticket:
     """One request's accounting on one instance: dispatched now, first token once, finished exactly once."""
 
-    __slots__ = ("_router", "instance", "_uncached", "_sent_at", "_got_first", "_done")
+    __slots__ = ("_router", "instance", "_uncached", "_blocks", "queued_ahead", "_sent_at", "_got_first", "_done")
 
     def __init__(self, router: Router, decision: Decision) -> None:
         self._router = router
@@ -121,6 +122,9 @@ class Ticket:
         self._uncached = decision.uncached_tokens
         self._got_first = self._done = False
         blocks = decision.blocks if router.strategy.records_prefixes else None
+        self._blocks = blocks
+        inst = router.fleet.instances.get(self.instance)
+        self.queued_ahead = inst.pending if inst is not None else 0
         router.fleet.dispatched(self.instance, self._uncached, blocks)
         if blocks and router.shared is not None:
             router.shared.recorded(self.instance, blocks)
@@ -138,7 +142,7 @@ class Ticket:
         if self._done:
             return
         self._done = True
-        self._router.fleet.finished(self.instance, self._uncached, self._got_first)
+        self._router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks)
         self._publish_inflight()
 
     def _publish_inflight(self) -> None:

@@ -18,7 +18,7 @@ from warmroute.sim.scenarios import SCENARIOS
 from warmroute.sim.simulator import SimResult, SimSettings, Simulation
 from warmroute.workloads.base import Workload
 
-REFERENCES = ("oracle", "pooled")
+REFERENCES = ("oracle", "pooled", "sglang_like")
 # Settings a --sweep may vary, with their type.
 SWEEPABLE = {f.name: f.type for f in dataclasses.fields(SimSettings)
              if f.name in ("instances", "kv_capacity_tokens", "router_kv_capacity_tokens", "prefix_length",
@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS),
                         help="a named experiment (reference-70b: the published benchmark, 16 configurations)")
     parser.add_argument("--strategies", default="random,prefix,cache_aware,oracle,pooled",
-                        help="comma-separated; any router strategy plus the references oracle and pooled")
+                        help="comma-separated; any router strategy, the references oracle and pooled, and the peer "
+                             "model sglang_like")
     f = parser.add_argument_group("fleet")
     f.add_argument("--instances", type=int, default=8)
     f.add_argument("--profile", choices=("8b", "70b"), default="8b")

@@ -126,7 +126,7 @@ class Simulation:
         self._order = itertools.count()
         self.records: list[RequestRecord] = []
         self._inflight: dict[int, tuple[RequestRecord, WorkloadRequest, Iterator[WorkloadRequest] | None,
-                                        Decision]] = {}
+                                        Decision, int]] = {}  # ..., requests queued ahead
         self._seq = itertools.count()
         self._rejected = 0
         self._last_instance_by_prefix: dict[int, str] = {}
@@ -259,12 +259,13 @@ class Simulation:
             self._rejected += 1
             return
         self._last_instance_by_prefix[key.prefix_hash(self.s.prefix_length)] = d.instance
+        queued_ahead = self.fleet.instances[d.instance].pending
         self.fleet.dispatched(d.instance, d.uncached_tokens,
                               list(d.blocks) if self.strategy.records_prefixes else None)
         rec = RequestRecord(now, d.instance, key.tokens, d.reason)
         self.records.append(rec)
         seq = next(self._seq)
-        self._inflight[seq] = (rec, req, turns, d)
+        self._inflight[seq] = (rec, req, turns, d, queued_ahead)
         inst = self.instances[d.instance]
         inst.model.submit(seq, self._engine_blocks(key), key.tokens, max(1, req.max_tokens))
         if not inst.busy:
@@ -294,17 +295,18 @@ class Simulation:
     def _on_step_done(self, now: float, payload: tuple[_Instance, object]) -> None:
         inst, result = payload
         for seq, cached in result.first_tokens.items():  # type: ignore[attr-defined]
-            rec, _, _, d = self._inflight[seq]
+            rec, _, _, d, queued_ahead = self._inflight[seq]
             rec.first_token, rec.cached_tokens = now, cached
             self.fleet.first_token(inst.name, d.uncached_tokens)
             if self.strategy.records_prefixes:  # the engine reports cached tokens at first token
-                self.fleet.feedback(inst.name, d.blocks, d.matched_tokens, cached)
+                self.fleet.feedback(inst.name, d.blocks, d.matched_tokens, cached, queued_ahead=queued_ahead)
         for seq, n in result.tokens.items():  # type: ignore[attr-defined]
             self._inflight[seq][0].output_tokens += n
         for seq in result.finished:  # type: ignore[attr-defined]
-            rec, req, turns, d = self._inflight.pop(seq)
+            rec, req, turns, d, _ = self._inflight.pop(seq)
             rec.done = now
-            self.fleet.finished(inst.name, d.uncached_tokens)
+            self.fleet.finished(inst.name, d.uncached_tokens,
+                                blocks=d.blocks if self.strategy.records_prefixes else None)
             nxt = next(turns, None) if turns is not None else None
             if nxt is not None:
                 self._push(now, self.ARRIVE, (nxt, turns, None))
@@ -317,4 +319,7 @@ def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim:
     if name == "oracle":
         from warmroute.sim.references import OracleStrategy
         return OracleStrategy(settings, {n: i.model for n, i in sim.instances.items()})
+    if name == "sglang_like":
+        from warmroute.sim.references import SglangLikeStrategy
+        return SglangLikeStrategy(settings)
     return make_strategy(name, settings, seed=seed)

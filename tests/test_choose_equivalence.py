@@ -1,0 +1,181 @@
+"""CacheAwareStrategy.choose computes its rule with list comprehensions and a fast path; these properties check
+that it decides exactly as the plain loop below (the rule as first written) for random fleets.
+
+If the rule itself changes, change `reference_choose` the same way: it is the readable statement of the rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from warmroute.core import rendezvous
+from warmroute.core.engine_load import EngineLoad, backlog_tokens, foreign_requests
+from warmroute.core.fleet import Fleet, FleetSettings, Instance
+from warmroute.core.routing_key import RoutingKey, key_for_json
+from warmroute.core.strategies import (CacheAwareStrategy, Decision, NoInstanceAvailable, OVERLOAD_SPILL,
+                                       StrategySettings)
+
+
+def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet) -> Decision:
+    """cache_aware's rule as one straightforward loop over the routable instances (see its docstring)."""
+    up = fleet.routable()
+    if not up:
+        raise NoInstanceAvailable("no healthy instance")
+    s = strategy.settings
+    blocks = key.blocks(s.block_bytes)
+    depths = strategy.match_depths(blocks, fleet) if blocks else {}
+    block_tokens = s.block_bytes // 4
+    prompt = key.tokens
+
+    loads = [(i.inflight + foreign_requests(i.engine) if i.engine is not None else i.inflight, i) for i in up]
+    cap = min(s.concurrency_threshold,
+              math.ceil((1 + s.balance_factor) * (sum(n for n, _ in loads) + 1) / len(up)) + s.balance_slack)
+    costs: list[tuple[float, Instance]] = []
+    deepest = max(depths.values(), default=0)
+    private = deepest > 0 and sum(1 for d in depths.values() if d == deepest) == 1
+    alpha = s.miss_weight if private else s.shared_miss_weight
+    for n, i in loads:
+        if n >= cap:
+            continue
+        queued = i.queued_prefill_tokens
+        if i.engine is not None:
+            queued += backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, fleet.mean_uncached_tokens)
+        depth = depths.get(i.name, 0)
+        miss = alpha * max(0, prompt - depth * block_tokens) if depth else alpha * prompt
+        costs.append(((queued + miss) / i.prefill_tokens_per_s, i))
+    if not costs:
+        inst = min(up, key=lambda i: (i.inflight, i.queued_prefill_tokens, i.name))
+        return strategy._decision(inst, OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
+
+    best = min(c for c, _ in costs)
+    slack = alpha * block_tokens / min(i.prefill_tokens_per_s for _, i in costs)
+    tied = [i for c, i in costs if c <= best + slack]
+    if len(tied) > 1 and s.cold_to_least_loaded:
+        least = min(i.inflight for i in tied)
+        tied = [i for i in tied if i.inflight <= least + s.balance_slack]
+    if len(tied) == 1:
+        name = tied[0].name
+    else:
+        hash_key = key.prefix_hash(s.prefix_length)
+        name = max((i.name for i in tied), key=lambda n: rendezvous.weight(hash_key, n))
+    inst = fleet.instances[name]
+    return strategy._decision(inst, strategy._reason(inst, depths), depths, block_tokens, prompt, blocks)
+
+
+class GivenDepths(CacheAwareStrategy):
+    """match_depths overridden, as the simulator's oracle does: the depths are part of the drawn input."""
+
+    def __init__(self, settings: StrategySettings, depths: dict[str, int]) -> None:
+        super().__init__(settings)
+        self.depths = depths
+
+    def match_depths(self, blocks: list[int], fleet: Fleet) -> dict[str, int]:
+        return dict(self.depths)
+
+
+# Small value sets, so that equal costs, equal loads and loads at the guard's cap are common.
+tokens = st.one_of(st.sampled_from([0, 0.0, 16, 100, 1_000, 8_000]), st.integers(0, 20_000),
+                   st.floats(0, 50_000, allow_nan=False))
+engine_loads = st.one_of(st.none(), st.builds(
+    EngineLoad,
+    waiting=st.one_of(st.none(), st.integers(0, 10)),
+    running=st.one_of(st.none(), st.integers(0, 10)),
+    kv_usage=st.one_of(st.none(), st.sampled_from([0.0, 0.5, 1.0]), st.floats(0, 1)),
+    foreign_requests=st.one_of(st.sampled_from([0.0, 1.0, 3.0]), st.floats(0, 20, allow_nan=False)),
+    foreign_waiting=st.one_of(st.sampled_from([0.0, 2.0]), st.floats(0, 10, allow_nan=False)),
+))
+instances = st.fixed_dictionaries({
+    "inflight": st.integers(0, 12),
+    "queued": tokens,
+    "rate": st.sampled_from([10_000.0, 10_000, 20_000.0, 2_500.5]),
+    "kv": st.sampled_from([1_000, 100_000, 10**8]),
+    "healthy": st.booleans().filter(lambda b: b) | st.booleans(),  # mostly healthy
+    "draining": st.sampled_from([False, False, False, True]),
+    "engine": engine_loads,
+    "depth": st.one_of(st.just(0), st.integers(0, 600)),
+})
+strategy_settings = st.builds(
+    StrategySettings,
+    prefix_length=st.sampled_from([1024, 4096]),
+    concurrency_threshold=st.sampled_from([1, 2, 4, 32, 1024]),
+    balance_factor=st.sampled_from([0.0, 0.25, 1.0, 100.0]),
+    balance_slack=st.sampled_from([0, 2, 4]),
+    cold_to_least_loaded=st.booleans(),
+    miss_weight=st.sampled_from([0.0, 1.0, 2.0, 2, 3.5, 16.0]),
+    shared_miss_weight=st.sampled_from([0.0, 1.0, 2.0]),
+    block_bytes=st.sampled_from([64, 128]),
+)
+
+
+def make_fleet(drawn: list[dict], mean_uncached: float) -> tuple[Fleet, dict[str, int]]:
+    f = Fleet(FleetSettings())
+    depths = {}
+    for n, d in enumerate(drawn):
+        inst = f.add(f"i{n}", d["kv"], d["rate"])
+        inst.inflight, inst.queued_prefill_tokens = d["inflight"], d["queued"]
+        inst.healthy, inst.draining, inst.engine = d["healthy"], d["draining"], d["engine"]
+        if d["depth"]:
+            depths[inst.name] = d["depth"]
+    f.mean_uncached_tokens = mean_uncached
+    return f, depths
+
+
+def outcome(choose, strategy, key, fleet):
+    try:
+        return choose(strategy, key, fleet)
+    except NoInstanceAvailable:
+        return "no instance"
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(instances, min_size=1, max_size=12), strategy_settings,
+       st.text(min_size=0, max_size=3000), st.sampled_from([0.0, 500.0, 4321.5]),
+       st.dictionaries(st.sampled_from(["gone", "i99"]), st.integers(1, 50), max_size=2))
+def test_choose_decides_as_the_reference_rule(drawn, s, prompt, mean_uncached, stray_depths):
+    f, depths = make_fleet(drawn, mean_uncached)
+    depths.update(stray_depths)  # names the fleet does not know: ignored by both
+    strategy = GivenDepths(s, depths)
+    k = key_for_json("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": prompt}]})
+    expected = outcome(reference_choose, strategy, k, f)
+    assert outcome(CacheAwareStrategy.choose, strategy, k, f) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64), st.integers(0, 2**64 - 1))
+def test_idle_fleet_all_tied_matches_the_reference(n, seed):
+    """A cold prompt on an idle fleet: every instance ties and rendezvous picks among all of them."""
+    f = Fleet(FleetSettings())
+    for j in range(n):
+        f.add(f"instance-{j}", 10**8)
+    s = CacheAwareStrategy()
+    k = key_for_json("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": f"{seed}"}]})
+    assert s.choose(k, f) == reference_choose(s, k, f)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(1, 40), st.integers(0, 3)), max_size=40),
+       st.integers(0, 3), st.integers(1, 40))
+def test_choose_with_the_real_index_matches_the_reference(records, prompt_id, prompt_blocks):
+    """Depths from the prefix index itself (chains sharing prefixes, per-instance caps with eviction)."""
+    f = Fleet(FleetSettings(index_max_bytes=400 * 8 * 60))  # 60 entries per instance: evictions happen
+    for j in range(8):
+        f.add(f"i{j}", 10**8)
+    texts = [f"shared system prompt {p} " * 200 for p in range(4)]
+    s = CacheAwareStrategy()
+    for inst, n_blocks, p in records:
+        f.index.record(f"i{inst}", key_for_json("/v1/completions", {"prompt": texts[p]}).blocks()[:n_blocks])
+        f.instances[f"i{inst}"].inflight += 1
+    k = key_for_json("/v1/completions", {"prompt": texts[prompt_id][:64 * prompt_blocks]})
+    assert s.choose(k, f) == reference_choose(s, k, f)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "i1", "instance-7", "é", ""]), max_size=12), st.integers(0, 2**70))
+def test_rendezvous_top_and_order_match_max_and_sorted(names, key):
+    """Duplicated names have equal weights: both keep the first of them, as max() and a stable sort do."""
+    w = lambda n: rendezvous.weight(key, n)  # noqa: E731
+    assert rendezvous.top(key, names) == max(names, key=w, default=None)
+    assert rendezvous.top(key, iter(names)) == max(names, key=w, default=None)
+    assert rendezvous.order(key, names) == sorted(names, key=w, reverse=True)
