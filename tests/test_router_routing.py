@@ -84,3 +84,18 @@ def test_strategies_without_an_index_record_nothing(strategy):
     _, decision = router.route("/v1/completions", body, "session-1")
     router.dispatch(decision).finish()
     assert router.fleet.index.entries() == 0
+
+
+def test_miss_weights_reach_the_strategy_and_change_its_choice():
+    """A prefix only `a` holds, with a queue there worth 4 prompts: the default private miss weight (16) keeps
+    the request on `a`; configured down to 2, the router sends it to the idle `b`."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "tell me about caches " * 60}]})
+    choices = {}
+    for weight in (None, 2.0):
+        router = make_router(**({"miss_weight": weight} if weight is not None else {}))
+        key = router.key_of("/v1/chat/completions", body.encode(), None)
+        router.fleet.index.record("a", key.blocks())
+        router.fleet.instances["a"].queued_prefill_tokens = 4 * key.tokens
+        choices[weight] = router.decide(key).instance
+        assert router.strategy.settings.shared_miss_weight == 1.0
+    assert choices == {None: "a", 2.0: "b"}

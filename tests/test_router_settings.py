@@ -35,6 +35,8 @@ def test_defaults_and_backend_names():
     ("port", "http", "from 0 to 65,535"),
     ("strategy", "fastest", "one of cache_aware, prefix, session, least_loaded, round_robin, random"),
     ("balance_factor", "-1", "from 0 to 10"),
+    ("miss_weight", "-1", "from 0 to 1000"),
+    ("shared_miss_weight", "lots", "from 0 to 1000"),
     ("block_bytes", "60", "multiple of 8"),
     ("max_body_bytes", "2GiB", "from 1KiB to 1GiB"),
     ("index_memory_bytes", "lots", "from 1MiB to 64GiB"),

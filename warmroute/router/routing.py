@@ -39,7 +39,8 @@ class Router:
             self.fleet.add(b.name, b.kv_capacity_tokens)
         self.strategy = make_strategy(settings.strategy, StrategySettings(
             prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
-            balance_factor=settings.balance_factor, block_bytes=settings.block_bytes))
+            balance_factor=settings.balance_factor, miss_weight=settings.miss_weight,
+            shared_miss_weight=settings.shared_miss_weight, block_bytes=settings.block_bytes))
         self._any = make_strategy("least_loaded")
         self.shared: SharedIndex | None = None  # other replicas hear what this one records (redis_url)
 

@@ -135,6 +135,15 @@ class RouterSettings(BaseSettings):
         StrategySettings.balance_factor, ge=0.0, le=10.0,
         description="cache_aware's bounded-load factor epsilon: no instance above (1+epsilon) x mean in-flight "
                     f"+ {StrategySettings.balance_slack}.")
+    miss_weight: float = Field(
+        StrategySettings.miss_weight, ge=0.0, le=1000.0,
+        description="cache_aware's cost of an uncached prompt token, relative to a queued one, when one "
+                    "instance holds the prompt's deepest cached prefix (a conversation, a document): higher "
+                    "keeps such prompts on their instance longer.")
+    shared_miss_weight: float = Field(
+        StrategySettings.shared_miss_weight, ge=0.0, le=1000.0,
+        description="The same when several instances hold it (a popular prefix) or none: lower copies a "
+                    "popular prefix to more instances sooner.")
     block_bytes: int = Field(64, ge=16, le=4096, description="Block size of the prefix index in bytes "
                                                              "(multiple of 8; 64 bytes is about 16 tokens).")
     index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = Field(
