@@ -196,13 +196,13 @@ class CacheAwareStrategy(Strategy):
         α = 16. Sending the request elsewhere recomputes all of it and strands the only warm copy, and
         every later turn pays again; kept on its instance, a conversation's blocks are the freshest there
         and survive until its next turn. (With α = 2 for everything, long multi-turn chats moved between
-        instances and hit 31-42% where sticky routing hits 55-65%; docs/peers.md.)
+        instances and hit 31-42% where sticky routing hits 55-65%; docs/benchmarks.md.)
       * several instances hold it (a popular system prompt), or none: α = 1, this request's own time to
         first token. One more copy of a prefix already proven popular is an investment that spreads its
         load; α = 2 here pinned a hot prompt to a few instances (request counts 1.6x the mean).
-    Instances within one block of the cheapest tie: the less loaded of them, then the highest in the prefix's rendezvous order,
-    so cold prefixes land where other router replicas would put them, and a hot prefix warms a small,
-    stable set of instances instead of one (the guard makes it spill) or all of them. Where the engines
+    Instances within one block of the cheapest tie: the less loaded of them, then the highest in the prefix's
+    rendezvous order, so cold prefixes land where other router replicas would put them, and a hot prefix warms
+    a small, stable set of instances instead of one (the guard makes it spill) or all of them. Where the engines
     report their own load (scraped /metrics), what other routers sent there counts as in flight and as queued
     prefill too (core/engine_load.py); without such reports the rule is exactly the above.
     """
