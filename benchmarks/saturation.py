@@ -281,6 +281,17 @@ class _Conn(asyncio.Protocol):
             self.owner.done(self, time.perf_counter(), "disconnected")
 
 
+async def _drain(idle: asyncio.Event, drain_s: float, busy: bool, conns: Any) -> None:
+    """Let requests in flight finish (at most `drain_s`), then close every connection."""
+    if busy:
+        try:
+            await asyncio.wait_for(idle.wait(), drain_s)
+        except TimeoutError:
+            pass
+    for conn in list(conns):
+        conn.close()
+
+
 async def _connect(owner: Any, host: str, port: int) -> _Conn:
     loop = asyncio.get_running_loop()
     _, conn = await loop.create_connection(lambda: _Conn(owner), host, port)
@@ -379,13 +390,7 @@ class ClosedLoop:
         self.running = False
         for task in list(self.reconnects):
             task.cancel()
-        if self.in_flight:
-            try:
-                await asyncio.wait_for(self.idle.wait(), drain_s)
-            except TimeoutError:
-                pass
-        for conn in list(self.target_of):
-            conn.close()
+        await _drain(self.idle, drain_s, busy=bool(self.in_flight), conns=self.target_of)
 
 
 class PairedStreams:
@@ -448,13 +453,7 @@ class PairedStreams:
 
     async def stop(self, drain_s: float = 5.0) -> None:
         self.running = False
-        if self.active:
-            try:
-                await asyncio.wait_for(self.idle.wait(), drain_s)
-            except TimeoutError:
-                pass
-        for conn in list(self.state):
-            conn.close()
+        await _drain(self.idle, drain_s, busy=bool(self.active), conns=self.state)
 
 
 @dataclass(eq=False)
