@@ -7,7 +7,7 @@
   GET  /metrics       Prometheus text
   GET  /livez         200 while the process serves, whatever the engines' state (liveness probes)
   GET  /dashboard     live status page (and /dashboard/state, its JSON), unless `dashboard` is off
-  /admin/instances    the admin API (admin.py), only when `admin_token` is set
+  /admin/instances    the admin API (admin.py), only when `admin_token` is set (else /admin/* is a 404)
   anything else       forwarded to the least-loaded instance
 """
 
@@ -127,6 +127,12 @@ async def livez(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
 
+async def admin_off(request: web.Request) -> web.Response:
+    """/admin/* without `admin_token`: the router's own path, so a 404 here, never a request to an engine."""
+    raise ApiError(404, "the admin API is off: set admin_token (--admin-token, WARMROUTE_ADMIN_TOKEN) to use it",
+                   "not_found_error")
+
+
 async def dashboard_state(request: web.Request) -> web.Response:
     app = request.app
     return web.json_response(dash.state(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[SETTINGS].strategy),
@@ -195,6 +201,8 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve) -> web.App
         app.router.add_get("/dashboard/state", dashboard_state)
     if settings.admin_token is not None:
         add_admin_routes(app, settings.admin_token.get_secret_value())
+    else:  # never forward the router's own admin paths to an engine
+        app.router.add_route("*", "/admin/{tail:.*}", admin_off)
     app.router.add_route("*", "/{tail:.*}", proxied)  # routed paths and everything else
     return app
 
