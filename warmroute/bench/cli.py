@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     target = args.target.rstrip("/")
     if urlsplit(target).scheme not in ("http", "https"):
         raise UsageError(f"--target must be an http(s) URL, got {args.target!r}")
+    if args.plot:
+        from warmroute.bench.plot import require_matplotlib
+
+        require_matplotlib()
     workload = workload_from_args(args)
     result = asyncio.run(run_bench(target, workload, settings_from_args(args, workload)))
     print_results([result], as_json=args.json)

@@ -74,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in args.strategies if s not in ROUTER_STRATEGIES]
     if unknown:
         raise UsageError(f"unknown strategy {unknown[0]!r} (choose from {', '.join(ROUTER_STRATEGIES)})")
+    if args.plot:
+        from warmroute.bench.plot import require_matplotlib
+
+        require_matplotlib()
     if args.max_tokens is None and args.workload != "trace":
         args.max_tokens = MAX_TOKENS
     workload = workload_from_args(args)

@@ -5,6 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from warmroute.bench.stats import BenchResult
+from warmroute.errors import UsageError
+
+
+def require_matplotlib() -> None:
+    """--plot needs the optional `plot` extra; say so before any work is done, in one line."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'warmroute[plot]'") from None
 
 
 def plot_ttft(results: Sequence[BenchResult], path: str) -> None:

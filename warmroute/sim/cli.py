@@ -129,6 +129,10 @@ def _sweep(text: str) -> tuple[str, list[object]]:
 
 def run(args: argparse.Namespace) -> int:
     strategies = _strategies(args.strategies)
+    if args.plot:
+        from warmroute.bench.plot import require_matplotlib
+
+        require_matplotlib()
     started = time.perf_counter()
     if args.scenario:
         return _run_scenario(args, strategies, started)
