@@ -156,3 +156,10 @@ def test_a_finished_request_refreshes_its_chain():
     assert depths(chain(40)).get("a") == 40 and depths(chain(40, start=1000)).get("a", 0) < 40
     f.finished("a", 40 * BT, got_first_token=False, blocks=chain(40, start=5000))  # failed: never held
     assert depths(chain(40, start=5000)) == {}
+
+
+def test_dispatched_says_how_many_requests_wait_ahead_for_their_first_token():
+    f = fleet()
+    assert [f.dispatched("a", 10) for _ in range(3)] == [0, 1, 2]
+    f.first_token("a", 10)
+    assert f.dispatched("a", 10) == 2 and f.dispatched("b", 10) == 0 and f.dispatched("gone", 10) == 0

@@ -89,11 +89,13 @@ class Fleet:
         return int(inst.kv_capacity_tokens * self.cache_scale.value) if inst is not None else 0
 
     # -- load accounting --------------------------------------------------------------------------------
-    def dispatched(self, name: str, uncached_tokens: int, blocks: list[int] | None = None) -> None:
-        """A request was sent to `name`; its blocks are now (about to be) cached there."""
+    def dispatched(self, name: str, uncached_tokens: int, blocks: list[int] | None = None) -> int:
+        """A request was sent to `name`; its blocks are now (about to be) cached there. Returns how many
+        requests sent there before it still wait for their first token (for `feedback`'s queued_ahead)."""
         inst = self.instances.get(name)
         if inst is None:
-            return
+            return 0
+        queued_ahead = inst.pending
         inst.inflight += 1
         inst.pending += 1
         inst.requests_total += 1
@@ -101,6 +103,7 @@ class Fleet:
         self.mean_uncached_tokens += MEAN_DECAY * (uncached_tokens - self.mean_uncached_tokens)
         if blocks:
             self.index.record(name, blocks)
+        return queued_ahead
 
     def first_token(self, name: str, uncached_tokens: int) -> None:
         """Its prefill is done: the work no longer queues ahead of later requests."""

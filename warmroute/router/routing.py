@@ -124,9 +124,7 @@ class Ticket:
         self._got_first = self._done = False
         blocks = decision.blocks if router.strategy.records_prefixes else None
         self._blocks = blocks
-        inst = router.fleet.instances.get(self.instance)
-        self.queued_ahead = inst.pending if inst is not None else 0
-        router.fleet.dispatched(self.instance, self._uncached, blocks)
+        self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, blocks)
         if blocks and router.shared is not None:
             router.shared.recorded(self.instance, blocks)
         self._sent_at = time.perf_counter()

@@ -259,9 +259,8 @@ class Simulation:
             self._rejected += 1
             return
         self._last_instance_by_prefix[key.prefix_hash(self.s.prefix_length)] = d.instance
-        queued_ahead = self.fleet.instances[d.instance].pending
-        self.fleet.dispatched(d.instance, d.uncached_tokens,
-                              list(d.blocks) if self.strategy.records_prefixes else None)
+        queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
+                                             list(d.blocks) if self.strategy.records_prefixes else None)
         rec = RequestRecord(now, d.instance, key.tokens, d.reason)
         self.records.append(rec)
         seq = next(self._seq)
