@@ -586,15 +586,7 @@ async def saturation_window(running: Running, contender: Contender, args: argpar
                             salt=random.randrange(1 << 20))
     load = ClosedLoop(targets, "/v1/chat/completions", bodies, args.connections)
     await load.start()
-    try:
-        await asyncio.sleep(args.warmup)
-        a = meter.snapshot()
-        load.measuring = True
-        await asyncio.sleep(args.duration)
-        load.measuring = False
-        b = meter.snapshot()
-    finally:
-        await load.stop()
+    a, b = await _measured(load, args.warmup, args.duration, meter)
     w, wall = load.window, b[0] - a[0]
     lat = sorted(w.latency_s)
     ttft = sorted(w.ttft_s)
@@ -607,6 +599,21 @@ async def saturation_window(running: Running, contender: Contender, args: argpar
     }
 
 
+async def _measured(load: Any, warmup_s: float, duration_s: float, meter: CpuMeter) -> tuple[Any, Any]:
+    """Run a started load generator unmeasured for `warmup_s`, then measured for `duration_s`; stop it.
+    Returns the CPU meter's snapshots at the start and end of the measured window."""
+    try:
+        await asyncio.sleep(warmup_s)
+        a = meter.snapshot()
+        load.measuring = True
+        await asyncio.sleep(duration_s)
+        load.measuring = False
+        b = meter.snapshot()
+    finally:
+        await load.stop()
+    return a, b
+
+
 async def latency_window(running: Running, contender: Contender, args: argparse.Namespace,
                          meter: CpuMeter) -> dict[str, Any]:
     bodies = request_bodies(running.model, 256, lambda i: True, args.stream_tokens, salt=random.randrange(1 << 20))
@@ -614,15 +621,7 @@ async def latency_window(running: Running, contender: Contender, args: argparse.
                           "/v1/chat/completions", bodies, args.streams)
     stream_s = args.stream_tokens * args.itl_ms / 1000
     await pairs.start(stagger_s=stream_s)
-    try:
-        await asyncio.sleep(args.warmup + stream_s)
-        a = meter.snapshot()
-        pairs.measuring = True
-        await asyncio.sleep(args.duration)
-        pairs.measuring = False
-        b = meter.snapshot()
-    finally:
-        await pairs.stop()
+    a, b = await _measured(pairs, args.warmup + stream_s, args.duration, meter)
     return {"contender": contender.label, "pairs": [[round(d, 6), round(r, 6)] for d, r in pairs.pairs],
             "errors": pairs.errors, "seconds": round(b[0] - a[0], 3), "cpu_cores": meter.cores(a, b)}
 

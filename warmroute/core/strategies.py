@@ -229,7 +229,7 @@ class CacheAwareStrategy(Strategy):
         candidates = _under_cap(up, loads, cap)
         if not candidates:  # everyone is at the guard: least loaded, whatever it holds
             return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
-        alpha = self.miss_weight(depths)
+        alpha = self.miss_weight_for(depths)
         costs = self._costs(candidates, depths, prompt, block_tokens, fleet, alpha)
 
         best = min(costs)
@@ -245,7 +245,7 @@ class CacheAwareStrategy(Strategy):
         inst = fleet.instances[name]
         return self._decision(inst, self._reason(inst, depths), depths, block_tokens, prompt, blocks)
 
-    def miss_weight(self, depths: dict[str, int]) -> float:
+    def miss_weight_for(self, depths: dict[str, int]) -> float:
         """α for this request: private (one instance holds its deepest match) or shared (several, or none)."""
         deepest = max(depths.values(), default=0)
         if deepest > 0 and sum(1 for d in depths.values() if d == deepest) == 1:
