@@ -106,7 +106,7 @@ def test_hot_prefix_counter_stays_bounded():
     for i in range(HOT_SLOTS * 20):
         data = b"hot" * 400 if i % 2 else f"cold-{i}-".encode() * 200
         activity.note(key_for_raw(data), Decision("a", "cold", prompt_tokens=10))
-    assert len(activity._counts) == HOT_SLOTS
+    assert HOT_SLOTS // 2 < len(activity._counts) <= HOT_SLOTS
     top = activity.hot()[0]
     assert top["share"] >= 0.5 and len(top["prefix"]) == 12  # a keyed hash, never the text
     assert len(activity.recent) <= 30

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from warmroute.core.routing_key import ROUTED_PATHS
 from warmroute.core.strategies import NoInstanceAvailable
 from warmroute.router import dashboard as dash
 from warmroute.router.admin import MEMBERSHIP, add_admin_routes
@@ -33,6 +34,7 @@ from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
 from warmroute.router.settings import RouterSettings
 from warmroute.router.shared_index import SharedIndex
+from warmroute.router.upstream import UpstreamPool
 from warmroute.router.background import cancel_all
 
 log = logging.getLogger("warmroute.router")
@@ -203,7 +205,9 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve) -> web.App
         add_admin_routes(app, settings.admin_token.get_secret_value())
     else:  # never forward the router's own admin paths to an engine
         app.router.add_route("*", "/admin/{tail:.*}", admin_off)
-    app.router.add_route("*", "/{tail:.*}", proxied)  # routed paths and everything else
+    for path in sorted(ROUTED_PATHS):  # plain routes: found by a dict lookup, before the catch-all's regex
+        app.router.add_route("*", path, proxied)
+    app.router.add_route("*", "/{tail:.*}", proxied)  # everything else
     return app
 
 
@@ -212,6 +216,7 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     (past in-flight requests)."""
     proxy = app[PROXY]
     proxy.session = session = make_session(app[SETTINGS])
+    proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout)
     await app[DISCOVERY].start(session)  # the backends file and DNS names, before the first health round
     settings = app[SETTINGS]
     k8s = None
@@ -236,4 +241,5 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     if app[ROUTER].shared is not None:
         await app[ROUTER].shared.stop()
     await cancel_all(loops)
+    await pool.close()
     await session.close()

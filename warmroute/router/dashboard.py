@@ -29,13 +29,14 @@ PREFIX_BYTES = 1024  # a prefix is identified by its first KiB
 
 
 class Activity:
-    """Bounded, cheap per-request bookkeeping for the page: O(1) per request except a rare eviction scan."""
+    """Bounded, cheap per-request bookkeeping for the page: O(1) per request (amortised: see `_count`)."""
 
     def __init__(self, block_bytes: int) -> None:
         self._depth = max(1, PREFIX_BYTES // block_bytes)
         self._block_bytes = block_bytes
         self._counts: dict[int, float] = {}
         self._total = 0.0
+        self._floor = 0.0  # the highest count dropped so far (halved with the others)
         self._seen = 0
         self._key = os.urandom(16)
         self.recent: deque[tuple[float, str, str, float]] = deque(maxlen=RECENT)
@@ -58,17 +59,24 @@ class Activity:
         counts = self._counts
         if h in counts:
             counts[h] += 1
-        elif len(counts) < HOT_SLOTS:
-            counts[h] = 1
-        else:  # Space-Saving: the newcomer inherits the smallest count
-            low = min(counts, key=counts.__getitem__)
-            counts[h] = counts.pop(low) + 1
+        else:  # Space-Saving, evicting in batches: a newcomer may have been dropped before, so it starts above
+            if len(counts) >= HOT_SLOTS:  # the highest count dropped (never underestimated); one sort per
+                counts = self._drop_lower_half()  # HOT_SLOTS/2 newcomers instead of a scan for each
+            counts[h] = self._floor + 1
         self._total += 1
         self._seen += 1
         if self._seen % HALVE_EVERY == 0:
             self._total /= 2
+            self._floor /= 2
             for k in counts:
                 counts[k] /= 2
+
+    def _drop_lower_half(self) -> dict[int, float]:
+        ranked = sorted(self._counts.items(), key=lambda kv: kv[1], reverse=True)
+        keep = HOT_SLOTS // 2
+        self._floor = max(self._floor, ranked[keep][1])
+        self._counts = dict(ranked[:keep])
+        return self._counts
 
     def hot(self) -> list[dict[str, Any]]:
         top = sorted(self._counts.items(), key=lambda kv: kv[1], reverse=True)[:HOT_SHOWN]

@@ -21,6 +21,7 @@ from warmroute.router.errors import ApiError
 from warmroute.router.health import Health
 from warmroute.router.routing import Router, Ticket, is_routed
 from warmroute.router.settings import RouterSettings
+from warmroute.router.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamResponse
 from warmroute.router.usage import UsageTap
 
 log = logging.getLogger("warmroute.router")
@@ -47,11 +48,11 @@ class _NoAnswer(Exception):
         self.error = error
 
 
-def _filter(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+def _filter(headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str]) -> list[tuple[str, str]]:
     connection = headers.getall("Connection", ())
     if connection:  # headers named by Connection are hop-by-hop too
         drop = drop | {h.strip().lower() for v in connection for h in v.split(",")}
-    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
+    return [(k, v) for k, v in headers.items() if k.lower() not in drop]
 
 
 def _target(request: web.Request) -> str:
@@ -61,7 +62,8 @@ def _target(request: web.Request) -> str:
 
 
 def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
-    """One pooled keep-alive session per process for every upstream request."""
+    """The control plane's client (health checks, engine scrapes, /v1/models); proxied requests go through
+    the leaner UpstreamPool (upstream.py)."""
     connector = aiohttp.TCPConnector(
         limit=0, limit_per_host=0,
         keepalive_timeout=4.0,  # below uvicorn's 5 s (vLLM), so we never reuse a connection it is closing
@@ -81,7 +83,8 @@ class Proxy:
         self.health = health
         self.urls = urls  # instance name -> base URL; only ever from settings, never from the request
         self.settings = settings
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # control plane
+        self.pool: UpstreamPool | None = None  # proxied requests
         self._forwarding: set[asyncio.Task] = set()
 
     async def forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
@@ -170,21 +173,19 @@ class Proxy:
         elif status == 429:
             self.router.metrics.upstream_error(name, "status_429")
 
-    async def _open(self, request: web.Request, body: bytes, name: str) -> tuple[aiohttp.ClientResponse, bytes]:
+    async def _open(self, request: web.Request, body: bytes, name: str) -> tuple[UpstreamResponse, bytes]:
         """Send the request and wait for its first body chunk (or its end), within first_byte_timeout.
 
         The client gets headers only once the first chunk is here, so a first-byte timeout is a clean 504.
         """
-        url = self.urls[name] + _target(request)
-        assert self.session is not None
-        upstream: aiohttp.ClientResponse | None = None
+        assert self.pool is not None
+        upstream: UpstreamResponse | None = None
+        deadline = asyncio.get_running_loop().time() + self.settings.first_byte_timeout
         try:
-            async with asyncio.timeout(self.settings.first_byte_timeout):
-                upstream = await self.session.request(
-                    request.method, url, data=body or None, allow_redirects=False,
-                    headers=_filter(request.headers, _NOT_FORWARDED_UP))
-                return upstream, await upstream.content.readany()
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+            upstream = await self.pool.request(self.urls[name], request.method, _target(request),
+                                               _filter(request.headers, _NOT_FORWARDED_UP), body, deadline)
+            return upstream, await upstream.read_chunk(deadline)
+        except ConnectError:
             raise _ConnectFailed from None
         except TimeoutError:
             self._abandon(upstream)
@@ -193,10 +194,10 @@ class Proxy:
             raise _NoAnswer(ApiError(504, f"instance {name} sent nothing within first_byte_timeout "
                                           f"({self.settings.first_byte_timeout:g} s)", "upstream_timeout",
                                      instance=name)) from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except (UpstreamError, OSError) as exc:
             self._abandon(upstream)
             self.router.metrics.upstream_error(name, "disconnect")
-            self.health.failed(name, f"request failed: {type(exc).__name__}")
+            self.health.failed(name, f"request failed: {exc}")
             raise _NoAnswer(ApiError(502, f"instance {name} closed the connection before answering",
                                      "upstream_error", instance=name)) from None
         except BaseException:  # cancelled: the client went away
@@ -204,11 +205,11 @@ class Proxy:
             raise
 
     @staticmethod
-    def _abandon(upstream: aiohttp.ClientResponse | None) -> None:
+    def _abandon(upstream: UpstreamResponse | None) -> None:
         if upstream is not None:
             upstream.close()
 
-    def _response_for(self, upstream: aiohttp.ClientResponse, decision: Decision) -> web.StreamResponse:
+    def _response_for(self, upstream: UpstreamResponse, decision: Decision) -> web.StreamResponse:
         resp = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                   headers=_filter(upstream.headers, _NOT_FORWARDED_DOWN))
         if upstream.content_length is not None:
@@ -218,30 +219,43 @@ class Proxy:
             resp.headers["x-warmroute-reason"] = decision.reason
         return resp
 
-    async def _relay(self, request: web.Request, resp: web.StreamResponse, upstream: aiohttp.ClientResponse,
+    async def _relay(self, request: web.Request, resp: web.StreamResponse, upstream: UpstreamResponse,
                      chunk: bytes, name: str, tap: UsageTap | None) -> int:
         """Write each upstream chunk as it arrives (`tap` looks for the engine's usage report on the way).
         Returns the status to count: the upstream's when the whole answer was delivered, CLIENT_CLOSED if the
         client left, 502 if the upstream failed mid-answer."""
-        content = upstream.content
+        loop = asyncio.get_running_loop()
         try:
-            while chunk:
-                if tap is not None:
-                    tap.feed(chunk)
-                await resp.write(chunk)
+            while True:
                 try:
-                    if content.is_eof():  # the rest of the answer is already here: no wait, no timer
-                        chunk = content.read_nowait()
-                    else:
-                        async with asyncio.timeout(self.settings.idle_timeout):
-                            chunk = await content.readany()
-                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    chunk, ended = self._with_ready(upstream, chunk)
+                except UpstreamError:
+                    self._cut(request, resp, name, "disconnect")
+                    return 502
+                if tap is not None and chunk:
+                    tap.feed(chunk)
+                if ended:  # the last bytes and the end of the answer in one write
+                    await resp.write_eof(chunk)
+                    return upstream.status
+                if chunk:
+                    await resp.write(chunk)
+                try:
+                    chunk = await upstream.read_chunk(loop.time() + self.settings.idle_timeout)
+                except (TimeoutError, UpstreamError, OSError) as exc:
                     self._cut(request, resp, name, "timeout" if isinstance(exc, TimeoutError) else "disconnect")
                     return 502
-            await resp.write_eof()
         except ConnectionResetError:  # writing to a client that went away
             return CLIENT_CLOSED
-        return upstream.status
+
+    @staticmethod
+    def _with_ready(upstream: UpstreamResponse, chunk: bytes) -> tuple[bytes, bool]:
+        """`chunk` and whatever else has already arrived (no wait, no timer), and whether that is the end."""
+        while upstream.ready():
+            more = upstream.read_nowait()
+            if not more:
+                return chunk, True
+            chunk += more
+        return chunk, False
 
     def _cut(self, request: web.Request, resp: web.StreamResponse, name: str, kind: str) -> None:
         """Headers are out, so the status cannot change: drop the client's connection so it sees a

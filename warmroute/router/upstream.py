@@ -1,0 +1,420 @@
+"""The data-plane HTTP/1.1 client: pooled keep-alive connections from the router to its instances.
+
+Every proxied request goes through here; the control plane (health checks, engine scrapes, /v1/models,
+discovery) keeps aiohttp's client, which it uses a few times a second. Why a second client: aiohttp's costs
+≈ 85 µs of CPU per request (URL and header objects, its request/response machinery, a task wake-up per
+chunk through its stream reader); this one ≈ 15 µs (docs/benchmarks.md, "Upstream client"). It is an
+asyncio protocol around httptools (llhttp, Node.js's HTTP parser, from the uvloop authors) that
+  * writes the request head and body as they are (the caller filters the headers; Host and Content-Length
+    are set here), with no retries of its own but one: a reused keep-alive connection that closes before any
+    byte of an answer (the instance closed it while idle) is replaced by a fresh one;
+  * hands back the status and headers, then the body chunk by chunk as it arrives (chunked framing decoded,
+    content never decompressed), pausing the socket when the reader falls 256 KiB behind;
+  * returns a connection to the pool only when its answer was read to the end and both sides keep it alive;
+    `close()` drops it at once, which is how the instance learns that nobody waits for the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ssl
+import time
+from collections import deque
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+import httptools
+from multidict import CIMultiDict
+
+_PAUSE_AT = 256 * 1024  # buffered answer bytes at which the socket stops being read
+_RESUME_AT = 64 * 1024
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # Content-Length even when empty, as clients send it
+
+
+class ConnectError(Exception):
+    """No connection could be opened: nothing was sent."""
+
+
+class UpstreamError(Exception):
+    """The connection failed or the answer was malformed after the request was sent."""
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where one base URL's requests go, parsed once."""
+
+    host: str
+    port: int
+    tls: bool
+    host_header: str
+    base_path: str  # the base URL's path, prepended to every request's target
+    authorization: str | None  # Basic credentials from the URL's user info, if any
+
+    @classmethod
+    def from_url(cls, url: str) -> Origin:
+        parts = urlsplit(url)
+        tls = parts.scheme == "https"
+        host = parts.hostname or ""
+        port = parts.port or (443 if tls else 80)
+        shown = f"[{host}]" if ":" in host else host
+        host_header = shown if port == (443 if tls else 80) else f"{shown}:{port}"
+        auth = None
+        if parts.username is not None:
+            creds = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            auth = "Basic " + base64.b64encode(creds).decode()
+        return cls(host, port, tls, host_header, parts.path.rstrip("/"), auth)
+
+
+class UpstreamResponse:
+    """One answer: status and headers at once, the body as it arrives."""
+
+    __slots__ = ("status", "reason", "headers", "content_length", "_conn", "_chunks", "_buffered", "_complete",
+                 "_error", "_waiter", "_paused", "_settled")
+
+    def __init__(self, conn: _Connection, status: int, reason: str, headers: CIMultiDict[str]) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        length = headers.get("Content-Length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        self._conn = conn
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._complete = False
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._settled = False  # released or closed
+
+    # -- reading ---------------------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """A chunk, the end or an error can be read without waiting."""
+        return bool(self._chunks) or self._complete or self._error is not None
+
+    def read_nowait(self) -> bytes:
+        """Everything buffered, joined; b"" at the end. Raises the connection's error once the buffer is empty."""
+        if not self._chunks:
+            if self._error is not None:
+                raise self._error
+            return b""
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._drain())
+        self._consumed(len(data))
+        return data
+
+    async def read_chunk(self, deadline: float | None = None) -> bytes:
+        """The next chunk as it arrived; b"" once the answer is complete. TimeoutError if nothing came by
+        `deadline` (the loop's clock)."""
+        if not self.ready():
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await _until(self._waiter, deadline)
+            finally:
+                self._waiter = None
+        if self._chunks:
+            data = self._chunks.popleft()
+            self._consumed(len(data))
+            return data
+        return self.read_nowait()
+
+    def _drain(self) -> list[bytes]:
+        chunks = list(self._chunks)
+        self._chunks.clear()
+        return chunks
+
+    def _consumed(self, n: int) -> None:
+        self._buffered -= n
+        if self._paused and self._buffered <= _RESUME_AT:
+            self._paused = False
+            self._conn.resume_reading()
+
+    # -- fed by the connection -------------------------------------------------------------------------------
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if not self._paused and self._buffered >= _PAUSE_AT:
+            self._paused = True
+            self._conn.pause_reading()
+        self._wake()
+
+    def _end(self, error: Exception | None = None) -> None:
+        if error is None:
+            self._complete = True
+        elif not self._complete:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- giving the connection back --------------------------------------------------------------------------
+    def release(self) -> None:
+        """Done with the answer: the connection goes back to the pool if it can carry another request."""
+        if not self._settled:
+            self._settled = True
+            self._conn.finished(reusable=self._complete and not self._chunks)
+
+    def close(self) -> None:
+        """Drop the connection now (the instance sees the disconnect and stops working on the request)."""
+        if not self._settled:
+            self._settled = True
+            self._conn.finished(reusable=False)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; carries one request at a time."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.idle_since = 0.0
+        self.uses = 0
+        self._parser = httptools.HttpResponseParser(self)
+        self._head_only = False
+        self._received = False  # any byte of the current answer
+        self._reason = ""
+        self._headers: list[tuple[str, str]] = []
+        self._answer: asyncio.Future[UpstreamResponse] | None = None
+        self._response: UpstreamResponse | None = None
+        self._closed = False
+        self._keep_alive = True
+        self._until_close = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._answer is None:  # bytes on an idle connection (a 408 before closing it): never reuse it
+            self.abort()
+            return
+        self._received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamError("the instance switched protocols"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed answer from the instance: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.pool._forget(self)
+        if self._response is not None and self._until_close:
+            self._response._end()  # an answer framed by the end of the connection (no length, not chunked)
+        what = "the instance closed the connection" + ("" if self._received else " before answering")
+        self._settle(UpstreamError(what))
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.resume_reading()
+
+    # -- httptools callbacks ---------------------------------------------------------------------------------
+    def on_status(self, reason: bytes) -> None:
+        self._reason = reason.decode("latin-1")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # informational (103 Early Hints): the real answer follows
+            self._headers = []
+            return
+        self._keep_alive = self._parser.should_keep_alive()
+        resp = UpstreamResponse(self, status, self._reason, CIMultiDict(self._headers))
+        self._headers = []
+        self._response = resp
+        self._until_close = (resp.content_length is None and status not in (204, 304) and not self._head_only
+                             and "chunked" not in resp.headers.get("Transfer-Encoding", "").lower())
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_result(resp)
+        if self._head_only:  # an answer to HEAD has no body, whatever its Content-Length says
+            self._keep_alive = False
+            resp._end()
+
+    def on_body(self, body: bytes) -> None:
+        if self._response is not None and not self._head_only:
+            self._response._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._response is not None:
+            self._response._end()
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def send(self, head: bytes, body: bytes, head_only: bool) -> asyncio.Future[UpstreamResponse]:
+        assert self.transport is not None
+        self.uses += 1
+        self._head_only = head_only
+        self._until_close = False
+        self._received = False
+        self._response = None
+        self._answer = asyncio.get_running_loop().create_future()
+        if self._closed or self.transport.is_closing():  # closed by the instance just now, while idle
+            self._answer.set_exception(UpstreamError("the instance closed the connection before answering"))
+        elif body and len(body) <= 65536:
+            self.transport.write(head + body)  # one write, one segment
+        else:
+            self.transport.write(head)
+            if body:
+                self.transport.write(body)
+        return self._answer
+
+    def finished(self, reusable: bool) -> None:
+        """The caller is done with the current answer."""
+        self._response = None
+        self._answer = None
+        if reusable and self._keep_alive and not self._closed:
+            self.pool._put(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        self._closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail(self, error: UpstreamError) -> None:
+        self._settle(error)
+        self.abort()
+
+    def _settle(self, error: UpstreamError) -> None:
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(error)
+        if self._response is not None:
+            self._response._end(error)
+
+
+class UpstreamPool:
+    """Keep-alive connections per instance, newest reused first, closed after `keepalive_timeout` idle."""
+
+    def __init__(self, connect_timeout: float, keepalive_timeout: float = 4.0) -> None:
+        self.connect_timeout = connect_timeout
+        self.keepalive_timeout = keepalive_timeout  # below uvicorn's 5 s (vLLM): never reuse one it is closing
+        self._origins: dict[str, Origin] = {}
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._all: set[_Connection] = set()
+        self._ssl: ssl.SSLContext | None = None
+
+    async def request(self, base_url: str, method: str, target: str, headers: list[tuple[str, str]],
+                      body: bytes, deadline: float | None = None) -> UpstreamResponse:
+        """Send one request; returns once the answer's status and headers are in. ConnectError if no
+        connection could be opened; UpstreamError if it failed after the request went out; TimeoutError if
+        the headers were not in by `deadline` (the loop's clock)."""
+        origin = self._origins.get(base_url)
+        if origin is None:
+            origin = self._origins[base_url] = Origin.from_url(base_url)
+        head = _request_head(method, origin, target, headers, len(body))
+        head_only = method == "HEAD"
+        conn = self._take(origin)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, head, body, head_only, deadline)
+            except UpstreamError:
+                if conn._received:
+                    raise
+                # closed while idle, as we reused it: nothing was answered, so a fresh connection may try
+        return await self._exchange(await self._connect(origin, deadline), head, body, head_only, deadline)
+
+    async def _exchange(self, conn: _Connection, head: bytes, body: bytes, head_only: bool,
+                        deadline: float | None) -> UpstreamResponse:
+        try:
+            return await _until(conn.send(head, body, head_only), deadline)
+        except BaseException:  # failed, or the caller was cancelled: the connection cannot be reused
+            conn.abort()
+            raise
+
+    async def _connect(self, origin: Origin, deadline: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
+        context = self._tls() if origin.tls else None
+        limit, cut_by_deadline = self.connect_timeout, False
+        if deadline is not None and deadline - loop.time() < limit:
+            limit, cut_by_deadline = max(0.0, deadline - loop.time()), True
+        try:
+            async with asyncio.timeout(limit):
+                _, conn = await loop.create_connection(lambda: _Connection(self, origin), origin.host, origin.port,
+                                                       ssl=context, server_hostname=origin.host if context else None)
+        except TimeoutError:
+            if cut_by_deadline:
+                raise
+            raise ConnectError(f"no connection to {origin.host}:{origin.port} within {self.connect_timeout:g} s") \
+                from None
+        except OSError as exc:  # refused, unreachable, DNS, TLS handshake
+            raise ConnectError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from None
+        self._all.add(conn)
+        return conn
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def _take(self, origin: Origin) -> _Connection | None:
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        conn = idle.pop()
+        if time.monotonic() - conn.idle_since < self.keepalive_timeout and not conn._closed:
+            return conn
+        stale = [conn, *idle]  # the rest went idle earlier still
+        idle.clear()
+        for c in stale:
+            c.abort()
+        return None
+
+    def _put(self, conn: _Connection) -> None:
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(conn.origin, []).append(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        self._all.discard(conn)
+        idle = self._idle.get(conn.origin)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def idle_connections(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    async def close(self) -> None:
+        """Drop every connection (the router is stopping; requests still running were cancelled before)."""
+        for conn in list(self._all):
+            conn.abort()
+        self._idle.clear()
+        await asyncio.sleep(0)  # let the transports report connection_lost
+
+
+async def _until(future: asyncio.Future, deadline: float | None):  # type: ignore[type-arg]
+    """Await `future`, failing it with TimeoutError at `deadline`: one timer handle, cheaper than
+    asyncio.timeout's context manager on the path every request and every relayed chunk takes."""
+    if deadline is None:
+        return await future
+    handle = asyncio.get_running_loop().call_at(deadline, _expire, future)
+    try:
+        return await future
+    finally:
+        handle.cancel()
+
+
+def _expire(future: asyncio.Future) -> None:  # type: ignore[type-arg]
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
+def _request_head(method: str, origin: Origin, target: str, headers: list[tuple[str, str]], length: int) -> bytes:
+    lines = [f"{method} {origin.base_path}{target} HTTP/1.1\r\nHost: {origin.host_header}\r\n"]
+    has_auth = False
+    for name, value in headers:
+        lines.append(f"{name}: {value}\r\n")
+        has_auth = has_auth or (origin.authorization is not None and name.lower() == "authorization")
+    if origin.authorization is not None and not has_auth:
+        lines.append(f"Authorization: {origin.authorization}\r\n")
+    if length or method in _BODY_METHODS:
+        lines.append(f"Content-Length: {length}\r\n")
+    lines.append("\r\n")
+    # Header values came through aiohttp's parser as UTF-8 with surrogate escapes: this gives back their bytes.
+    return "".join(lines).encode("utf-8", "surrogateescape")
