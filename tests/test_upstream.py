@@ -240,3 +240,25 @@ def test_origin_from_url():
     v6 = Origin.from_url("http://[::1]:8000")
     assert (v6.host, v6.port, v6.host_header, v6.base_path, v6.authorization) == ("::1", 8000, "[::1]:8000", "",
                                                                                    None)
+
+
+async def test_idle_connections_expire():
+    answer = lambda head, body: [plain(b"{}")]  # noqa: E731
+    async with ScriptedServer(answer) as a, ScriptedServer(answer) as b:
+        pool = UpstreamPool(connect_timeout=2, keepalive_timeout=0.1)
+        resps = [await pool.request(a.base, "GET", "/", [], b"") for _ in range(3)]  # three at once
+        for r in resps:
+            await read_all(r)
+            r.release()
+        assert pool.idle_connections() == 3
+        await asyncio.sleep(0.15)
+        resp = await pool.request(a.base, "GET", "/", [], b"")  # the idle ones are too old to reuse
+        await read_all(resp)
+        resp.release()
+        assert a.connections == 4 and pool.idle_connections() == 1
+        await asyncio.sleep(0.15)
+        resp = await pool.request(b.base, "GET", "/", [], b"")
+        await read_all(resp)
+        resp.release()  # any release after keepalive_timeout sweeps what idled out meanwhile, everywhere
+        assert pool.idle_connections() == 1 and not pool._idle[Origin.from_url(a.base)]
+        await pool.close()

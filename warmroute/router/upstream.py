@@ -170,7 +170,6 @@ class _Connection(asyncio.Protocol):
         self.origin = origin
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
-        self.uses = 0
         self._parser = httptools.HttpResponseParser(self)
         self._head_only = False
         self._received = False  # any byte of the current answer
@@ -249,7 +248,6 @@ class _Connection(asyncio.Protocol):
     # -- requests --------------------------------------------------------------------------------------------
     def send(self, head: bytes, body: bytes, head_only: bool) -> asyncio.Future[UpstreamResponse]:
         assert self.transport is not None
-        self.uses += 1
         self._head_only = head_only
         self._until_close = False
         self._received = False
@@ -300,6 +298,7 @@ class UpstreamPool:
         self._idle: dict[Origin, list[_Connection]] = {}
         self._all: set[_Connection] = set()
         self._ssl: ssl.SSLContext | None = None
+        self._swept = time.monotonic()
 
     async def request(self, base_url: str, method: str, target: str, headers: list[tuple[str, str]],
                       body: bytes, deadline: float | None = None) -> UpstreamResponse:
@@ -368,8 +367,15 @@ class UpstreamPool:
         return None
 
     def _put(self, conn: _Connection) -> None:
-        conn.idle_since = time.monotonic()
+        now = conn.idle_since = time.monotonic()
         self._idle.setdefault(conn.origin, []).append(conn)
+        if now - self._swept > self.keepalive_timeout:  # close what idled out (a burst's extra connections)
+            self._swept = now
+            for idle in self._idle.values():
+                expired = [c for c in idle if now - c.idle_since >= self.keepalive_timeout]
+                for c in expired:
+                    idle.remove(c)
+                    c.abort()
 
     def _forget(self, conn: _Connection) -> None:
         self._all.discard(conn)
