@@ -2,7 +2,7 @@
 """Do several router replicas agree? The fleet hit rate with 1, 2 and 4 replicas in front of one fleet.
 
     .venv/bin/python benchmarks/replicas.py [--replicas 1 2 4] [--workload mixed] [--duration 30] [--quick]
-                                            [--modes independent redis]
+                                            [--modes independent redis workers]
 
 For every replica count N: a fresh emulated fleet (`warmroute engine --count 4`, cold caches, each instance's
 KV capacity a quarter of the workload's working set, as in `warmroute demo`), N independent `warmroute serve`
@@ -12,7 +12,9 @@ same workload (same seed) runs through the front with `warmroute.bench.run_bench
 from the engines' own prefix-cache counters over the measured window. With one replica the front is still
 there, so every run pays the same extra hop. Mode `independent`: nothing shared between replicas; mode
 `redis`: the replicas share index updates through a local `redis-server` (setting `redis_url`), started on a
-free port for the run (needs Debian's redis-server and the redis package).
+free port for the run (needs Debian's redis-server and the redis package). Mode `workers`: one `warmroute
+serve --workers N` instead of N replicas (its worker processes share index updates through local sockets,
+no Redis), behind the same front.
 
 Writes docs/replicas.md (the command line on top) and out/replicas.json.
 """
@@ -101,7 +103,10 @@ async def measure(replicas: int, mode: str, workload, plan: FleetPlan, args: arg
         await engines.wait_for_log("listening on", plan.instances, timeout_s=60)
         router_port = free_ports(replicas + 1, engine_port + plan.instances + 20)
         routers = []
-        for r in range(replicas):
+        processes = 1 if mode == "workers" else replicas
+        if mode == "workers":
+            shared = ["--workers", str(replicas)]
+        for r in range(processes):
             argv = ["serve", "--port", str(router_port + r), "--strategy", args.strategy,
                     "--kv-capacity-tokens", str(plan.kv_capacity_tokens), *shared]
             for i, u in enumerate(urls):
@@ -111,7 +116,7 @@ async def measure(replicas: int, mode: str, workload, plan: FleetPlan, args: arg
             routers.append(f"http://127.0.0.1:{router_port + r}")
         for child, url in zip([c for c in children if isinstance(c, Child)][1:], routers):
             await child.wait_for_http(url + "/health", timeout_s=60)
-        front_port = router_port + replicas
+        front_port = router_port + processes
         with open(logs / f"front-{replicas}.log", "wb") as out:
             front = subprocess.Popen([sys.executable, __file__, "front", "--port", str(front_port), *routers],
                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -148,8 +153,9 @@ def report(results: list[BenchResult], plan: FleetPlan, args: argparse.Namespace
         "",
         "Fleet prefix-cache hit rate (the engines' own token counters over the measured window) with 1, 2 and 4",
         "`warmroute serve` replicas behind a per-request round-robin front, in front of one emulated fleet: each",
-        "replica alone (`independent`: its own prefix index, nothing shared) and sharing index updates through",
-        "Redis (`redis`: setting `redis_url`). Written by `benchmarks/replicas.py`.",
+        "replica alone (`independent`: its own prefix index, nothing shared), sharing index updates through",
+        "Redis (`redis`: setting `redis_url`), and one router with N worker processes (`workers`: `--workers N`,",
+        "sharing through local sockets). Written by `benchmarks/replicas.py`.",
         "",
         "```sh",
         command,
@@ -187,8 +193,10 @@ def main() -> int:
     add_workload_arguments(parser, default="mixed")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--strategy", default="cache_aware")
-    parser.add_argument("--modes", nargs="+", default=["independent", "redis"], choices=["independent", "redis"],
-                        help="how replicas (N > 1) keep their index: alone, or sharing updates through Redis")
+    parser.add_argument("--modes", nargs="+", default=["independent", "redis", "workers"],
+                        choices=["independent", "redis", "workers"],
+                        help="for N > 1: N replicas alone, N replicas sharing through Redis, or one router with N "
+                             "workers")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--warmup", type=float, default=5.0)

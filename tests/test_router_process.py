@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import signal
 import sys
@@ -43,7 +44,8 @@ async def _sse_upstream() -> tuple[web.AppRunner, str]:
 async def _start_router(upstream: str, *extra: str) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "warmroute", "serve", "--backend", f"a={upstream}", "--port", "0",
-        "--shutdown-timeout", "5", *extra, stderr=asyncio.subprocess.PIPE)
+        "--shutdown-timeout", "5", *extra, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True)  # its own process group: a failed test kills the workers too (see below)
     assert proc.stderr is not None
     while True:
         line = (await asyncio.wait_for(proc.stderr.readline(), 20)).decode()
@@ -63,7 +65,9 @@ async def _router_over_upstream(*extra: str) -> AsyncIterator[tuple[asyncio.subp
         yield proc, router
     finally:
         if proc is not None and proc.returncode is None:
-            proc.kill()
+            # The workers too: a worker left running keeps stderr open, and wait() waits for that.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
         await upstream.cleanup()
 
@@ -109,5 +113,35 @@ async def test_workers_share_the_port_and_stop_together():
             for _ in range(4):
                 async with client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi"}) as r:
                     assert r.status == 200 and (await r.read()).count(b"data:") == CHUNKS
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_workers_share_their_index_without_redis():
+    """Two worker processes: every prompt is recorded by whichever worker routed it, and the other learns it
+    through the local sockets, so both report the whole index (`/livez` and `/metrics` on one keep-alive
+    connection come from the same worker)."""
+    prompts = 12
+    async with _router_over_upstream("--workers", "2", "--no-engine-metrics") as (proc, router):
+        for i in range(prompts):  # a fresh connection each: the kernel hands them to either worker
+            async with aiohttp.ClientSession() as client:
+                body = {"model": "m", "prompt": f"doc {i:02d} " + "x" * 633, "chunks": 1}  # 10 blocks of 64 bytes
+                async with client.post(router + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+        entries: dict[int, set[float]] = {}
+        deadline = time.monotonic() + 20
+        while len(entries) < 2 or any(v != {prompts * 10.0} for v in entries.values()):
+            assert time.monotonic() < deadline, f"index entries per worker pid: {entries}"
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as client:
+                async with client.get(router + "/livez") as r:
+                    pid = (await r.json())["pid"]
+                async with client.get(router + "/metrics") as r:
+                    text = await r.text()
+            value = float(re.search(r"^warmroute_index_entries (\S+)$", text, re.M).group(1))
+            entries.setdefault(pid, set()).add(value)
+            if len(entries.get(pid, ())) > 1:  # updates still arriving: keep only the latest reading
+                entries[pid] = {value}
+            await asyncio.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0

@@ -1,6 +1,8 @@
 """Index updates shared between router replicas through Redis: the message format, two routers that learn
 from each other, and a router whose Redis is down still serving. Needs `redis-server` (Debian: apt-get install
-redis-server; .ci/run installs it) and the redis package; skipped, saying which is missing, otherwise."""
+redis-server; .ci/run installs it) and the redis package; skipped, saying which is missing, otherwise.
+Between the workers of one router (local sockets, no Redis): here in one process; as real worker processes in
+tests/test_router_process.py."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from client_helpers import StubEngine
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
-from warmroute.router.shared_index import FORGET, RECORD, pack, unpack
+from warmroute.core.fleet import Fleet, FleetSettings
+from warmroute.router.shared_index import FORGET, MAX_LINK_BLOCKS, RECORD, WorkerLinks, pack, unpack, worker_links
 
 PROMPT = {"model": "m", "messages": [{"role": "system", "content": "shared policy text. " * 300},
                                      {"role": "user", "content": "what now?"}]}
@@ -117,3 +120,46 @@ def test_redis_url_is_checked_and_kept_secret():
         load_settings({"backends": ["http://127.0.0.1:1"], "redis_url": "http://x"}, env={})
     s = load_settings({"backends": ["http://127.0.0.1:1"], "redis_url": "redis://:pw@127.0.0.1:6379/0"}, env={})
     assert "pw" not in repr(s)
+
+
+async def test_workers_learn_each_others_updates_through_local_sockets():
+    links = worker_links(3)
+    fleets = [Fleet(FleetSettings()) for _ in range(3)]
+    for fleet in fleets:
+        for name in ("gpu-0", "gpu-1"):
+            fleet.add(name, 1 << 22)
+    workers = [WorkerLinks(fleet, links, i) for i, fleet in enumerate(fleets)]
+    for w in workers:
+        w.start()
+    try:
+        chain = list(range(1, 41))
+        long_chain = list(range(10**6, 10**6 + MAX_LINK_BLOCKS + 500))  # longer than one datagram may carry
+        workers[0].recorded("gpu-1", chain)
+        workers[0].recorded("gpu-0", long_chain)
+        workers[0].recorded("nobody-here", [7, 8, 9])  # an instance the others do not have: skipped
+        await _until(lambda: workers[1].received == 2 and workers[2].received == 2)
+        for fleet in fleets[1:]:
+            assert fleet.index.match_depths(chain) == {"gpu-1": 40}
+            assert fleet.index.match_depths(long_chain) == {"gpu-0": MAX_LINK_BLOCKS}  # its head
+        assert workers[0].received == 0  # nobody echoes a worker's own updates back to it
+
+        workers[2].forgotten("gpu-1", chain)
+        await _until(lambda: workers[1].received == 3)
+        assert fleets[1].index.match_depths(chain) == {} and fleets[0].index.match_depths(chain) == {}
+        links[1][1].send(b"garbage, not a message")  # ignored with a warning, the worker carries on
+        workers[0].recorded("gpu-0", chain)
+        await _until(lambda: workers[1].received == 4)
+        assert fleets[1].index.match_depths(chain) == {"gpu-0": 40} and workers[0].dropped == 0
+    finally:
+        for w in workers:
+            w.stop()
+        for pair in links:
+            for sock in pair:
+                sock.close()
+
+
+async def _until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the update never arrived"
+        await asyncio.sleep(0.01)

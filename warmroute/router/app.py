@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -33,7 +34,7 @@ from warmroute.router.metrics import NO_INSTANCE, Metrics
 from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
 from warmroute.router.settings import RouterSettings
-from warmroute.router.shared_index import SharedIndex
+from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
 from warmroute.router.upstream import UpstreamPool
 from warmroute.router.background import cancel_all
 
@@ -47,6 +48,7 @@ METRICS = web.AppKey("metrics", Metrics)
 SCRAPER = web.AppKey("scraper", EngineScraper)
 DISCOVERY = web.AppKey("discovery", Discovery)
 ACTIVITY = web.AppKey("activity", dash.Activity)
+LINKS = web.AppKey("links", object)  # Links | None: this worker's sockets to its siblings (server.py)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -125,8 +127,9 @@ async def ping(request: web.Request) -> web.Response:
 
 
 async def livez(request: web.Request) -> web.Response:
-    """Liveness: the event loop answers. Never depends on the engines (that is /health's job)."""
-    return web.json_response({"status": "alive"})
+    """Liveness: the event loop answers. Never depends on the engines (that is /health's job). `pid` tells
+    which worker process answered (`workers` > 1)."""
+    return web.json_response({"status": "alive", "pid": os.getpid()})
 
 
 async def admin_off(request: web.Request) -> web.Response:
@@ -178,7 +181,7 @@ def _error(request: web.Request, exc: ApiError) -> web.Response:
 
 
 # -- assembly -------------------------------------------------------------------------------------------------
-def build_app(settings: RouterSettings, resolver: Resolver = resolve) -> web.Application:
+def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Links | None = None) -> web.Application:
     app = web.Application(middlewares=[json_errors], client_max_size=settings.max_body_bytes)
     names = [b.name for b in settings.backends]
     urls = {b.name: b.url for b in settings.backends}
@@ -191,6 +194,7 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve) -> web.App
     app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper)
     app[DISCOVERY] = Discovery(membership, settings, resolver)
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
+    app[LINKS] = links
     app.cleanup_ctx.append(_upstream_lifetime)
 
     app.router.add_get("/v1/models", models)
@@ -225,10 +229,15 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
 
         k8s = KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port)
         await k8s.start()
+    siblings = None
     if settings.redis_url is not None:
         shared = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, app[ROUTER].fleet)
         await shared.start()
         app[ROUTER].shared = shared
+    elif app[LINKS] is not None:  # a worker of `workers` > 1
+        siblings = WorkerLinks(app[ROUTER].fleet, *app[LINKS])
+        siblings.start()
+        app[ROUTER].shared = siblings
     await app[HEALTH].check_all(session)  # know who is up before the first request
     loops = [asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")]
     if app[SETTINGS].engine_metrics:
@@ -238,8 +247,10 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     await app[DISCOVERY].stop()
     if k8s is not None:
         await k8s.stop()
-    if app[ROUTER].shared is not None:
+    if isinstance(app[ROUTER].shared, SharedIndex):
         await app[ROUTER].shared.stop()
+    if siblings is not None:
+        siblings.stop()
     await cancel_all(loops)
     await pool.close()
     await session.close()

@@ -16,7 +16,7 @@ from warmroute.core.strategies import Decision, StrategySettings, make_strategy
 from warmroute.router.errors import bad_request
 from warmroute.router.metrics import Metrics
 from warmroute.router.settings import RouterSettings
-from warmroute.router.shared_index import SharedIndex
+from warmroute.router.shared_index import IndexUpdates
 from warmroute.router.usage import EngineUsage
 
 SESSION_HEADER = "x-session-id"
@@ -42,7 +42,7 @@ class Router:
             balance_factor=settings.balance_factor, miss_weight=settings.miss_weight,
             shared_miss_weight=settings.shared_miss_weight, block_bytes=settings.block_bytes))
         self._any = make_strategy("least_loaded")
-        self.shared: SharedIndex | None = None  # other replicas hear what this one records (redis_url)
+        self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
 
     # -- deciding ------------------------------------------------------------------------------------------
     def key_of(self, path: str, body: bytes, session: str | None) -> RoutingKey:

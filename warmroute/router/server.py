@@ -20,6 +20,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from warmroute.errors import UsageError
 from warmroute.router.app import DISCOVERY, PROXY, SETTINGS, build_app
 from warmroute.router.settings import RouterSettings
+from warmroute.router.shared_index import Links, worker_links
 
 log = logging.getLogger("warmroute.router")
 
@@ -70,10 +71,12 @@ class RunningRouter:
             deadline.cancel()
 
 
-async def start_router(settings: RouterSettings, sock: socket.socket | None = None) -> RunningRouter:
-    """Start serving in the running loop; with port 0 the kernel picks a free port (see `.port`)."""
+async def start_router(settings: RouterSettings, sock: socket.socket | None = None,
+                       links: Links | None = None) -> RunningRouter:
+    """Start serving in the running loop; with port 0 the kernel picks a free port (see `.port`). `links`: this
+    worker's sockets to its sibling workers, with which it shares index updates."""
     logging.getLogger("aiohttp.server").addFilter(_PARSER_LOG_FILTER)  # once: filters are a set
-    runner = web.AppRunner(build_app(settings), handler_cancellation=True,  # a client that leaves cancels
+    runner = web.AppRunner(build_app(settings, links=links), handler_cancellation=True,  # a client that leaves cancels
                            access_log=None,  # RunningRouter.stop() cuts forwarded requests at the deadline;
                            shutdown_timeout=settings.shutdown_timeout + 0.5,  # aiohttp's own comes after it
                            keepalive_timeout=settings.client_header_timeout)  # also bounds header reading
@@ -100,20 +103,20 @@ def serve(settings: RouterSettings) -> int:
     return _run_workers(settings, sock)
 
 
-def _run_loop(settings: RouterSettings, sock: socket.socket) -> int:
+def _run_loop(settings: RouterSettings, sock: socket.socket, links: Links | None = None) -> int:
     try:
         import uvloop
     except ImportError:  # Windows: the standard loop
-        return asyncio.run(_serve_until_signal(settings, sock))
-    return uvloop.run(_serve_until_signal(settings, sock))
+        return asyncio.run(_serve_until_signal(settings, sock, links))
+    return uvloop.run(_serve_until_signal(settings, sock, links))
 
 
-async def _serve_until_signal(settings: RouterSettings, sock: socket.socket) -> int:
+async def _serve_until_signal(settings: RouterSettings, sock: socket.socket, links: Links | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    running = await start_router(settings, sock)
+    running = await start_router(settings, sock, links)
     if hasattr(signal, "SIGHUP"):
         loop.add_signal_handler(signal.SIGHUP, running.app[DISCOVERY].reload)
     log.info("listening on %s (strategy %s, %d backends, pid %d)", running.url, settings.strategy,
@@ -125,9 +128,12 @@ async def _serve_until_signal(settings: RouterSettings, sock: socket.socket) -> 
 
 
 def _run_workers(settings: RouterSettings, sock: socket.socket) -> int:
-    """Fork workers that all accept on the one listening socket; forward SIGTERM/SIGINT to them."""
-    ctx = multiprocessing.get_context("fork")  # the socket is inherited; no event loop exists yet
-    workers = [ctx.Process(target=_worker_main, args=(settings, sock), name=f"warmroute-worker-{i}")
+    """Fork workers that all accept on the one listening socket and share index updates (through Redis when
+    `redis_url` is set, else through local sockets); forward SIGTERM/SIGINT to them."""
+    ctx = multiprocessing.get_context("fork")  # the sockets are inherited; no event loop exists yet
+    sockets = worker_links(settings.workers) if settings.redis_url is None else None
+    workers = [ctx.Process(target=_worker_main, args=(settings, sock, (sockets, i) if sockets else None),
+                           name=f"warmroute-worker-{i}")
                for i in range(settings.workers)]
     for w in workers:
         w.start()
@@ -146,5 +152,5 @@ def _run_workers(settings: RouterSettings, sock: socket.socket) -> int:
     return max((w.exitcode or 0) for w in workers)
 
 
-def _worker_main(settings: RouterSettings, sock: socket.socket) -> None:
-    raise SystemExit(_run_loop(settings, sock))
+def _worker_main(settings: RouterSettings, sock: socket.socket, links: Links | None) -> None:
+    raise SystemExit(_run_loop(settings, sock, links))

@@ -182,8 +182,9 @@ class RouterSettings(BaseSettings):
         32 * MiB, description="Largest request body accepted (accepts 32MiB, ...); larger gets 413.")
     decision_headers: bool = Field(
         True, description="Add x-warmroute-instance and x-warmroute-reason to every proxied response.")
-    workers: int = Field(1, ge=1, le=64, description="Worker processes sharing the listening socket "
-                                                     "(each keeps its own index and metrics).")
+    workers: int = Field(1, ge=1, le=64, description="Worker processes sharing the listening socket; they share "
+                                                     "index updates (local sockets, or Redis with redis_url), "
+                                                     "each keeps its own metrics.")
     shutdown_timeout: float = Field(30.0, ge=0, le=3600,
                                     description="Seconds in-flight requests may take to finish after "
                                                 "SIGTERM/SIGINT.")
@@ -419,9 +420,11 @@ def configuration_markdown() -> str:
         "  it is read from each engine's `/metrics` (vLLM's `cache_config_info`, SGLang's `max_total_num_tokens`).",
         "  With `engine_feedback`, a wrong capacity is corrected from the cached tokens the engines report",
         "  (see docs/feedback.md); `warmroute_index_capacity_scale` in `/metrics` shows the factor learnt.",
-        "- With `workers` above 1, or several router replicas, every process keeps its own index and metrics, and",
-        "  each sees only its share of a prefix's requests: the fleet hit rate drops (docs/replicas.md). Set",
-        "  `redis_url` (the same Redis and `redis_channel` for every replica) to share index updates between them.",
+        "- Several router replicas each keep their own index and metrics, and each sees only its share of a",
+        "  prefix's requests: the fleet hit rate drops (docs/replicas.md). Set `redis_url` (the same Redis and",
+        "  `redis_channel` for every replica) to share index updates between them. The `workers` of one router",
+        "  share theirs through local sockets without Redis (with `redis_url`, through Redis like replicas);",
+        "  `/metrics` is per worker.",
         "- Membership at run time (`backends_file`, `dns_refresh_interval`, `admin_token`): docs/deployment.md.",
         "- Health: a refused connection ejects an instance at once; `failures_before_ejection` consecutive",
         "  5xx answers or timeouts eject it; only a passing `GET /health` brings it back.",

@@ -1,4 +1,5 @@
-"""Index updates shared between router replicas through Redis pub/sub (setting `redis_url`; off by default).
+"""Index updates shared between router replicas through Redis pub/sub (setting `redis_url`; off by default),
+and between the worker processes of one router (`workers` > 1) through local datagram sockets (always).
 
 Without it every replica knows only the prefixes it routed itself: with N replicas behind a round-robin load
 balancer a replica has seen about 1/N of each prefix's requests, takes the rest for cold, and scatters them
@@ -11,6 +12,12 @@ next, a lost message costs one possible cache miss, and no request ever waits fo
 per event-loop turn into one message. If Redis is unreachable, the replica routes on its own index alone and
 reconnects in the background.
 
+Workers of one `warmroute serve` need no Redis: the parent makes one Unix datagram socket pair per worker
+before forking; each worker reads its own and sends every batch to the others' (non-blocking: a worker that
+falls 4 MiB behind loses updates, never blocks another). A datagram holds at most ~200 KiB on Linux, so a
+chain longer than MAX_LINK_BLOCKS blocks (≈ 1 M characters of prompt) travels as its first MAX_LINK_BLOCKS:
+its head, which is what a routing decision matches on. With `redis_url` set, each worker is a replica of its own.
+
 Message: 8-byte replica id, then entries of op (1 byte: 0 record, 1 forget), name length (1 byte), name (UTF-8),
 block count (uint32 LE), blocks (uint64 LE each).
 """
@@ -22,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import struct
 import sys
 
@@ -75,19 +83,17 @@ def unpack(payload: bytes) -> tuple[bytes, list[tuple[int, str, list[int]]]]:
     return replica, entries
 
 
-class SharedIndex:
-    def __init__(self, url: str, channel: str, fleet: Fleet) -> None:
-        self.url = url
-        self.channel = channel
+class IndexUpdates:
+    """What every way of sharing does: batch this process's updates per loop turn, apply the others'.
+    Subclasses move the bytes (`_send`, and calling `apply` with what arrives)."""
+
+    def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self.replica = os.urandom(8)
         self.received = 0  # entries applied from other replicas (tests, debugging)
         self._pending: list[tuple[int, str, list[int]]] = []
         self._flush_scheduled = False
-        self._client = None
-        self._tasks: list[asyncio.Task] = []
-        self._publishes: set[asyncio.Task] = set()
-        self.connected = asyncio.Event()
+        self._client: object | None = None  # set while updates can be sent
 
     # -- outgoing (called on the request path: no I/O here) -----------------------------------------------------
     def recorded(self, name: str, blocks: list[int] | tuple[int, ...]) -> None:
@@ -107,17 +113,11 @@ class SharedIndex:
     def _flush(self) -> None:
         self._flush_scheduled = False
         entries, self._pending = self._pending, []
-        if not entries or self._client is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._publish(pack(self.replica, entries)))
-        self._publishes.add(task)
-        task.add_done_callback(self._publishes.discard)
+        if entries and self._client is not None:
+            self._send(entries)
 
-    async def _publish(self, payload: bytes) -> None:
-        try:
-            await self._client.publish(self.channel, payload)
-        except Exception as exc:  # redis.exceptions.* and OSError: an update lost, nothing else
-            log.debug("shared index: publish failed: %s", exc)
+    def _send(self, entries: list[tuple[int, str, list[int]]]) -> None:
+        raise NotImplementedError
 
     # -- incoming ----------------------------------------------------------------------------------------------
     def apply(self, payload: bytes) -> None:
@@ -137,6 +137,29 @@ class SharedIndex:
             else:
                 index.forget(name, blocks)
             self.received += 1
+
+
+class SharedIndex(IndexUpdates):
+    """Between router replicas, through Redis pub/sub."""
+
+    def __init__(self, url: str, channel: str, fleet: Fleet) -> None:
+        super().__init__(fleet)
+        self.url = url
+        self.channel = channel
+        self._tasks: list[asyncio.Task] = []
+        self._publishes: set[asyncio.Task] = set()
+        self.connected = asyncio.Event()
+
+    def _send(self, entries: list[tuple[int, str, list[int]]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._publish(pack(self.replica, entries)))
+        self._publishes.add(task)
+        task.add_done_callback(self._publishes.discard)
+
+    async def _publish(self, payload: bytes) -> None:
+        try:
+            await self._client.publish(self.channel, payload)  # type: ignore[attr-defined]
+        except Exception as exc:  # redis.exceptions.* and OSError: an update lost, nothing else
+            log.debug("shared index: publish failed: %s", exc)
 
     async def start(self) -> None:
         import redis.asyncio as redis
@@ -182,3 +205,73 @@ class SharedIndex:
             with contextlib.suppress(Exception):
                 await self._client.aclose()
         self._client = None
+
+
+MAX_LINK_BLOCKS = 16_384  # 128 KiB of block hashes: a datagram must stay under the socket's send buffer
+_LINK_DATAGRAM = 160 * 1024  # entries are packed into datagrams of at most about this size
+_LINK_BUFFER = 4 * 1024 * 1024  # asked for; Linux caps it at net.core.[rw]mem_max
+
+
+Links = tuple[list[tuple[socket.socket, socket.socket]], int]  # every worker's (receive, send) pair; which is mine
+
+
+def worker_links(count: int) -> list[tuple[socket.socket, socket.socket]]:
+    """One (receive, send) Unix datagram socket pair per worker, made before forking so all inherit all."""
+    links = []
+    for _ in range(count):
+        receive, send = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for sock, opt in ((receive, socket.SO_RCVBUF), (send, socket.SO_SNDBUF)):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, opt, _LINK_BUFFER)
+            sock.setblocking(False)
+        links.append((receive, send))
+    return links
+
+
+class WorkerLinks(IndexUpdates):
+    """Between the worker processes of one router: worker `me` reads links[me][0], sends to the others' [1]."""
+
+    def __init__(self, fleet: Fleet, links: list[tuple[socket.socket, socket.socket]], me: int) -> None:
+        super().__init__(fleet)
+        self._inbox = links[me][0]
+        self._peers = [send for i, (_, send) in enumerate(links) if i != me]
+        self.dropped = 0  # datagrams a peer had no room for
+
+    def start(self) -> None:
+        self._client = self._peers
+        asyncio.get_running_loop().add_reader(self._inbox.fileno(), self._receive)
+
+    def stop(self) -> None:
+        self._client = None
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self._inbox.fileno())
+
+    def _send(self, entries: list[tuple[int, str, list[int]]]) -> None:
+        batch: list[tuple[int, str, list[int]]] = []
+        size = 0
+        for op, name, blocks in entries:
+            blocks = blocks[:MAX_LINK_BLOCKS]
+            if batch and size + 8 * len(blocks) > _LINK_DATAGRAM:
+                self._post(pack(self.replica, batch))
+                batch, size = [], 0
+            batch.append((op, name, blocks))
+            size += 8 * len(blocks) + len(name) + 6
+        if batch:
+            self._post(pack(self.replica, batch))
+
+    def _post(self, payload: bytes) -> None:
+        for peer in self._peers:
+            try:
+                peer.send(payload)
+            except OSError:  # full (BlockingIOError) or gone: this update is lost for that worker
+                self.dropped += 1
+
+    def _receive(self) -> None:
+        for _ in range(64):  # bounded, so one busy peer cannot hold the loop
+            try:
+                payload = self._inbox.recv(_LINK_DATAGRAM + 65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            self.apply(payload)
