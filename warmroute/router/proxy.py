@@ -34,6 +34,13 @@ _NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "x-warmroute-instance", "x
 CLIENT_CLOSED = 499  # status label of a request whose client went away (nginx's convention)
 
 
+class _Relayed(web.StreamResponse):
+    """A relayed answer: prepared only once its first chunk is here, so its headers go out in the same write
+    as that chunk (aiohttp's StreamResponse otherwise sends them on their own, one more send() and packet)."""
+
+    _send_headers_immediately = False
+
+
 class _ConnectFailed(Exception):
     """No connection could be opened: nothing was sent, so another instance may safely be tried."""
 
@@ -210,7 +217,7 @@ class Proxy:
             upstream.close()
 
     def _response_for(self, upstream: UpstreamResponse, decision: Decision) -> web.StreamResponse:
-        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+        resp = _Relayed(status=upstream.status, reason=upstream.reason,
                                   headers=_filter(upstream.headers, _NOT_FORWARDED_DOWN))
         if upstream.content_length is not None:
             resp.content_length = upstream.content_length  # same bytes, same length
