@@ -7,7 +7,11 @@ test gives it, so framing, keep-alive, early closes and malformed answers are ex
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -262,3 +266,14 @@ async def test_idle_connections_expire():
         resp.release()  # any release after keepalive_timeout sweeps what idled out meanwhile, everywhere
         assert pool.idle_connections() == 1 and not pool._idle[Origin.from_url(a.base)]
         await pool.close()
+
+
+def test_the_client_benchmark_runs():
+    """benchmarks/upstream_client.py in a tiny configuration: both clients complete and numbers come out."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "upstream_client.py"
+    out = subprocess.run([sys.executable, str(script), "--requests", "200", "--connections", "4", "--rounds", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = dict(re.findall(r"^(aiohttp ClientSession|UpstreamPool)\s+([\d.]+)\s", out.stdout, re.M))
+    assert set(rows) == {"aiohttp ClientSession", "UpstreamPool"} and all(float(v) > 0 for v in rows.values())
+    assert "UpstreamPool uses" in out.stdout
