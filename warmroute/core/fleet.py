@@ -81,7 +81,8 @@ class Fleet:
         self.index.remove_instance(name)
 
     def routable(self) -> list[Instance]:
-        return [i for i in self.instances.values() if i.routable]
+        # Instance.routable spelt out: a property call per instance costs twice the attribute reads here.
+        return [i for i in self.instances.values() if i.healthy and not i.draining]
 
     def estimated_capacity_tokens(self, name: str) -> int:
         """The prefix cache the index models for an instance: its configured capacity x the learnt scale."""
