@@ -277,3 +277,46 @@ def test_the_client_benchmark_runs():
     rows = dict(re.findall(r"^(aiohttp ClientSession|UpstreamPool)\s+([\d.]+)\s", out.stdout, re.M))
     assert set(rows) == {"aiohttp ClientSession", "UpstreamPool"} and all(float(v) > 0 for v in rows.values())
     assert "UpstreamPool uses" in out.stdout
+
+
+async def test_a_sink_takes_chunks_as_they_arrive_until_it_refuses_one():
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    steps: list[bytes | float | None] = [head]
+    for i in range(6):
+        steps += [b"2\r\nc%d\r\n" % i, 0.02]
+    async with ScriptedServer(lambda h, b: [*steps, b"0\r\n\r\n"]) as srv:
+        pool = UpstreamPool(connect_timeout=2)
+        resp = await pool.request(srv.base, "GET", "/", [], b"")
+        taken: list[bytes] = []
+
+        def sink(data: bytes) -> bool:  # takes three, then refuses
+            if len(taken) < 3:
+                taken.append(data)
+                return True
+            return False
+
+        first = await resp.read_chunk()
+        refused = await resp.read_chunk(sink=sink, idle_timeout=1.0)
+        rest = await read_all(resp)
+        assert first == b"c0" and taken == [b"c1", b"c2", b"c3"] and refused == b"c4" and rest == b"c5"
+        await pool.close()
+
+
+async def test_idle_timeout_counts_from_the_last_chunk_the_sink_took():
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    paced: list[bytes | float | None] = [head]
+    for _ in range(8):  # 0.4 s of chunks 0.05 s apart, then silence
+        paced += [b"1\r\nx\r\n", 0.05]
+    async with ScriptedServer(lambda h, b: [*paced, 1.0, b"0\r\n\r\n"]) as srv:
+        pool = UpstreamPool(connect_timeout=2)
+        resp = await pool.request(srv.base, "GET", "/", [], b"")
+        assert await resp.read_chunk() == b"x"  # the first, which came with the head
+        taken: list[bytes] = []
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(TimeoutError):
+            await resp.read_chunk(sink=lambda d: taken.append(d) is None, idle_timeout=0.15)
+        waited = loop.time() - start
+        assert len(taken) >= 5 and 0.35 < waited < 0.9  # kept alive by the flow, cut 0.15 s after it stopped
+        resp.close()
+        await pool.close()

@@ -21,6 +21,7 @@ import base64
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -70,7 +71,7 @@ class UpstreamResponse:
     """One answer: status and headers at once, the body as it arrives."""
 
     __slots__ = ("status", "reason", "headers", "content_length", "_conn", "_chunks", "_buffered", "_complete",
-                 "_error", "_waiter", "_paused", "_settled")
+                 "_error", "_waiter", "_paused", "_settled", "_sink", "_last_data", "_timer")
 
     def __init__(self, conn: _Connection, status: int, reason: str, headers: CIMultiDict[str]) -> None:
         self.status = status
@@ -86,6 +87,9 @@ class UpstreamResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._settled = False  # released or closed
+        self._sink: Callable[[bytes], bool] | None = None  # takes chunks as they arrive while read_chunk waits
+        self._last_data = 0.0  # time.monotonic() of the last chunk handed to the sink
+        self._timer: asyncio.TimerHandle | None = None  # the idle check while read_chunk waits
 
     # -- reading ---------------------------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -102,20 +106,43 @@ class UpstreamResponse:
         self._consumed(len(data))
         return data
 
-    async def read_chunk(self, deadline: float | None = None) -> bytes:
+    async def read_chunk(self, deadline: float | None = None, sink: Callable[[bytes], bool] | None = None,
+                         idle_timeout: float | None = None) -> bytes:
         """The next chunk as it arrived; b"" once the answer is complete. TimeoutError if nothing came by
-        `deadline` (the loop's clock)."""
+        `deadline` (the loop's clock), or, with `idle_timeout`, if nothing came for that many seconds.
+
+        `sink`: while this waits, each chunk that arrives is offered to sink(chunk) first, right in the
+        socket's callback; only one it refuses (returns False) ends the wait and is returned. A relay writes
+        to its client that way without a task wake-up per chunk (warmroute/router/proxy.py)."""
         if not self.ready():
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            self._sink, self._last_data = sink, time.monotonic()
+            if idle_timeout:
+                self._timer = loop.call_later(idle_timeout, self._check_idle, idle_timeout)
             try:
-                await _until(self._waiter, deadline)
+                await _until(waiter, deadline)
             finally:
-                self._waiter = None
+                self._waiter = self._sink = None
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
         if self._chunks:
             data = self._chunks.popleft()
             self._consumed(len(data))
             return data
         return self.read_nowait()
+
+    def _check_idle(self, idle_timeout: float) -> None:
+        """The idle timer: fails the wait if nothing came for idle_timeout, else looks again when it would."""
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        quiet = time.monotonic() - self._last_data
+        if quiet >= idle_timeout:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._timer = asyncio.get_running_loop().call_later(idle_timeout - quiet, self._check_idle, idle_timeout)
 
     def _drain(self) -> list[bytes]:
         chunks = list(self._chunks)
@@ -130,6 +157,9 @@ class UpstreamResponse:
 
     # -- fed by the connection -------------------------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
+        if self._sink is not None and not self._chunks and self._sink(data):
+            self._last_data = time.monotonic()
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if not self._paused and self._buffered >= _PAUSE_AT:
