@@ -40,9 +40,10 @@ _DIRECT_LIMIT = 64 * 1024  # client write buffer beyond which chunks go through 
 
 def _direct_writer(request: web.Request, resp: web.StreamResponse, tap: UsageTap | None) -> Callable[[bytes], bool]:
     """A sink for UpstreamResponse.read_chunk: writes a relayed chunk to the client's socket in the upstream
-    socket's own callback (≈ a third of the CPU of waking the relay task for each chunk of a stream), framed as
-    aiohttp framed the headers it sent. Refuses (False) when the client is gone or not keeping up, so the relay
-    task takes over and aiohttp's write waits for the client."""
+    socket's own callback instead of waking the relay task for each chunk of a stream (64 paced streams: 0.16
+    instead of 0.18 router cores; the rest is the socket wake-ups themselves), framed as aiohttp framed the
+    headers it sent. Refuses (False) when the client is gone or not keeping up, so the relay task takes over and
+    aiohttp's write waits for the client."""
     transport = request.transport
     chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
 
