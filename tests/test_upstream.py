@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable
@@ -320,3 +322,36 @@ async def test_idle_timeout_counts_from_the_last_chunk_the_sink_took():
         assert len(taken) >= 5 and 0.35 < waited < 0.9  # kept alive by the flow, cut 0.15 s after it stopped
         resp.close()
         await pool.close()
+
+
+async def test_https_instances(tmp_path):
+    """An https:// base URL: TLS with certificate and host name checks (a self-signed certificate for
+    127.0.0.1, trusted through the pool's context; the default context refuses it)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(plain(b'{"tls":true}'))
+        await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_ctx)
+    base = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        trusting = UpstreamPool(connect_timeout=2, tls=ssl.create_default_context(cafile=str(cert)))
+        resp = await trusting.request(base, "GET", "/", [], b"")
+        assert resp.status == 200 and await read_all(resp) == b'{"tls":true}'
+        resp.release()
+        await trusting.close()
+        strict = UpstreamPool(connect_timeout=2)
+        with pytest.raises(ConnectError, match="certificate"):
+            await strict.request(base, "GET", "/", [], b"")
+        await strict.close()
+    finally:
+        server.close()

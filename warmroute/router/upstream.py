@@ -321,13 +321,14 @@ class _Connection(asyncio.Protocol):
 class UpstreamPool:
     """Keep-alive connections per instance, newest reused first, closed after `keepalive_timeout` idle."""
 
-    def __init__(self, connect_timeout: float, keepalive_timeout: float = 4.0) -> None:
+    def __init__(self, connect_timeout: float, keepalive_timeout: float = 4.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.keepalive_timeout = keepalive_timeout  # below uvicorn's 5 s (vLLM): never reuse one it is closing
         self._origins: dict[str, Origin] = {}
         self._idle: dict[Origin, list[_Connection]] = {}
         self._all: set[_Connection] = set()
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = tls  # for https:// instances; the system's trust store when None
         self._swept = time.monotonic()
 
     async def request(self, base_url: str, method: str, target: str, headers: list[tuple[str, str]],
