@@ -146,6 +146,15 @@ async def test_answer_framed_by_close_and_head_without_body():
         await pool.close()
 
 
+async def test_header_values_keep_their_utf8():
+    extra = "X-Name: café\r\nX-Bad: \udcff\r\n".encode("utf-8", "surrogateescape")
+    async with ScriptedServer(lambda h, b: [plain(b"{}", extra=extra)]) as srv:
+        pool = UpstreamPool(connect_timeout=2)
+        resp = await pool.request(srv.base, "GET", "/", [], b"")
+        assert resp.headers["X-Name"] == "café" and resp.headers["X-Bad"] == "\ufffd"
+        await pool.close()
+
+
 async def test_informational_answer_is_skipped():
     async with ScriptedServer(lambda h, b: [b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n", plain(b"{}")]) as srv:
         pool = UpstreamPool(connect_timeout=2)

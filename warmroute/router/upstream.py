@@ -244,11 +244,13 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     # -- httptools callbacks ---------------------------------------------------------------------------------
+    # UTF-8 (what aiohttp encodes them with again on the way out), so they pass through byte for byte;
+    # invalid bytes become U+FFFD rather than an error.
     def on_status(self, reason: bytes) -> None:
-        self._reason = reason.decode("latin-1")
+        self._reason = reason.decode("utf-8", "replace")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._headers.append((name.decode("latin-1"), value.decode("utf-8", "replace")))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
