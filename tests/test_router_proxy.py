@@ -245,6 +245,47 @@ async def test_stream_chunks_arrive_before_the_upstream_finishes(up_a, client):
         await router.stop()
 
 
+async def test_large_answers_arrive_whole_through_the_direct_relay(up_a, client, monkeypatch):
+    """A 4 MiB answer with a Content-Length and a chunked one, each written in pieces with pauses: the router
+    relays most pieces straight from the instance's socket to the client's (proxy._direct_writer), framed as
+    the headers it sent say, and the bytes arrive exact."""
+    from warmroute.router import proxy
+
+    body = bytes(range(256)) * (4 * 4096)
+    direct = []
+    make = proxy._direct_writer
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        write = make(*args)
+        return lambda data: write(data) and not direct.append(len(data))
+
+    monkeypatch.setattr(proxy, "_direct_writer", counting)
+
+    async def pieces(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        if request.query.get("chunked") != "1":
+            resp.content_length = len(body)
+        await resp.prepare(request)
+        for i in range(0, len(body), 256 * 1024):
+            await resp.write(body[i:i + 256 * 1024])
+            await asyncio.sleep(0.005)
+        await resp.write_eof()
+        return resp
+
+    up_a.behaviour = pieces
+    router = await router_for(up_a)
+    try:
+        for chunked in ("0", "1"):
+            direct.clear()
+            async with client.post(router.url + f"/v1/other?chunked={chunked}", data=b"{}") as r:
+                assert r.status == 200 and await r.read() == body
+                assert ("Content-Length" in r.headers) == (chunked == "0")
+                assert (r.headers.get("Transfer-Encoding") == "chunked") == (chunked == "1")
+            assert direct and sum(direct) < len(body)  # most went direct, the first through aiohttp
+    finally:
+        await router.stop()
+
+
 async def test_client_disconnect_mid_stream_closes_the_upstream(up_a, client):
     async def endless(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
