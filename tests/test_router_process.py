@@ -117,10 +117,11 @@ async def test_workers_share_the_port_and_stop_together():
         assert await asyncio.wait_for(proc.wait(), 10) == 0
 
 
-async def test_workers_share_their_index_without_redis():
+async def test_workers_share_their_index_and_their_metrics():
     """Two worker processes: every prompt is recorded by whichever worker routed it, and the other learns it
-    through the local sockets, so both report the whole index (`/livez` and `/metrics` on one keep-alive
-    connection come from the same worker)."""
+    through the local sockets, so both report the whole index; and /metrics counts every worker's requests,
+    whichever worker answers the scrape (`/livez` and `/metrics` on one keep-alive connection come from the
+    same worker)."""
     prompts = 12
     async with _router_over_upstream("--workers", "2", "--no-engine-metrics") as (proc, router):
         for i in range(prompts):  # a fresh connection each: the kernel hands them to either worker
@@ -129,19 +130,20 @@ async def test_workers_share_their_index_without_redis():
                 async with client.post(router + "/v1/completions", json=body) as r:
                     assert r.status == 200
                     await r.read()
-        entries: dict[int, set[float]] = {}
+        readings: dict[int, tuple[float, float]] = {}  # worker pid -> (index entries, requests answered)
+        want = (prompts * 10.0, float(prompts))
         deadline = time.monotonic() + 20
-        while len(entries) < 2 or any(v != {prompts * 10.0} for v in entries.values()):
-            assert time.monotonic() < deadline, f"index entries per worker pid: {entries}"
+        while len(readings) < 2 or any(v != want for v in readings.values()):
+            assert time.monotonic() < deadline, f"(index entries, requests) per worker pid: {readings}"
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as client:
                 async with client.get(router + "/livez") as r:
                     pid = (await r.json())["pid"]
                 async with client.get(router + "/metrics") as r:
                     text = await r.text()
-            value = float(re.search(r"^warmroute_index_entries (\S+)$", text, re.M).group(1))
-            entries.setdefault(pid, set()).add(value)
-            if len(entries.get(pid, ())) > 1:  # updates still arriving: keep only the latest reading
-                entries[pid] = {value}
+            entries = float(re.search(r"^warmroute_index_entries (\S+)$", text, re.M).group(1))
+            answered = sum(float(v) for v in re.findall(r'^warmroute_requests_total\{[^}]*status="200"\} (\S+)$',
+                                                          text, re.M))
+            readings[pid] = (entries, answered)  # the latest reading of each worker
             await asyncio.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0

@@ -1,5 +1,10 @@
 """Prometheus metrics of one router process, in a private registry (tests can run several routers at once).
 
+With `workers` > 1 the parent makes a directory for prometheus_client's multiprocess mode before forking
+(`share_between_workers`); each worker's values then live in memory-mapped files there, and whichever worker
+answers a scrape reports the sum over all of them (gauges: per `multiprocess_mode` below), so counters never
+seem to go back when successive scrapes reach different workers.
+
 Labelled children are created once per instance when it joins (start-up or discovery): `.labels()` costs a
 dictionary build and a lock per call, too much for the per-request path. The engine instance's label is
 `backend`, not `instance`, which Prometheus reserves for the scrape target (it would become exported_instance).
@@ -7,7 +12,9 @@ dictionary build and a lock per call, too much for the per-request path. The eng
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from warmroute.core.feedback import VERDICTS
@@ -26,7 +33,8 @@ class Metrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter("warmroute_requests", "Requests answered, by instance and status code",
                                 ["backend", "status"], registry=r)
-        self.inflight = Gauge("warmroute_inflight", "Requests in flight per instance", ["backend"], registry=r)
+        self.inflight = Gauge("warmroute_inflight", "Requests in flight per instance", ["backend"], registry=r,
+                              multiprocess_mode="livesum")
         self.decisions = Counter("warmroute_decisions", "Routing decisions by strategy and reason",
                                  ["strategy", "reason"], registry=r)
         self.matched_ratio = Histogram("warmroute_matched_prefix_ratio",
@@ -38,10 +46,13 @@ class Metrics:
         self.decision_seconds = Histogram("warmroute_decision_seconds",
                                           "Seconds spent parsing the request and choosing an instance",
                                           buckets=_DECISION_BUCKETS, registry=r)
-        self.index_entries = Gauge("warmroute_index_entries", "Blocks held in the prefix index", registry=r)
-        self.index_bytes = Gauge("warmroute_index_bytes", "Estimated memory of the prefix index", registry=r)
+        # Each worker holds the whole (shared) index: report the scraping worker's latest reading.
+        self.index_entries = Gauge("warmroute_index_entries", "Blocks held in the prefix index", registry=r,
+                                   multiprocess_mode="livemostrecent")
+        self.index_bytes = Gauge("warmroute_index_bytes", "Estimated memory of the prefix index", registry=r,
+                                 multiprocess_mode="livemostrecent")
         self.healthy = Gauge("warmroute_instance_healthy", "1 while the instance receives traffic",
-                             ["backend"], registry=r)
+                             ["backend"], registry=r, multiprocess_mode="livemin")  # every worker's checks agree
         self.upstream_errors = Counter("warmroute_upstream_errors",
                                        "Failed upstream attempts by instance and kind "
                                        "(connect, timeout, disconnect, status_5xx, status_429)",
@@ -64,7 +75,7 @@ class Metrics:
                                 "underpredicted)", ["backend", "verdict"], registry=r)
         self.capacity_scale = Gauge("warmroute_index_capacity_scale",
                                     "Factor on the configured KV capacities, learnt from engine reports",
-                                    registry=r)
+                                    registry=r, multiprocess_mode="livemostrecent")
         self.engine_scrape_errors = Counter("warmroute_engine_scrape_errors",
                                             "Failed or incomplete scrapes of an engine's /metrics by kind "
                                             "(fetch, status, malformed, missing)", ["backend", "kind"],
@@ -154,4 +165,28 @@ class Metrics:
         self.index_entries.set(fleet.index.entries())
         self.index_bytes.set(fleet.index.estimated_bytes())
         self.capacity_scale.set(fleet.cache_scale.value)
+        if _SHARED_DIR in os.environ and values.ValueClass is not values.MutexValue:  # a worker of several
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged)
+            return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+_SHARED_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for it
+
+
+def share_between_workers(directory: str) -> None:
+    """In the parent, before forking the workers: their metrics go to `directory` (see the module's doc)."""
+    os.environ[_SHARED_DIR] = directory
+
+
+def in_worker() -> None:
+    """In a forked worker, before its metrics exist: keep their values in the shared directory."""
+    if _SHARED_DIR in os.environ:
+        values.ValueClass = values.MultiProcessValue()
+
+
+def worker_gone(pid: int) -> None:
+    """In the parent, when a worker has exited: drop its live gauges."""
+    if _SHARED_DIR in os.environ:
+        multiprocess.mark_process_dead(pid)

@@ -10,8 +10,10 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
+import tempfile
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -19,6 +21,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from warmroute.errors import UsageError
 from warmroute.router.app import DISCOVERY, PROXY, SETTINGS, build_app
+from warmroute.router.metrics import in_worker, share_between_workers, worker_gone
 from warmroute.router.settings import RouterSettings
 from warmroute.router.shared_index import Links, worker_links
 
@@ -132,6 +135,8 @@ def _run_workers(settings: RouterSettings, sock: socket.socket) -> int:
     `redis_url` is set, else through local sockets); forward SIGTERM/SIGINT to them."""
     ctx = multiprocessing.get_context("fork")  # the sockets are inherited; no event loop exists yet
     sockets = worker_links(settings.workers) if settings.redis_url is None else None
+    metrics_dir = tempfile.mkdtemp(prefix="warmroute-metrics-")  # one /metrics for all workers (metrics.py)
+    share_between_workers(metrics_dir)
     workers = [ctx.Process(target=_worker_main, args=(settings, sock, (sockets, i) if sockets else None),
                            name=f"warmroute-worker-{i}")
                for i in range(settings.workers)]
@@ -147,10 +152,16 @@ def _run_workers(settings: RouterSettings, sock: socket.socket) -> int:
     signal.signal(signal.SIGINT, forward)
     if hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, forward)
-    for w in workers:
-        w.join()
+    try:
+        for w in workers:
+            w.join()
+            if w.pid is not None:
+                worker_gone(w.pid)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     return max((w.exitcode or 0) for w in workers)
 
 
 def _worker_main(settings: RouterSettings, sock: socket.socket, links: Links | None) -> None:
+    in_worker()
     raise SystemExit(_run_loop(settings, sock, links))

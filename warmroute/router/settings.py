@@ -183,8 +183,8 @@ class RouterSettings(BaseSettings):
     decision_headers: bool = Field(
         True, description="Add x-warmroute-instance and x-warmroute-reason to every proxied response.")
     workers: int = Field(1, ge=1, le=64, description="Worker processes sharing the listening socket; they share "
-                                                     "index updates (local sockets, or Redis with redis_url), "
-                                                     "each keeps its own metrics.")
+                                                     "index updates (local sockets, or Redis with redis_url) "
+                                                     "and one /metrics.")
     shutdown_timeout: float = Field(30.0, ge=0, le=3600,
                                     description="Seconds in-flight requests may take to finish after "
                                                 "SIGTERM/SIGINT.")
@@ -424,7 +424,7 @@ def configuration_markdown() -> str:
         "  prefix's requests: the fleet hit rate drops (docs/replicas.md). Set `redis_url` (the same Redis and",
         "  `redis_channel` for every replica) to share index updates between them. The `workers` of one router",
         "  share theirs through local sockets without Redis (with `redis_url`, through Redis like replicas);",
-        "  `/metrics` is per worker.",
+        "  `/metrics` sums the workers' counters whichever worker answers (the dashboard is per worker).",
         "- Membership at run time (`backends_file`, `dns_refresh_interval`, `admin_token`): docs/deployment.md.",
         "- Health: a refused connection ejects an instance at once; `failures_before_ejection` consecutive",
         "  5xx answers or timeouts eject it; only a passing `GET /health` brings it back.",
