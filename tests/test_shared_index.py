@@ -130,7 +130,7 @@ async def test_workers_learn_each_others_updates_through_local_sockets():
             fleet.add(name, 1 << 22)
     workers = [WorkerLinks(fleet, links, i) for i, fleet in enumerate(fleets)]
     for w in workers:
-        w.start()
+        await w.start()
     try:
         chain = list(range(1, 41))
         long_chain = list(range(10**6, 10**6 + MAX_LINK_BLOCKS + 500))  # longer than one datagram may carry
@@ -152,7 +152,7 @@ async def test_workers_learn_each_others_updates_through_local_sockets():
         assert fleets[1].index.match_depths(chain) == {"gpu-0": 40} and workers[0].dropped == 0
     finally:
         for w in workers:
-            w.stop()
+            await w.stop()
         for pair in links:
             for sock in pair:
                 sock.close()

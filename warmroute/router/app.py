@@ -229,15 +229,14 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
 
         k8s = KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port)
         await k8s.start()
-    siblings = None
+    shared: SharedIndex | WorkerLinks | None = None  # index updates to and from the other replicas / workers
     if settings.redis_url is not None:
         shared = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, app[ROUTER].fleet)
+    elif app[LINKS] is not None:  # a worker of `workers` > 1
+        shared = WorkerLinks(app[ROUTER].fleet, *app[LINKS])
+    if shared is not None:
         await shared.start()
         app[ROUTER].shared = shared
-    elif app[LINKS] is not None:  # a worker of `workers` > 1
-        siblings = WorkerLinks(app[ROUTER].fleet, *app[LINKS])
-        siblings.start()
-        app[ROUTER].shared = siblings
     await app[HEALTH].check_all(session)  # know who is up before the first request
     loops = [asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")]
     if app[SETTINGS].engine_metrics:
@@ -247,10 +246,8 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     await app[DISCOVERY].stop()
     if k8s is not None:
         await k8s.stop()
-    if isinstance(app[ROUTER].shared, SharedIndex):
-        await app[ROUTER].shared.stop()
-    if siblings is not None:
-        siblings.stop()
+    if shared is not None:
+        await shared.stop()
     await cancel_all(loops)
     await pool.close()
     await session.close()

@@ -237,11 +237,11 @@ class WorkerLinks(IndexUpdates):
         self._peers = [send for i, (_, send) in enumerate(links) if i != me]
         self.dropped = 0  # datagrams a peer had no room for
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self._client = self._peers
         asyncio.get_running_loop().add_reader(self._inbox.fileno(), self._receive)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         self._client = None
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self._inbox.fileno())
