@@ -635,24 +635,33 @@ def round_orders(contenders: Sequence[Contender], rounds: int) -> list[list[Cont
     return [list(contenders) if r % 2 == 0 else list(reversed(contenders)) for r in range(rounds)]
 
 
+async def run_rounds(running: Any, present: Sequence[Contender], args: argparse.Namespace,
+                     window: Callable[..., Any], line: Callable[[Contender, dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """Every contender's measured window, round after round in ABBA order, each logged with `line`."""
+    out: list[dict[str, Any]] = []
+    meter = CpuMeter(running.sids())
+    for r, order in enumerate(round_orders(present, args.rounds)):
+        for c in order:
+            res = await window(running, c, args, meter)
+            res["round"] = r
+            out.append(res)
+            log(f"   round {r} {c.label:<13} " + line(c, res))
+    return out
+
+
 async def phase_saturation(fleet: FleetSpec, contenders: Sequence[Contender], args: argparse.Namespace,
                            logs: Path) -> tuple[list[dict[str, Any]], list[str]]:
     log(f"== (a) saturation, {fleet.describe()}")
     running = await start_fleet(fleet, contenders, args.peers_venv, logs, f"sat-{fleet.kind}")
-    out: list[dict[str, Any]] = []
+    def line(c: Contender, res: dict[str, Any]) -> str:
+        cpu = res["cpu_cores"]
+        return (f"{res['rps']:>9,.0f} req/s  errors {sum(res['errors'].values())}  cores: router "
+                f"{cpu.get(c.label, 0.0):.2f} instances {cpu['instances']:.2f} loadgen {cpu['load generator']:.2f} "
+                f"other {cpu['other processes']:.2f}")
+
     try:
         present = [c for c in contenders if c.router is None or c.label in running.routers]
-        meter = CpuMeter(running.sids())
-        for r, order in enumerate(round_orders(present, args.rounds)):
-            for c in order:
-                res = await saturation_window(running, c, args, meter)
-                res["round"] = r
-                out.append(res)
-                cpu = res["cpu_cores"]
-                router_cpu = cpu.get(c.label, 0.0)
-                log(f"   round {r} {c.label:<13} {res['rps']:>9,.0f} req/s  errors {sum(res['errors'].values())}  "
-                    f"cores: router {router_cpu:.2f} instances {cpu['instances']:.2f} "
-                    f"loadgen {cpu['load generator']:.2f} other {cpu['other processes']:.2f}")
+        out = await run_rounds(running, present, args, saturation_window, line)
     finally:
         running.stop()
     return out, running.notes
@@ -664,19 +673,15 @@ async def phase_latency(contenders: Sequence[Contender], args: argparse.Namespac
     routed = [c for c in contenders if c.router is not None]
     log(f"== (b) added latency, {args.streams} concurrent streams, {fleet.describe()}")
     running = await start_fleet(fleet, routed, args.peers_venv, logs, "lat")
-    out: list[dict[str, Any]] = []
+    def line(c: Contender, res: dict[str, Any]) -> str:
+        s = latency_summary(res["pairs"])
+        return (f"{len(res['pairs']):>6} pairs  errors {sum(res['errors'].values())}  TTFT p50 {s['direct_p50']} -> "
+                f"{s['router_p50']} ms, p99 {s['direct_p99']} -> {s['router_p99']} ms  machine "
+                f"{res['cpu_cores']['machine']:.2f} cores")
+
     try:
         present = [c for c in routed if c.label in running.routers]
-        meter = CpuMeter(running.sids())
-        for r, order in enumerate(round_orders(present, args.rounds)):
-            for c in order:
-                res = await latency_window(running, c, args, meter)
-                res["round"] = r
-                out.append(res)
-                s = latency_summary(res["pairs"])
-                log(f"   round {r} {c.label:<13} {len(res['pairs']):>6} pairs  errors {sum(res['errors'].values())}  "
-                    f"TTFT p50 {s['direct_p50']} -> {s['router_p50']} ms, p99 {s['direct_p99']} -> "
-                    f"{s['router_p99']} ms  machine {res['cpu_cores']['machine']:.2f} cores")
+        out = await run_rounds(running, present, args, latency_window, line)
     finally:
         running.stop()
     return out, running.notes, fleet

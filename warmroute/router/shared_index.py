@@ -14,9 +14,10 @@ reconnects in the background.
 
 Workers of one `warmroute serve` need no Redis: the parent makes one Unix datagram socket pair per worker
 before forking; each worker reads its own and sends every batch to the others' (non-blocking: a worker that
-falls 4 MiB behind loses updates, never blocks another). A datagram holds at most ~200 KiB on Linux, so a
-chain longer than MAX_LINK_BLOCKS blocks (≈ 1 M characters of prompt) travels as its first MAX_LINK_BLOCKS:
-its head, which is what a routing decision matches on. With `redis_url` set, each worker is a replica of its own.
+falls a socket buffer behind, 4 MiB asked for and capped by net.core.rmem_max, loses updates, never blocks
+another). A datagram must fit the send buffer (~200 KiB at Linux's defaults), so a chain longer than
+MAX_LINK_BLOCKS blocks (≈ 1 M characters of prompt) travels as its first MAX_LINK_BLOCKS: its head, which is
+what a routing decision matches on. With `redis_url` set, each worker is a replica of its own.
 
 Message: 8-byte replica id, then entries of op (1 byte: 0 record, 1 forget), name length (1 byte), name (UTF-8),
 block count (uint32 LE), blocks (uint64 LE each).

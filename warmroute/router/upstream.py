@@ -2,8 +2,9 @@
 
 Every proxied request goes through here; the control plane (health checks, engine scrapes, /v1/models,
 discovery) keeps aiohttp's client, which it uses a few times a second. Why a second client: aiohttp's costs
-≈ 85 µs of CPU per request (URL and header objects, its request/response machinery, a task wake-up per
-chunk through its stream reader); this one ≈ 15 µs (docs/benchmarks.md, "Upstream client"). It is an
+≈ 110 µs of CPU per request (URL and header objects, its request/response machinery, a task wake-up per
+chunk through its stream reader); this one ≈ 22 µs (benchmarks/upstream_client.py; docs/benchmarks.md,
+"Where a proxied request's time goes"). It is an
 asyncio protocol around httptools (llhttp, Node.js's HTTP parser, from the uvloop authors) that
   * writes the request head and body as they are (the caller filters the headers; Host and Content-Length
     are set here), with no retries of its own but one: a reused keep-alive connection that closes before any
