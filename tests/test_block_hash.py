@@ -1,8 +1,52 @@
+import os
 import random
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from warmroute.core.block_hash import block_hashes, seed_of, text_block_hashes
+from warmroute.core import block_hash
+from warmroute.core.block_hash import block_hashes, numpy_block_hashes, seed_of, text_block_hashes
+
+# CI sets this: there the C version must have been built (elsewhere the numpy one is a valid fallback).
+native_required = os.environ.get("WARMROUTE_REQUIRE_NATIVE") == "1"
+needs_native = pytest.mark.skipif(not block_hash.NATIVE, reason="the C block hash was not built here (no compiler)")
+IMPLEMENTATIONS = [numpy_block_hashes] + ([block_hash._blockhash.block_hashes] if block_hash.NATIVE else [])
+
+
+def test_the_c_version_is_built_where_required():
+    assert block_hash.NATIVE or not native_required
+    if block_hash.NATIVE:
+        assert block_hashes is block_hash._blockhash.block_hashes
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda f: f.__module__)
+def test_values_are_pinned(impl):
+    # Router replicas of different versions, the emulated engine and the simulator must agree on every hash,
+    # whichever implementation each one runs.
+    assert impl(b"warmroute prefix cache " * 12, 42, 64) == [
+        12426701579521969669, 1373643870920367371, 15662953997839085716, 18156540493002806131]
+
+
+@needs_native
+@given(st.binary(max_size=3000), st.sampled_from([8, 16, 64, 72, 128, 256]),
+       st.one_of(st.integers(0, 2**64 - 1), st.integers(-2**70, 2**70)))
+@settings(max_examples=300)
+def test_c_and_numpy_versions_agree(data, block_bytes, seed):
+    assert block_hash._blockhash.block_hashes(data, seed, block_bytes) == numpy_block_hashes(data, seed, block_bytes)
+
+
+@needs_native
+def test_c_version_reads_any_buffer_and_rejects_bad_block_sizes():
+    c = block_hash._blockhash.block_hashes
+    data = bytes(range(256)) * 3
+    assert c(bytearray(data), 1, 64) == c(memoryview(data), 1, 64) == numpy_block_hashes(data, 1, 64)
+    for bad in (0, -8, 12):
+        with pytest.raises(ValueError):
+            c(data, 1, bad)
+        with pytest.raises(ValueError):
+            numpy_block_hashes(data, 1, bad)
+    with pytest.raises(TypeError):
+        c("text is not bytes", 1, 64)
 
 
 def test_only_full_blocks_are_hashed():

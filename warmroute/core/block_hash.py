@@ -17,6 +17,11 @@ exactly when those polynomials do. No finaliser on h_k: a bijection cannot remov
 is already a sum of fmix outputs times odd constants, so all its bits are evenly spread (they are dict keys).
 Deterministic across processes and machines, so router replicas, the emulated engine and the simulator
 all agree on every hash.
+
+The same construction is also compiled (`_blockhash.c`, built by `pip install` where a C compiler is found):
+one loop over the words instead of ten array passes, ≈ 9 instead of ≈ 20 µs for a 32,000-byte key, most of it
+allocating the Python ints. `block_hashes` uses it when it was built; the numpy version below is the fallback
+and the reference the tests compare it with (tests/test_block_hash.py).
 """
 
 from __future__ import annotations
@@ -75,10 +80,10 @@ def seed_of(*parts: str) -> int:
     return xxhash.xxh3_64_intdigest("\x1f".join(parts).encode())
 
 
-def block_hashes(data: bytes, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFAULT) -> list[int]:
-    """Hashes of the full blocks of `data` (a trailing partial block is not hashed, as in vLLM)."""
-    if block_bytes % 8:
-        raise ValueError("block_bytes must be a multiple of 8")
+def numpy_block_hashes(data: bytes, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFAULT) -> list[int]:
+    """Hashes of the full blocks of `data` (a trailing partial block is not hashed, as in vLLM), in numpy."""
+    if block_bytes <= 0 or block_bytes % 8:
+        raise ValueError("block_bytes must be a positive multiple of 8")
     n = len(data) // block_bytes
     if n == 0:
         return []
@@ -94,6 +99,17 @@ def block_hashes(data: bytes, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFA
     content[0] ^= np.uint64(seed & _M64)
     content *= _weights[:n]
     return np.add.accumulate(content, out=content).tolist()
+
+
+try:
+    from warmroute.core import _blockhash
+except ImportError:  # not compiled here (no C compiler at install time): numpy it is
+    _blockhash = None
+    block_hashes = numpy_block_hashes
+else:
+    _blockhash.configure(_LANE_KEYS.tolist(), _P_INV, BLOCK_BYTES_DEFAULT)
+    block_hashes = _blockhash.block_hashes
+NATIVE = _blockhash is not None  # whether the compiled version is in use (logged at start-up)
 
 
 def text_block_hashes(text: str, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFAULT) -> list[int]:

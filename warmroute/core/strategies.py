@@ -256,17 +256,16 @@ class CacheAwareStrategy(Strategy):
                fleet: Fleet, alpha: float) -> list[float]:
         """Estimated time to first token on each candidate (with miss weight α), in the candidates' order."""
         mean = fleet.mean_uncached_tokens
-        # Prefill queued ahead of this request: the router's books, plus what the engine reports beyond them.
-        queued = [i.queued_prefill_tokens if i.engine is None
-                  else i.queued_prefill_tokens + backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, mean)
-                  for i in candidates]
         # Prompt tokens to compute, x α: all of them, except on the (few) instances holding its first blocks.
         miss_all = alpha * prompt
-        if not depths:
-            return [(q + miss_all) / i.prefill_tokens_per_s for q, i in zip(queued, candidates)]
         miss = {name: alpha * max(0, prompt - depth * block_tokens) if depth else miss_all
                 for name, depth in depths.items()}
-        return [(q + miss.get(i.name, miss_all)) / i.prefill_tokens_per_s for q, i in zip(queued, candidates)]
+        get = miss.get
+        # Prefill queued ahead of this request (the router's books, plus what the engine reports beyond them)
+        # plus this request's own; one pass, the engine's term only where it reported.
+        return [((i.queued_prefill_tokens if i.engine is None
+                  else i.queued_prefill_tokens + backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, mean))
+                 + get(i.name, miss_all)) / i.prefill_tokens_per_s for i in candidates]
 
     def match_depths(self, blocks: list[int], fleet: Fleet) -> dict[str, int]:
         """Cached prefix length (blocks) per instance: the router's estimate (the simulator's oracle overrides)."""
