@@ -19,6 +19,17 @@ def test_the_c_version_is_built_where_required():
         assert block_hashes is block_hash._blockhash.block_hashes
 
 
+def test_the_numpy_fallback_is_used_when_asked_and_agrees():
+    import subprocess
+    import sys
+
+    code = ("from warmroute.core import block_hash as b; "
+            "print(b.NATIVE, b.block_hashes is b.numpy_block_hashes, b.block_hashes(b'warmroute prefix cache ' * 12, 42)[3])")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "WARMROUTE_PURE_PYTHON": "1"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "18156540493002806131"]
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda f: f.__module__)
 def test_values_are_pinned(impl):
     # Router replicas of different versions, the emulated engine and the simulator must agree on every hash,

@@ -26,6 +26,8 @@ and the reference the tests compare it with (tests/test_block_hash.py).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import xxhash
 
@@ -102,6 +104,8 @@ def numpy_block_hashes(data: bytes, seed: int = 0, block_bytes: int = BLOCK_BYTE
 
 
 try:
+    if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
+        raise ImportError("WARMROUTE_PURE_PYTHON=1")
     from warmroute.core import _blockhash
 except ImportError:  # not compiled here (no C compiler at install time): numpy it is
     _blockhash = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from warmroute.core import block_hash
 from warmroute.errors import UsageError
 from warmroute.router.app import DISCOVERY, PROXY, SETTINGS, build_app
 from warmroute.router.metrics import in_worker, share_between_workers, worker_gone
@@ -122,8 +123,8 @@ async def _serve_until_signal(settings: RouterSettings, sock: socket.socket, lin
     running = await start_router(settings, sock, links)
     if hasattr(signal, "SIGHUP"):
         loop.add_signal_handler(signal.SIGHUP, running.app[DISCOVERY].reload)
-    log.info("listening on %s (strategy %s, %d backends, pid %d)", running.url, settings.strategy,
-             len(settings.backends), os.getpid())
+    log.info("listening on %s (strategy %s, %d backends, pid %d, block hashes in %s)", running.url,
+             settings.strategy, len(settings.backends), os.getpid(), "C" if block_hash.NATIVE else "numpy")
     await stop.wait()
     log.info("shutting down: letting in-flight requests finish (up to %g s)", settings.shutdown_timeout)
     await running.stop()

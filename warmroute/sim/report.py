@@ -25,6 +25,7 @@ class Summary:
     rejected: int
     prefixes_moved: list[tuple[float, float]]
     hit_rate_dips: list[dict]  # per scale event: before, lowest after, recovery seconds
+    ttft_p50_ms_by_class: dict[str, float | None]  # per request class of the workload ("hot", "shared", ...)
 
 
 def summarize(r: SimResult) -> Summary:
@@ -40,6 +41,8 @@ def summarize(r: SimResult) -> Summary:
         spilled=sum(x.reason == OVERLOAD_SPILL for x in r.records) / max(1, len(r.records)),
         rejected=r.rejected, prefixes_moved=r.prefixes_moved,
         hit_rate_dips=[_dip(r, t) for t, _ in r.prefixes_moved],
+        ttft_p50_ms_by_class={tag: percentile([(x.first_token - x.arrival) * 1000 for x in done if x.tag == tag], 50)
+                              for tag in sorted({x.tag for x in done})},
     )
 
 

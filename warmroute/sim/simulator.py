@@ -73,6 +73,7 @@ class RequestRecord:
     cached_tokens: int = 0
     done: float | None = None
     output_tokens: int = 0
+    tag: str = ""  # the workload's request class ("hot", "shared", "chat", ...)
 
 
 @dataclass
@@ -261,7 +262,7 @@ class Simulation:
         self._last_instance_by_prefix[key.prefix_hash(self.s.prefix_length)] = d.instance
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None)
-        rec = RequestRecord(now, d.instance, key.tokens, d.reason)
+        rec = RequestRecord(now, d.instance, key.tokens, d.reason, tag=req.tag)
         self.records.append(rec)
         seq = next(self._seq)
         self._inflight[seq] = (rec, req, turns, d, queued_ahead)
