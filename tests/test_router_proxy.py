@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -34,17 +35,17 @@ class Upstream:
         self.runner: web.AppRunner | None = None
         self.url = ""
 
-    async def start(self, port: int = 0) -> Upstream:
+    async def start(self, port: int = 0, ssl_context: ssl.SSLContext | None = None) -> Upstream:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_route("*", "/{tail:.*}", self._any)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        site = web.TCPSite(self.runner, "127.0.0.1", port, ssl_context=ssl_context)
         await site.start()
         self.port = self.runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
         return self
 
     async def stop(self) -> None:

@@ -33,7 +33,7 @@ from warmroute.router.health import Health
 from warmroute.router.metrics import NO_INSTANCE, Metrics
 from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
-from warmroute.router.settings import RouterSettings
+from warmroute.router.settings import RouterSettings, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
 from warmroute.router.upstream import UpstreamPool
 from warmroute.router.background import cancel_all
@@ -220,7 +220,7 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     (past in-flight requests)."""
     proxy = app[PROXY]
     proxy.session = session = make_session(app[SETTINGS])
-    proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout)
+    proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout, tls=upstream_tls(app[SETTINGS]))
     await app[DISCOVERY].start(session)  # the backends file and DNS names, before the first health round
     settings = app[SETTINGS]
     k8s = None

@@ -21,7 +21,7 @@ from warmroute.core.strategies import Decision, NoInstanceAvailable
 from warmroute.router.errors import ApiError
 from warmroute.router.health import Health
 from warmroute.router.routing import Router, Ticket, is_routed
-from warmroute.router.settings import RouterSettings
+from warmroute.router.settings import RouterSettings, upstream_tls
 from warmroute.router.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamResponse
 from warmroute.router.usage import UsageTap
 
@@ -98,8 +98,9 @@ def _target(request: web.Request) -> str:
 def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
     """The control plane's client (health checks, engine scrapes, /v1/models); proxied requests go through
     the leaner UpstreamPool (upstream.py)."""
+    tls = upstream_tls(settings)
     connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=0,
+        limit=0, limit_per_host=0, ssl=True if tls is None else tls,
         keepalive_timeout=4.0,  # below uvicorn's 5 s (vLLM), so we never reuse a connection it is closing
     )
     return aiohttp.ClientSession(

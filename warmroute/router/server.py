@@ -125,6 +125,8 @@ async def _serve_until_signal(settings: RouterSettings, sock: socket.socket, lin
         loop.add_signal_handler(signal.SIGHUP, running.app[DISCOVERY].reload)
     log.info("listening on %s (strategy %s, %d backends, pid %d, block hashes in %s)", running.url,
              settings.strategy, len(settings.backends), os.getpid(), "C" if block_hash.NATIVE else "numpy")
+    if not settings.tls_verify:
+        log.warning("tls_verify is off: https:// instances' certificates and host names are not checked")
     await stop.wait()
     log.info("shutting down: letting in-flight requests finish (up to %g s)", settings.shutdown_timeout)
     await running.stop()

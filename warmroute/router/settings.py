@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -174,6 +175,15 @@ class RouterSettings(BaseSettings):
         description="Seconds a client connection may take to send a request's headers, or stay idle between "
                     "requests, before it is closed (a client that trickles its headers byte by byte is cut off; "
                     "its body is bounded by idle_timeout).")
+    tls_ca_file: str | None = Field(
+        None, description="PEM file of the certificate authorities trusted for https:// instances, instead of "
+                          "the system's (an internal CA).")
+    tls_cert_file: str | None = Field(
+        None, description="PEM client certificate the router presents to https:// instances (mutual TLS); "
+                          "with tls_key_file.")
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_verify: bool = Field(
+        True, description="Check https:// instances' certificates and host names (turn off only for testing).")
     failures_before_ejection: int = Field(
         3, ge=1, le=100,
         description="Consecutive 5xx responses or failed health checks that eject an instance "
@@ -224,6 +234,20 @@ class RouterSettings(BaseSettings):
         return v
 
     @model_validator(mode="after")
+    def _tls_files(self) -> RouterSettings:
+        """The certificate files load, so that a typo stops start-up instead of failing every https request."""
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(f"invalid setting tls_cert_file ({flag_of('tls_cert_file')}): tls_cert_file and "
+                             f"tls_key_file ({flag_of('tls_key_file')}) go together")
+        for name in ("tls_ca_file", "tls_cert_file"):
+            try:
+                upstream_tls(self, only=name)
+            except (OSError, ssl.SSLError) as exc:
+                why = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
+                raise ValueError(f"invalid setting {name} ({flag_of(name)}): cannot load it: {why}") from None
+        return self
+
+    @model_validator(mode="after")
     def _some_backend_source(self) -> RouterSettings:
         if not self.backends and not self.backends_file and self.admin_token is None and not self.kubernetes_service:
             raise ValueError(f"invalid setting backends ({flag_of('backends')}, {env_of('backends')}): at least one "
@@ -234,6 +258,21 @@ class RouterSettings(BaseSettings):
     def capacity_configured(self, backend: Backend) -> bool:
         """Whether the user gave this backend's KV capacity (else the engine's own figure is used once known)."""
         return backend.kv_capacity_tokens is not None or "kv_capacity_tokens" in self.model_fields_set
+
+
+def upstream_tls(settings: RouterSettings, only: str | None = None) -> ssl.SSLContext | None:
+    """The TLS context for https:// instances (proxied requests and the control plane alike); None: the
+    clients' defaults (the system's CAs, verification on). `only`: load just that file (to name a bad one)."""
+    s = settings
+    if s.tls_ca_file is None and s.tls_cert_file is None and s.tls_verify and only is None:
+        return None
+    ctx = ssl.create_default_context(cafile=s.tls_ca_file if only in (None, "tls_ca_file") else None)
+    if s.tls_cert_file is not None and only in (None, "tls_cert_file"):
+        ctx.load_cert_chain(s.tls_cert_file, s.tls_key_file)
+    if not s.tls_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 # -- loading -----------------------------------------------------------------------------------------------
