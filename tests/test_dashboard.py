@@ -112,6 +112,42 @@ def test_hot_prefix_counter_stays_bounded():
     assert len(activity.recent) <= 30
 
 
+def test_state_adds_the_other_workers_snapshots():
+    """Worker A's page with worker B's snapshot (as it travels: JSON bytes) shows both workers' traffic; a
+    malformed or stale snapshot is left out."""
+    from warmroute.core.fleet import Fleet
+    from warmroute.core.routing_key import key_for_raw
+    from warmroute.core.strategies import Decision
+    from warmroute.router.dashboard import Siblings, snapshot, state
+    from warmroute.router.metrics import Metrics
+
+    def worker(requests: list[bytes]) -> tuple[Fleet, Activity, Metrics]:
+        fleet, activity, metrics = Fleet(), Activity(64), Metrics("cache_aware", ["a", "b"])
+        for name in ("a", "b"):
+            fleet.add(name)
+        for i, data in enumerate(requests):
+            name = "ab"[i % 2]
+            fleet.dispatched(name, 10)
+            activity.note(key_for_raw(data), Decision(name, "cold", matched_tokens=5, prompt_tokens=10))
+        return fleet, activity, metrics
+
+    hot, cold = b"hot" * 400, b"cold" * 400
+    a, b = worker([hot] * 3), worker([hot, cold, cold, cold, cold])
+    siblings = Siblings()
+    siblings.receive(json.dumps(snapshot(*b)).encode())
+    siblings.receive(b"not json")  # ignored
+    siblings.receive(b'{"no pid": 1}')  # ignored
+    merged = state(*a, "cache_aware", siblings.fresh())
+    alone = state(*a, "cache_aware")
+    assert merged["workers"] == 2 and alone["workers"] == 1
+    assert [i["requests"] for i in merged["instances"]] == [2 + 3, 1 + 2]  # a, b over both workers
+    assert [i["inflight"] for i in merged["instances"]] == [5, 3]
+    assert len(merged["recent_decisions"]) == 8 and merged["hit_rate"]["predicted"] == 0.5
+    assert [p["share"] for p in merged["hot_prefixes"]] == [0.5, 0.5]  # hot 4 of 8, cold 4 of 8
+    assert [p["share"] for p in alone["hot_prefixes"]] == [1.0]
+    assert alone["hot_prefixes"][0]["prefix"] in [p["prefix"] for p in merged["hot_prefixes"]]  # labelled alike
+
+
 # -- in a real browser ---------------------------------------------------------------------------------------
 def chromium() -> str | None:
     return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)

@@ -147,3 +147,38 @@ async def test_workers_share_their_index_and_their_metrics():
             await asyncio.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_workers_show_one_dashboard():
+    """Two workers: /dashboard/state counts every worker's requests, hot prefixes (labelled alike) and decisions,
+    whichever worker answers (each sends the other a snapshot every second). Without the snapshots each
+    worker showed its own share only."""
+    prompts = 12
+    async with _router_over_upstream("--workers", "2", "--no-engine-metrics") as (proc, router):
+        for i in range(prompts):  # a fresh connection each: the kernel hands them to either worker
+            async with aiohttp.ClientSession() as client:
+                body = {"model": "m", "prompt": f"doc {i % 3} " + "x" * 2000, "chunks": 1}  # 3 prefixes
+                async with client.post(router + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+        views: dict[int, dict] = {}  # worker pid -> its latest /dashboard/state
+        deadline = time.monotonic() + 20
+
+        def whole(v: dict) -> bool:
+            return (v["workers"] == 2 and sum(i["requests"] for i in v["instances"]) == prompts
+                    and len(v["recent_decisions"]) == prompts and len(v["hot_prefixes"]) == 3)
+
+        while len(views) < 2 or not all(whole(v) for v in views.values()):
+            assert time.monotonic() < deadline, {pid: (v["workers"], [i["requests"] for i in v["instances"]],
+                                                       len(v["recent_decisions"])) for pid, v in views.items()}
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as client:
+                async with client.get(router + "/livez") as r:
+                    pid = (await r.json())["pid"]
+                async with client.get(router + "/dashboard/state") as r:
+                    views[pid] = await r.json()
+            await asyncio.sleep(0.05)
+        a, b = views.values()
+        assert a["hot_prefixes"] == b["hot_prefixes"]  # the same ids and shares from either worker
+        assert sorted(p["share"] for p in a["hot_prefixes"]) == [0.3333, 0.3333, 0.3333]
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0

@@ -48,6 +48,7 @@ METRICS = web.AppKey("metrics", Metrics)
 SCRAPER = web.AppKey("scraper", EngineScraper)
 DISCOVERY = web.AppKey("discovery", Discovery)
 ACTIVITY = web.AppKey("activity", dash.Activity)
+SIBLINGS = web.AppKey("siblings", dash.Siblings)  # the other workers' dashboard snapshots
 LINKS = web.AppKey("links", object)  # Links | None: this worker's sockets to its siblings (server.py)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -140,8 +141,9 @@ async def admin_off(request: web.Request) -> web.Response:
 
 async def dashboard_state(request: web.Request) -> web.Response:
     app = request.app
-    return web.json_response(dash.state(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[SETTINGS].strategy),
-                             headers={"Cache-Control": "no-store"})
+    state = dash.state(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[SETTINGS].strategy,
+                       app[SIBLINGS].fresh())
+    return web.json_response(state, headers={"Cache-Control": "no-store"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -194,6 +196,7 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper)
     app[DISCOVERY] = Discovery(membership, settings, resolver)
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
+    app[SIBLINGS] = dash.Siblings()
     app[LINKS] = links
     app.cleanup_ctx.append(_upstream_lifetime)
 
@@ -215,6 +218,14 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     return app
 
 
+async def _send_snapshots(app: web.Application, links: WorkerLinks) -> None:
+    """Every second, this worker's dashboard figures to the other workers (dashboard.py)."""
+    while True:
+        await asyncio.sleep(dash.SNAPSHOT_EVERY_S)
+        snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS])
+        links.send_snapshot(json.dumps(snap, separators=(",", ":")).encode())
+
+
 async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     """The pooled client session, the health loop and the engine scrapes live exactly as long as the app
     (past in-flight requests)."""
@@ -232,13 +243,20 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     shared: SharedIndex | WorkerLinks | None = None  # index updates to and from the other replicas / workers
     if settings.redis_url is not None:
         shared = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, app[ROUTER].fleet)
-    elif app[LINKS] is not None:  # a worker of `workers` > 1
-        shared = WorkerLinks(app[ROUTER].fleet, *app[LINKS])
-    if shared is not None:
         await shared.start()
+    links = None  # a worker of `workers` > 1: the others' index updates (without Redis) and dashboard snapshots
+    if app[LINKS] is not None:
+        links = WorkerLinks(app[ROUTER].fleet, *app[LINKS], share_index=shared is None)
+        links.on_snapshot = app[SIBLINGS].receive
+        await links.start()
+        if shared is None:
+            shared = links
+    if shared is not None:
         app[ROUTER].shared = shared
     await app[HEALTH].check_all(session)  # know who is up before the first request
     loops = [asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")]
+    if links is not None and settings.dashboard:
+        loops.append(asyncio.create_task(_send_snapshots(app, links), name="warmroute-dashboard-snapshots"))
     if app[SETTINGS].engine_metrics:
         await app[SCRAPER].scrape_all(session)  # and each engine's KV capacity, where not configured
         loops.append(asyncio.create_task(app[SCRAPER].run(session), name="warmroute-engine-metrics"))
@@ -248,6 +266,8 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
         await k8s.stop()
     if shared is not None:
         await shared.stop()
+    if links is not None and links is not shared:
+        await links.stop()
     await cancel_all(loops)
     await pool.close()
     await session.close()

@@ -2,13 +2,20 @@
 
 What it shows: instances (health, draining, in flight, requests), the predicted and engine-reported hit
 rates, the hottest prefixes by share of recent traffic, and the latest routing decisions. Never prompt text
-and never addresses: a prefix is shown as a keyed hash of its first KiB (a fresh random key per process, so
-the ids cannot be matched against a dictionary of known prompts), a decision as instance name and reason.
+and never addresses: a prefix is shown as a keyed hash of its first KiB (a fresh random key per `warmroute
+serve`, so the ids cannot be matched against a dictionary of known prompts), a decision as instance name and
+reason.
+
+With `workers` > 1 each worker sends the others a snapshot of its own figures every second (`snapshot`, over
+the local sockets of shared_index.WorkerLinks) and the one that answers /dashboard/state adds them to its own:
+the page shows the whole router, whichever worker the poll reaches. The key is made once, before the workers
+are forked, so all of them label a prefix alike.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from collections import deque
@@ -26,6 +33,9 @@ HOT_SHOWN = 10
 RECENT = 30  # decisions shown
 HALVE_EVERY = 20_000  # requests: counts are halved so the shares follow recent traffic
 PREFIX_BYTES = 1024  # a prefix is identified by its first KiB
+SNAPSHOT_EVERY_S = 1.0  # workers > 1: how often a worker sends its figures to the others
+SNAPSHOT_FRESH_S = 5.0  # a sibling's snapshot older than this is left out (the worker is gone or stuck)
+_LABEL_KEY = os.urandom(16)  # made at import, in the parent process: forked workers share it
 
 
 class Activity:
@@ -38,7 +48,6 @@ class Activity:
         self._total = 0.0
         self._floor = 0.0  # the highest count dropped so far (halved with the others)
         self._seen = 0
-        self._key = os.urandom(16)
         self.recent: deque[tuple[float, str, str, float]] = deque(maxlen=RECENT)
         self.predicted_tokens = 0
         self.prompt_tokens = 0
@@ -78,13 +87,38 @@ class Activity:
         self._counts = dict(ranked[:keep])
         return self._counts
 
-    def hot(self) -> list[dict[str, Any]]:
-        top = sorted(self._counts.items(), key=lambda kv: kv[1], reverse=True)[:HOT_SHOWN]
-        return [{"prefix": self._label(h), "share": round(c / self._total, 4) if self._total else 0.0}
-                for h, c in top]
+    def hot(self, others: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """The hottest prefixes with their shares, over this worker's counts and the other workers' snapshots."""
+        counts, total = dict(self._counts), self._total
+        for snap in others:
+            for h, c in snap["hot"]:
+                counts[h] = counts.get(h, 0.0) + c
+            total += snap["total"]
+        labelled = sorted(((-c, _label(h)) for h, c in counts.items()))[:HOT_SHOWN]  # equal counts: by id
+        return [{"prefix": label, "share": round(-c / total, 4) if total else 0.0} for c, label in labelled]
 
-    def _label(self, h: int) -> str:
-        return hashlib.blake2b(h.to_bytes(8, "little"), key=self._key, digest_size=6).hexdigest()
+
+def _label(h: int) -> str:
+    return hashlib.blake2b(h.to_bytes(8, "little"), key=_LABEL_KEY, digest_size=6).hexdigest()
+
+
+class Siblings:
+    """The latest snapshot of each other worker (workers > 1), as they arrive over the local sockets."""
+
+    def __init__(self) -> None:
+        self._latest: dict[int, tuple[float, dict[str, Any]]] = {}  # pid -> (received at, snapshot)
+
+    def receive(self, payload: bytes) -> None:
+        try:
+            snap = json.loads(payload)
+            pid = int(snap["pid"])
+        except (ValueError, KeyError, TypeError):
+            return  # not from a sibling of this version: nothing to show
+        self._latest[pid] = (time.monotonic(), snap)
+
+    def fresh(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [snap for at, snap in self._latest.values() if now - at <= SNAPSHOT_FRESH_S]
 
 
 def _engine_totals(metrics: Metrics) -> tuple[float, float, float]:
@@ -98,27 +132,55 @@ def _engine_totals(metrics: Metrics) -> tuple[float, float, float]:
             sums["warmroute_predicted_cached_tokens"])
 
 
-def state(fleet: Fleet, activity: Activity, metrics: Metrics, strategy: str) -> dict[str, Any]:
+def snapshot(fleet: Fleet, activity: Activity, metrics: Metrics) -> dict[str, Any]:
+    """This worker's own figures, for the other workers' pages (JSON; block hashes, names and counts only)."""
+    return {
+        "pid": os.getpid(),
+        "instances": {i.name: [i.inflight, i.requests_total] for i in fleet.instances.values()},
+        "predicted_tokens": activity.predicted_tokens, "prompt_tokens": activity.prompt_tokens,
+        "engine_totals": list(_engine_totals(metrics)),
+        "hot": list(activity._counts.items()), "total": activity._total,
+        "recent": list(activity.recent),
+    }
+
+
+def state(fleet: Fleet, activity: Activity, metrics: Metrics, strategy: str,
+          others: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The page's JSON: this worker's figures plus the other workers' latest snapshots (`others`)."""
     now = time.time()
-    total = sum(i.requests_total for i in fleet.instances.values()) or 1
-    instances = [{"name": i.name, "healthy": i.healthy, "draining": i.draining, "inflight": i.inflight,
-                  "requests": i.requests_total, "share": round(i.requests_total / total, 4)}
+    load = {i.name: [i.inflight, i.requests_total] for i in fleet.instances.values()}
+    for snap in others:  # health and membership are this worker's; traffic is everyone's
+        for name, (inflight, requests) in snap["instances"].items():
+            if name in load:
+                load[name][0] += inflight
+                load[name][1] += requests
+    total = sum(r for _, r in load.values()) or 1
+    instances = [{"name": i.name, "healthy": i.healthy, "draining": i.draining, "inflight": load[i.name][0],
+                  "requests": load[i.name][1], "share": round(load[i.name][1] / total, 4)}
                  for i in sorted(fleet.instances.values(), key=lambda i: i.name)]
     prompt, cached, predicted_same = _engine_totals(metrics)
+    predicted, asked = activity.predicted_tokens, activity.prompt_tokens
+    recent = list(activity.recent)
+    for snap in others:
+        p, c, s = snap["engine_totals"]
+        prompt, cached, predicted_same = prompt + p, cached + c, predicted_same + s
+        predicted, asked = predicted + snap["predicted_tokens"], asked + snap["prompt_tokens"]
+        recent += [tuple(r) for r in snap["recent"]]
+    recent = sorted(recent)[-RECENT:]
     return {
         "time": now,
         "strategy": strategy,
+        "workers": 1 + len(others),
         "instances": instances,
         "hit_rate": {
-            "predicted": round(activity.predicted_tokens / activity.prompt_tokens, 4) if activity.prompt_tokens
-            else None,
+            "predicted": round(predicted / asked, 4) if asked else None,
             "engine_reported": round(cached / prompt, 4) if prompt else None,
             "predicted_same_responses": round(predicted_same / prompt, 4) if prompt else None,
         },
-        "hot_prefixes": activity.hot(),
+        "hot_prefixes": activity.hot(others),
         "recent_decisions": [{"age_s": round(now - t, 2), "instance": name, "reason": reason,
                               "matched_ratio": round(ratio, 3)}
-                             for t, name, reason, ratio in reversed(activity.recent)],
+                             for t, name, reason, ratio in reversed(recent)],
     }
 
 
@@ -157,7 +219,8 @@ function rows(id, items, fill) { const body = document.getElementById(id); const
   for (const item of items) { const tr = document.createElement("tr"); fill(tr, item); out.push(tr); }
   body.replaceChildren(...out); }
 function render(s) {
-  document.getElementById("strategy").textContent = "strategy " + s.strategy;
+  document.getElementById("strategy").textContent = "strategy " + s.strategy +
+    (s.workers > 1 ? " \u00b7 " + s.workers + " workers" : "");
   document.getElementById("updated").textContent = "updated " + new Date(s.time * 1000).toLocaleTimeString();
   document.getElementById("hit-predicted").textContent = pct(s.hit_rate.predicted);
   document.getElementById("hit-engine").textContent = pct(s.hit_rate.engine_reported);

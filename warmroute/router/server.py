@@ -137,10 +137,10 @@ def _run_workers(settings: RouterSettings, sock: socket.socket) -> int:
     """Fork workers that all accept on the one listening socket and share index updates (through Redis when
     `redis_url` is set, else through local sockets); forward SIGTERM/SIGINT to them."""
     ctx = multiprocessing.get_context("fork")  # the sockets are inherited; no event loop exists yet
-    sockets = worker_links(settings.workers) if settings.redis_url is None else None
+    sockets = worker_links(settings.workers)  # index updates (unless redis_url) and dashboard snapshots
     metrics_dir = tempfile.mkdtemp(prefix="warmroute-metrics-")  # one /metrics for all workers (metrics.py)
     share_between_workers(metrics_dir)
-    workers = [ctx.Process(target=_worker_main, args=(settings, sock, (sockets, i) if sockets else None),
+    workers = [ctx.Process(target=_worker_main, args=(settings, sock, (sockets, i)),
                            name=f"warmroute-worker-{i}")
                for i in range(settings.workers)]
     for w in workers:

@@ -17,7 +17,8 @@ before forking; each worker reads its own and sends every batch to the others' (
 falls a socket buffer behind, 4 MiB asked for and capped by net.core.rmem_max, loses updates, never blocks
 another). A datagram must fit the send buffer (~200 KiB at Linux's defaults), so a chain longer than
 MAX_LINK_BLOCKS blocks (≈ 1 M characters of prompt) travels as its first MAX_LINK_BLOCKS: its head, which is
-what a routing decision matches on. With `redis_url` set, each worker is a replica of its own.
+what a routing decision matches on. With `redis_url` set, each worker is a replica of its own for the index (the
+local sockets then carry only the dashboard's snapshots).
 
 Message: 8-byte replica id, then entries of op (1 byte: 0 record, 1 forget), name length (1 byte), name (UTF-8),
 block count (uint32 LE), blocks (uint64 LE each).
@@ -33,6 +34,7 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Callable
 
 from warmroute.core.fleet import Fleet
 from warmroute.router.background import cancel_all
@@ -213,6 +215,7 @@ _LINK_DATAGRAM = 160 * 1024  # entries are packed into datagrams of at most abou
 _LINK_BUFFER = 4 * 1024 * 1024  # asked for; Linux caps it at net.core.[rw]mem_max
 
 
+_INDEX, _SNAPSHOT = b"\x00", b"\x01"  # first byte of a datagram between workers
 Links = tuple[list[tuple[socket.socket, socket.socket]], int]  # every worker's (receive, send) pair; which is mine
 
 
@@ -230,16 +233,23 @@ def worker_links(count: int) -> list[tuple[socket.socket, socket.socket]]:
 
 
 class WorkerLinks(IndexUpdates):
-    """Between the worker processes of one router: worker `me` reads links[me][0], sends to the others' [1]."""
+    """Between the worker processes of one router: worker `me` reads links[me][0], sends to the others' [1].
 
-    def __init__(self, fleet: Fleet, links: list[tuple[socket.socket, socket.socket]], me: int) -> None:
+    Two kinds of datagram, told apart by their first byte: index updates (unless `share_index` is off because
+    the workers share through Redis instead) and dashboard snapshots (`send_snapshot`, `on_snapshot`), so that
+    /dashboard shows every worker's traffic whichever worker answers."""
+
+    def __init__(self, fleet: Fleet, links: list[tuple[socket.socket, socket.socket]], me: int,
+                 share_index: bool = True) -> None:
         super().__init__(fleet)
         self._inbox = links[me][0]
         self._peers = [send for i, (_, send) in enumerate(links) if i != me]
+        self.share_index = share_index
+        self.on_snapshot: Callable[[bytes], None] | None = None
         self.dropped = 0  # datagrams a peer had no room for
 
     async def start(self) -> None:
-        self._client = self._peers
+        self._client = self._peers if self.share_index else None  # None: index updates are not queued
         asyncio.get_running_loop().add_reader(self._inbox.fileno(), self._receive)
 
     async def stop(self) -> None:
@@ -247,18 +257,21 @@ class WorkerLinks(IndexUpdates):
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self._inbox.fileno())
 
+    def send_snapshot(self, payload: bytes) -> None:
+        self._post(_SNAPSHOT + payload)
+
     def _send(self, entries: list[tuple[int, str, list[int]]]) -> None:
         batch: list[tuple[int, str, list[int]]] = []
         size = 0
         for op, name, blocks in entries:
             blocks = blocks[:MAX_LINK_BLOCKS]
             if batch and size + 8 * len(blocks) > _LINK_DATAGRAM:
-                self._post(pack(self.replica, batch))
+                self._post(_INDEX + pack(self.replica, batch))
                 batch, size = [], 0
             batch.append((op, name, blocks))
             size += 8 * len(blocks) + len(name) + 6
         if batch:
-            self._post(pack(self.replica, batch))
+            self._post(_INDEX + pack(self.replica, batch))
 
     def _post(self, payload: bytes) -> None:
         for peer in self._peers:
@@ -275,4 +288,8 @@ class WorkerLinks(IndexUpdates):
                 return
             except OSError:
                 return
-            self.apply(payload)
+            kind, body = payload[:1], payload[1:]
+            if kind == _INDEX and self.share_index:
+                self.apply(body)
+            elif kind == _SNAPSHOT and self.on_snapshot is not None:
+                self.on_snapshot(body)
