@@ -67,6 +67,34 @@ def test_tickets_balance_the_books():
     assert again.instance == decision.instance and again.matched_tokens > 0
 
 
+def test_the_other_replicas_hear_of_a_chain_when_sent_and_again_when_finished():
+    """The refresh at finish (a finished sequence's blocks become the engine's most recent) is published too,
+    or the other replicas / workers age a long answer's history from when it was sent; a request that never
+    got its first token is not refreshed."""
+
+    class Shared:  # what SharedIndex and WorkerLinks receive from the request path
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str, int]] = []
+
+        def recorded(self, name, blocks) -> None:
+            self.calls.append(("recorded", name, len(blocks)))
+
+        def forgotten(self, name, blocks) -> None:
+            self.calls.append(("forgotten", name, len(blocks)))
+
+    router = make_router()
+    router.shared = shared = Shared()
+    body = json.dumps({"model": "m", "prompt": "w" * 4000}).encode()
+    _, decision = router.route("/v1/completions", body, None)
+    ticket = router.dispatch(decision)
+    assert shared.calls == [("recorded", decision.instance, len(decision.blocks))]
+    ticket.first_byte()
+    ticket.finish()
+    assert shared.calls == [("recorded", decision.instance, len(decision.blocks))] * 2
+    router.dispatch(decision).finish()  # no first token: nothing to refresh
+    assert len(shared.calls) == 3
+
+
 def test_unrecord_forgets_a_prefix_that_never_arrived():
     router = make_router()
     body = json.dumps({"model": "m", "prompt": "y" * 4000}).encode()

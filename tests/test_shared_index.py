@@ -163,3 +163,29 @@ async def _until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-un
     while not condition():
         assert time.monotonic() < deadline, "the update never arrived"
         await asyncio.sleep(0.01)
+
+
+async def test_worker_links_carry_dashboard_snapshots_and_with_redis_only_those():
+    """With redis_url the workers share the index through Redis: their local sockets then carry only the
+    dashboard's snapshots (a second kind of datagram), never index updates."""
+    links = worker_links(2)
+    fleets = [Fleet(FleetSettings()) for _ in range(2)]
+    for fleet in fleets:
+        fleet.add("gpu-0", 1 << 22)
+    workers = [WorkerLinks(fleet, links, i, share_index=False) for i, fleet in enumerate(fleets)]
+    got: list[bytes] = []
+    workers[1].on_snapshot = got.append
+    for w in workers:
+        await w.start()
+    try:
+        workers[0].recorded("gpu-0", list(range(1, 41)))
+        workers[0].send_snapshot(b'{"pid": 1}')
+        await _until(lambda: got == [b'{"pid": 1}'])
+        await asyncio.sleep(0.05)
+        assert workers[1].received == 0 and fleets[1].index.entries() == 0
+    finally:
+        for w in workers:
+            await w.stop()
+        for pair in links:
+            for sock in pair:
+                sock.close()

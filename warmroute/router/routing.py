@@ -141,7 +141,12 @@ class Ticket:
         if self._done:
             return
         self._done = True
-        self._router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks)
+        router = self._router
+        router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks)
+        if self._got_first and self._blocks and router.shared is not None:
+            # The refresh at finish (core/fleet.py) too: otherwise the other replicas / workers age this chain
+            # from when it was sent, and a long answer's history can drop out of their models before its turn.
+            router.shared.recorded(self.instance, self._blocks)
         self._publish_inflight()
 
     def _publish_inflight(self) -> None:
