@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from warmroute.core.routing_key import ROUTED_PATHS
 from warmroute.core.strategies import NoInstanceAvailable
+from warmroute.router import access_log as access
 from warmroute.router import dashboard as dash
 from warmroute.router.admin import MEMBERSHIP, add_admin_routes
 from warmroute.router.discovery import Discovery, Membership, Resolver, resolve
@@ -59,6 +61,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     """Every proxied path: read the body, decide, forward."""
     app = request.app
     body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
+    request[access.STARTED] = time.perf_counter()
     key, decision = app[ROUTER].route(request.path, body, request.headers.get(SESSION_HEADER))
     app[ACTIVITY].note(key, decision)
     return await app[PROXY].forward(request, body, key, decision)

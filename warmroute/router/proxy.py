@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -18,6 +19,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from warmroute.core.routing_key import RoutingKey
 from warmroute.core.strategies import Decision, NoInstanceAvailable
+from warmroute.router import access_log as access
 from warmroute.router.errors import ApiError
 from warmroute.router.health import Health
 from warmroute.router.routing import Router, Ticket, is_routed
@@ -146,6 +148,7 @@ class Proxy:
         first byte within first_byte_timeout, connection dropped before answering), once more to the next
         choice, never the same instance twice in a row."""
         for attempt in (0, 1):
+            request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
             ticket = self.router.dispatch(decision)
             try:
                 return await self._exchange(request, body, decision, ticket)
@@ -183,6 +186,7 @@ class Proxy:
         completed = False
         try:
             ticket.first_byte()
+            request[access.FIRST_BYTE] = time.perf_counter()
             self._note_status(name, upstream.status)
             resp = self._response_for(upstream, decision)
             await resp.prepare(request)

@@ -21,6 +21,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from warmroute.core import block_hash
 from warmroute.errors import UsageError
+from warmroute.router.access_log import JsonAccessLogger, access_logger
 from warmroute.router.app import DISCOVERY, PROXY, SETTINGS, build_app
 from warmroute.router.metrics import in_worker, share_between_workers, worker_gone
 from warmroute.router.settings import RouterSettings
@@ -81,7 +82,8 @@ async def start_router(settings: RouterSettings, sock: socket.socket | None = No
     worker's sockets to its sibling workers, with which it shares index updates."""
     logging.getLogger("aiohttp.server").addFilter(_PARSER_LOG_FILTER)  # once: filters are a set
     runner = web.AppRunner(build_app(settings, links=links), handler_cancellation=True,  # a client that leaves cancels
-                           access_log=None,  # RunningRouter.stop() cuts forwarded requests at the deadline;
+                           access_log=access_logger(settings.access_log), access_log_class=JsonAccessLogger,
+                           # RunningRouter.stop() cuts forwarded requests at the deadline;
                            shutdown_timeout=settings.shutdown_timeout + 0.5,  # aiohttp's own comes after it
                            keepalive_timeout=settings.client_header_timeout)  # also bounds header reading
     await runner.setup()

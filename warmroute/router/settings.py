@@ -192,6 +192,11 @@ class RouterSettings(BaseSettings):
         32 * MiB, description="Largest request body accepted (accepts 32MiB, ...); larger gets 413.")
     decision_headers: bool = Field(
         True, description="Add x-warmroute-instance and x-warmroute-reason to every proxied response.")
+    access_log: bool = Field(
+        False, description="One JSON line per request on stdout: time, client address, method, path, status, "
+                           "duration, bytes, and for proxied requests the instance, the routing reason, the "
+                           "predicted cached share of the prompt and the time to the instance's first byte. "
+                           "Never prompt text, query strings or headers.")
     workers: int = Field(1, ge=1, le=64, description="Worker processes sharing the listening socket; they share "
                                                      "index updates (local sockets, or Redis with redis_url) "
                                                      "and one /metrics.")
