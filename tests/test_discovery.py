@@ -63,7 +63,7 @@ class Engine:
 
 
 def base(**values) -> dict:
-    return {"port": 0, "health_interval": 3600, "engine_metrics": False, **values}
+    return {"port": 0, "health_interval": 3600, "engine_metrics": False, "models_interval": 0, **values}
 
 
 @pytest.fixture

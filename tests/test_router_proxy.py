@@ -74,9 +74,10 @@ class Upstream:
 
 
 def settings_for(*upstreams: Upstream, **overrides) -> dict:
-    # The stand-ins record every request they get, so no /metrics scrapes (tested in test_engine_signals.py).
+    # The stand-ins record every request they get, so no /metrics scrapes (tested in test_engine_signals.py)
+    # and no /v1/models reads (test_router_models.py).
     values = {"backends": [f"{u.name}={u.url}" for u in upstreams], "port": 0, "health_interval": 3600,
-              "engine_metrics": False}
+              "engine_metrics": False, "models_interval": 0}
     values.update(overrides)
     return values
 

@@ -36,6 +36,14 @@ class NoInstanceAvailable(Exception):
     """No healthy instance to route to (the shell answers 503)."""
 
 
+class ModelNotServed(NoInstanceAvailable):
+    """Healthy instances exist, but none of those that serve the request's model is one of them."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"no healthy instance serves model {model!r}")
+        self.model = model
+
+
 @dataclass(frozen=True)
 class Decision:
     instance: str
@@ -87,9 +95,11 @@ def _under_cap(up: list[Instance], loads: list[float], cap: int) -> list[Instanc
     return [i for i, n in zip(up, loads) if not n >= cap]
 
 
-def _routable(fleet: Fleet) -> list[Instance]:
-    up = fleet.routable()
+def _routable(fleet: Fleet, model: str | None = None) -> list[Instance]:
+    up = fleet.routable(model)
     if not up:
+        if model is not None and fleet.routable():  # healthy instances exist, but not for this model
+            raise ModelNotServed(model)
         raise NoInstanceAvailable("no healthy instance")
     return up
 
@@ -116,7 +126,7 @@ class RandomStrategy(Strategy):
         self._rng = _random.Random(seed)
 
     def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
-        return self._plain(self._rng.choice(_routable(fleet)), key, LOAD_BALANCE)
+        return self._plain(self._rng.choice(_routable(fleet, key.model)), key, LOAD_BALANCE)
 
 
 class RoundRobinStrategy(Strategy):
@@ -127,7 +137,7 @@ class RoundRobinStrategy(Strategy):
         self._next = 0
 
     def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
-        up = sorted(_routable(fleet), key=lambda i: i.name)
+        up = sorted(_routable(fleet, key.model), key=lambda i: i.name)
         self._next += 1
         return self._plain(up[self._next % len(up)], key, LOAD_BALANCE)
 
@@ -136,12 +146,14 @@ class LeastLoadedStrategy(Strategy):
     name = "least_loaded"
 
     def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
-        return self._plain(_least_loaded(_routable(fleet)), key, LOAD_BALANCE)
+        return self._plain(_least_loaded(_routable(fleet, key.model)), key, LOAD_BALANCE)
 
 
-def _affinity_choice(hash_key: int, fleet: Fleet, threshold: int) -> tuple[Instance, str]:
-    """Rendezvous order of `hash_key`: its first instance under the threshold, else the least loaded."""
-    names = rendezvous.order(hash_key, list(fleet.instances))
+def _affinity_choice(hash_key: int, fleet: Fleet, threshold: int, model: str | None) -> tuple[Instance, str]:
+    """Rendezvous order of `hash_key` over the instances that may serve `model`: its first instance under the
+    threshold, else the least loaded."""
+    serving = fleet.serving(model) if model is not None else None
+    names = rendezvous.order(hash_key, list(fleet.instances) if serving is None else sorted(serving))
     preferred_up = True
     for pos, name in enumerate(names):
         inst = fleet.instances[name]
@@ -152,7 +164,7 @@ def _affinity_choice(hash_key: int, fleet: Fleet, threshold: int) -> tuple[Insta
             if pos == 0:
                 return inst, AFFINITY
             return inst, (UNHEALTHY_FALLBACK if not preferred_up else OVERLOAD_SPILL)
-    return _least_loaded(_routable(fleet)), OVERLOAD_SPILL
+    return _least_loaded(_routable(fleet, model)), OVERLOAD_SPILL
 
 
 class PrefixStrategy(Strategy):
@@ -161,9 +173,9 @@ class PrefixStrategy(Strategy):
     name = "prefix"
 
     def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
-        _routable(fleet)
+        _routable(fleet, key.model)
         inst, reason = _affinity_choice(key.prefix_hash(self.settings.prefix_length), fleet,
-                                        self.settings.concurrency_threshold)
+                                        self.settings.concurrency_threshold, key.model)
         return self._plain(inst, key, reason)
 
 
@@ -173,9 +185,9 @@ class SessionStrategy(Strategy):
     name = "session"
 
     def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
-        _routable(fleet)
+        _routable(fleet, key.model)
         h = (hash_text(key.session) if key.session else key.prefix_hash(self.settings.prefix_length))
-        inst, reason = _affinity_choice(h, fleet, self.settings.concurrency_threshold)
+        inst, reason = _affinity_choice(h, fleet, self.settings.concurrency_threshold, key.model)
         return self._plain(inst, key, reason)
 
 
@@ -216,7 +228,7 @@ class CacheAwareStrategy(Strategy):
     # holders is computed once per holder. Decisions are exactly those of a straightforward loop over the
     # rule (tests/test_choose_equivalence.py keeps one and compares them on random fleets).
     def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
-        up = _routable(fleet)
+        up = _routable(fleet, key.model)
         s = self.settings
         blocks = key.blocks(s.block_bytes)
         depths = self.match_depths(blocks, fleet) if blocks else {}

@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from warmroute.core.routing_key import ROUTED_PATHS
-from warmroute.core.strategies import NoInstanceAvailable
+from warmroute.core.strategies import ModelNotServed, NoInstanceAvailable
 from warmroute.router import access_log as access
 from warmroute.router import dashboard as dash
 from warmroute.router.admin import MEMBERSHIP, add_admin_routes
@@ -33,6 +33,7 @@ from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.errors import ApiError, bad_request, json_error, no_instance, too_large
 from warmroute.router.health import Health
 from warmroute.router.metrics import NO_INSTANCE, Metrics
+from warmroute.router.models import ModelCatalog, fetch_models
 from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
 from warmroute.router.settings import RouterSettings, upstream_tls
@@ -51,6 +52,7 @@ SCRAPER = web.AppKey("scraper", EngineScraper)
 DISCOVERY = web.AppKey("discovery", Discovery)
 ACTIVITY = web.AppKey("activity", dash.Activity)
 SIBLINGS = web.AppKey("siblings", dash.Siblings)  # the other workers' dashboard snapshots
+CATALOG = web.AppKey("catalog", ModelCatalog)  # which models each instance serves
 LINKS = web.AppKey("links", object)  # Links | None: this worker's sockets to its siblings (server.py)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -84,37 +86,25 @@ async def _read_body(request: web.Request, limit: int, timeout: float) -> bytes:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The union of the healthy instances' /v1/models lists, each model once."""
+    """The union of the healthy instances' /v1/models lists, each model once (also what each one serves: the
+    catalog learns it here too, with the client's credentials)."""
     proxy, fleet = request.app[PROXY], request.app[ROUTER].fleet
-    names = [n for n, i in fleet.instances.items() if i.healthy]
+    names = [n for n, i in fleet.instances.items() if i.healthy and n in proxy.urls]
     if not names:
         raise no_instance(request.app[SETTINGS].health_interval)
     auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-    lists = await asyncio.gather(*(_models_of(proxy, n, auth) for n in names))
+    assert proxy.session is not None
+    timeout = request.app[SETTINGS].health_timeout  # as light as a health check
+    lists = await asyncio.gather(*(fetch_models(proxy.session, proxy.urls[n], auth, timeout) for n in names))
     seen: dict[str, dict] = {}
-    for entries in lists:
-        for m in entries:
+    for name, entries in zip(names, lists):
+        request.app[CATALOG].learn(name, entries)
+        for m in entries or ():
             if isinstance(m, dict) and isinstance(m.get("id"), str):
                 seen.setdefault(m["id"], m)
     if not seen and not any(lists):
         raise ApiError(502, "no instance answered /v1/models", "upstream_error")
     return web.json_response({"object": "list", "data": list(seen.values())})
-
-
-async def _models_of(proxy: Proxy, name: str, headers: dict[str, str]) -> list:
-    assert proxy.session is not None
-    timeout = aiohttp.ClientTimeout(total=proxy.settings.health_timeout)  # as light as a health check
-    base = proxy.urls.get(name)
-    if base is None:  # removed from the fleet (discovery) meanwhile
-        return []
-    try:
-        async with proxy.session.get(base + "/v1/models", headers=headers, timeout=timeout) as r:
-            if r.status != 200:
-                return []
-            data = json.loads(await r.read())
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-        return []
-    return data.get("data", []) if isinstance(data, dict) and isinstance(data.get("data"), list) else []
 
 
 async def health(request: web.Request) -> web.Response:
@@ -164,8 +154,9 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return await handler(request)
     except ApiError as exc:
         return _error(request, exc)
-    except NoInstanceAvailable:
-        return _error(request, no_instance(request.app[SETTINGS].health_interval))
+    except NoInstanceAvailable as exc:
+        model = exc.model if isinstance(exc, ModelNotServed) else None
+        return _error(request, no_instance(request.app[SETTINGS].health_interval, model))
     except web.HTTPException as exc:  # aiohttp's own (e.g. 405): same JSON shape
         if exc.status < 400:
             raise
@@ -196,7 +187,8 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[HEALTH] = health_ = Health(router.fleet, urls, settings, metrics_)
     app[PROXY] = Proxy(router, health_, urls, settings)
     app[SCRAPER] = scraper = EngineScraper(router.fleet, urls, settings, metrics_)
-    app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper)
+    app[CATALOG] = catalog = ModelCatalog(router.fleet, urls, settings)
+    app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper, catalog)
     app[DISCOVERY] = Discovery(membership, settings, resolver)
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
     app[SIBLINGS] = dash.Siblings()
@@ -260,6 +252,9 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     loops = [asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")]
     if links is not None and settings.dashboard:
         loops.append(asyncio.create_task(_send_snapshots(app, links), name="warmroute-dashboard-snapshots"))
+    if settings.models_interval > 0:
+        await app[CATALOG].refresh_all(session)  # which instance serves which model, before the first request
+        loops.append(asyncio.create_task(app[CATALOG].run(session), name="warmroute-models"))
     if app[SETTINGS].engine_metrics:
         await app[SCRAPER].scrape_all(session)  # and each engine's KV capacity, where not configured
         loops.append(asyncio.create_task(app[SCRAPER].run(session), name="warmroute-engine-metrics"))

@@ -35,6 +35,7 @@ from warmroute.core.fleet import Fleet
 from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.health import Health
 from warmroute.router.metrics import Metrics
+from warmroute.router.models import ModelCatalog
 from warmroute.router.settings import Backend, RouterSettings, parse_backends
 from warmroute.router.background import cancel_all
 
@@ -99,8 +100,9 @@ class Membership:
     """Adds, drains and removes instances; owns the name -> URL map the rest of the shell reads."""
 
     def __init__(self, fleet: Fleet, urls: dict[str, str], settings: RouterSettings, metrics: Metrics,
-                 health: Health, scraper: EngineScraper) -> None:
+                 health: Health, scraper: EngineScraper, catalog: ModelCatalog | None = None) -> None:
         self.fleet = fleet
+        self.catalog = catalog  # which models each instance serves (models.py)
         self.urls = urls
         self.settings = settings
         self.metrics = metrics
@@ -128,12 +130,16 @@ class Membership:
                 self._check_soon(backend.name)
             if backend.kv_capacity_tokens:
                 self.fleet.add(backend.name, backend.kv_capacity_tokens)
+            if self.catalog is not None:
+                self.catalog.configure(backend.name, backend.models)
             return True
         configured = backend.kv_capacity_tokens is not None or "kv_capacity_tokens" in self.settings.model_fields_set
         self.members[backend.name] = Member(backend.name, backend.url, source, configured)
         self.urls[backend.name] = backend.url
         inst = self.fleet.add(backend.name, backend.kv_capacity_tokens)
         inst.healthy = False  # until its first health check passes
+        if self.catalog is not None:
+            self.catalog.configure(backend.name, backend.models)
         self.metrics.add_backend(backend.name, healthy=False)
         if not configured:
             self.scraper._learn_capacity.add(backend.name)
@@ -160,6 +166,8 @@ class Membership:
         self.urls.pop(name, None)
         self.metrics.remove_backend(name)
         self.scraper._learn_capacity.discard(name)
+        if self.catalog is not None:
+            self.catalog.fixed.discard(name)
         log.warning("instance %s removed", name)
         return True
 

@@ -28,8 +28,10 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body is larger than the limit of {limit} bytes (max_body_bytes)")
 
 
-def no_instance(retry_after_s: float) -> ApiError:
-    return ApiError(503, "no healthy upstream instance is available; retry shortly", "service_unavailable",
+def no_instance(retry_after_s: float, model: str | None = None) -> ApiError:
+    what = "no healthy upstream instance is available" if model is None else \
+        f"no healthy upstream instance serves model {model!r}"
+    return ApiError(503, f"{what}; retry shortly", "service_unavailable",
                     headers={"Retry-After": str(max(1, round(retry_after_s)))})
 
 

@@ -36,6 +36,7 @@ class Backend(BaseModel):
     name: str
     url: str
     kv_capacity_tokens: int | None = Field(None, ge=256, le=10**10)
+    models: list[str] | None = Field(None, min_length=1)  # what it serves; unset: read from its /v1/models
 
     @field_validator("name")
     @classmethod
@@ -69,7 +70,8 @@ def parse_backends(value: Any) -> list[dict]:
             name, sep, url = item.partition("=")
             item = {"name": name, "url": url} if sep and "://" not in name else {"url": item}
         if not isinstance(item, dict):
-            raise ValueError(f"entry {i} must be URL, NAME=URL, or a mapping with name, url, kv_capacity_tokens")
+            raise ValueError(f"entry {i} must be URL, NAME=URL, or a mapping with name, url, kv_capacity_tokens, "
+                             "models")
         out.append({"name": f"instance-{i}", **item})
     return out
 
@@ -162,6 +164,12 @@ class RouterSettings(BaseSettings):
     engine_metrics_interval: float = Field(1.0, ge=0.05, le=3600, description="Seconds between two scrapes of "
                                                                               "an instance's /metrics.")
     health_interval: float = Field(2.0, ge=0.05, le=3600, description="Seconds between active health checks.")
+    models_interval: float = Field(
+        30.0, ge=0, le=86400,
+        description="Seconds between two reads of each instance's /v1/models: a request naming a model goes only "
+                    "to the instances that list it (a fleet of mixed models or LoRA adapters behind one router); "
+                    "a model none lists goes to any. 0: never read (every instance may serve every model). A "
+                    "backend's `models` in the YAML file fixes its list.")
     health_timeout: float = Field(1.0, ge=0.05, le=60, description="Seconds a health check (or a /v1/models query, "
                                                                    "or a /metrics scrape) may take.")
     connect_timeout: float = Field(2.0, ge=0.05, le=60, description="Seconds to open an upstream connection.")
@@ -450,6 +458,7 @@ def configuration_markdown() -> str:
         "  - name: big",
         "    url: http://10.0.0.2:8000",
         "    kv_capacity_tokens: 1500000     # this instance's own KV-cache capacity",
+        "    models: [llama-3-70b]           # what it serves (default: read from its /v1/models)",
         "strategy: cache_aware",
         "prefix_length: 8192",
         "concurrency_threshold: 64",
@@ -470,6 +479,9 @@ def configuration_markdown() -> str:
         "  share theirs through local sockets without Redis (with `redis_url`, through Redis like replicas);",
         "  `/metrics` sums the workers' counters and `/dashboard` shows every worker's traffic (each sends",
         "  the others its figures every second), whichever worker answers.",
+        "- Mixed models: each instance's `/v1/models` is read every `models_interval` (and when a client asks the",
+        "  router's `/v1/models`, with its credentials); a request naming a model goes only to the instances",
+        "  that list it, a model no instance lists to any instance. A backend's `models` fixes its list.",
         "- Membership at run time (`backends_file`, `dns_refresh_interval`, `admin_token`): docs/deployment.md.",
         "- Health: a refused connection ejects an instance at once; `failures_before_ejection` consecutive",
         "  5xx answers or timeouts eject it; only a passing `GET /health` brings it back.",
