@@ -7,6 +7,7 @@ tests/test_router_process.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -122,16 +123,29 @@ def test_redis_url_is_checked_and_kept_secret():
     assert "pw" not in repr(s)
 
 
-async def test_workers_learn_each_others_updates_through_local_sockets():
-    links = worker_links(3)
-    fleets = [Fleet(FleetSettings()) for _ in range(3)]
+@contextlib.asynccontextmanager
+async def linked_workers(count: int, share_index: bool = True):  # type: ignore[no-untyped-def]
+    """`count` workers' fleets (instances gpu-0, gpu-1) and links, as `warmroute serve --workers` makes them."""
+    links = worker_links(count)
+    fleets = [Fleet(FleetSettings()) for _ in range(count)]
     for fleet in fleets:
         for name in ("gpu-0", "gpu-1"):
             fleet.add(name, 1 << 22)
-    workers = [WorkerLinks(fleet, links, i) for i, fleet in enumerate(fleets)]
+    workers = [WorkerLinks(fleet, links, i, share_index=share_index) for i, fleet in enumerate(fleets)]
     for w in workers:
         await w.start()
     try:
+        yield links, fleets, workers
+    finally:
+        for w in workers:
+            await w.stop()
+        for pair in links:
+            for sock in pair:
+                sock.close()
+
+
+async def test_workers_learn_each_others_updates_through_local_sockets():
+    async with linked_workers(3) as (links, fleets, workers):
         chain = list(range(1, 41))
         long_chain = list(range(10**6, 10**6 + MAX_LINK_BLOCKS + 500))  # longer than one datagram may carry
         workers[0].recorded("gpu-1", chain)
@@ -146,16 +160,11 @@ async def test_workers_learn_each_others_updates_through_local_sockets():
         workers[2].forgotten("gpu-1", chain)
         await _until(lambda: workers[1].received == 3)
         assert fleets[1].index.match_depths(chain) == {} and fleets[0].index.match_depths(chain) == {}
-        links[1][1].send(b"garbage, not a message")  # ignored with a warning, the worker carries on
+        links[1][1].send(b"garbage, not a message")  # neither kind of datagram: ignored
+        links[1][1].send(b"\x00garbage index update")  # a malformed index update: ignored with a warning
         workers[0].recorded("gpu-0", chain)
         await _until(lambda: workers[1].received == 4)
         assert fleets[1].index.match_depths(chain) == {"gpu-0": 40} and workers[0].dropped == 0
-    finally:
-        for w in workers:
-            await w.stop()
-        for pair in links:
-            for sock in pair:
-                sock.close()
 
 
 async def _until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
@@ -168,24 +177,11 @@ async def _until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-un
 async def test_worker_links_carry_dashboard_snapshots_and_with_redis_only_those():
     """With redis_url the workers share the index through Redis: their local sockets then carry only the
     dashboard's snapshots (a second kind of datagram), never index updates."""
-    links = worker_links(2)
-    fleets = [Fleet(FleetSettings()) for _ in range(2)]
-    for fleet in fleets:
-        fleet.add("gpu-0", 1 << 22)
-    workers = [WorkerLinks(fleet, links, i, share_index=False) for i, fleet in enumerate(fleets)]
-    got: list[bytes] = []
-    workers[1].on_snapshot = got.append
-    for w in workers:
-        await w.start()
-    try:
+    async with linked_workers(2, share_index=False) as (_, fleets, workers):
+        got: list[bytes] = []
+        workers[1].on_snapshot = got.append
         workers[0].recorded("gpu-0", list(range(1, 41)))
         workers[0].send_snapshot(b'{"pid": 1}')
         await _until(lambda: got == [b'{"pid": 1}'])
         await asyncio.sleep(0.05)
         assert workers[1].received == 0 and fleets[1].index.entries() == 0
-    finally:
-        for w in workers:
-            await w.stop()
-        for pair in links:
-            for sock in pair:
-                sock.close()
