@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -93,6 +94,25 @@ def test_the_other_replicas_hear_of_a_chain_when_sent_and_again_when_finished():
     assert shared.calls == [("recorded", decision.instance, len(decision.blocks))] * 2
     router.dispatch(decision).finish()  # no first token: nothing to refresh
     assert len(shared.calls) == 3
+
+
+async def test_a_deferred_record_lands_on_the_next_loop_turn_unless_the_request_failed_first():
+    router = make_router()
+    body = json.dumps({"model": "m", "prompt": "v" * 4000}).encode()
+    _, decision = router.route("/v1/completions", body, None)
+    ticket = router.dispatch(decision, defer_record=True)
+    assert router.fleet.instances[decision.instance].inflight == 1  # the books at once
+    assert router.fleet.index.entries() == 0  # the chain on the next turn, once the request is on its way
+    await asyncio.sleep(0)
+    assert router.fleet.index.entries(decision.instance) == len(decision.blocks)
+    ticket.first_byte()
+    ticket.finish()
+
+    other = make_router()
+    _, decision = other.route("/v1/completions", body, None)
+    other.dispatch(decision, defer_record=True).finish()  # failed before the loop came round (no first byte)
+    await asyncio.sleep(0)
+    assert other.fleet.index.entries() == 0
 
 
 def test_unrecord_forgets_a_prefix_that_never_arrived():

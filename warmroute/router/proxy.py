@@ -149,7 +149,7 @@ class Proxy:
         choice, never the same instance twice in a row."""
         for attempt in (0, 1):
             request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
-            ticket = self.router.dispatch(decision)
+            ticket = self.router.dispatch(decision, defer_record=True)
             try:
                 return await self._exchange(request, body, decision, ticket)
             except _ConnectFailed:

@@ -7,6 +7,7 @@ reads stay true.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -87,8 +88,12 @@ class Router:
         return key, decision
 
     # -- the books -----------------------------------------------------------------------------------------
-    def dispatch(self, decision: Decision) -> Ticket:
-        return Ticket(self, decision)
+    def dispatch(self, decision: Decision, defer_record: bool = False) -> Ticket:
+        """The request is being sent: its books now; its chain into the index now, or (`defer_record`, from a
+        running event loop) on the loop's next turn, once the request is on its way to the instance: a long
+        prompt's chain is thousands of blocks (1-2 ms for a cold 64k-token prompt), time the request need not
+        wait. A request routed in between does not see it yet, as if it had arrived a moment earlier."""
+        return Ticket(self, decision, defer_record)
 
     def engine_usage(self, decision: Decision, usage: EngineUsage, queued_ahead: int = 0) -> None:
         """The engine said how much of this request's prompt it had cached: count it, correct the index.
@@ -117,18 +122,30 @@ class Ticket:
 
     __slots__ = ("_router", "instance", "_uncached", "_blocks", "queued_ahead", "_sent_at", "_got_first", "_done")
 
-    def __init__(self, router: Router, decision: Decision) -> None:
+    def __init__(self, router: Router, decision: Decision, defer_record: bool = False) -> None:
         self._router = router
         self.instance = decision.instance
         self._uncached = decision.uncached_tokens
         self._got_first = self._done = False
         blocks = decision.blocks if router.strategy.records_prefixes else None
         self._blocks = blocks
-        self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, blocks)
-        if blocks and router.shared is not None:
-            router.shared.recorded(self.instance, blocks)
+        self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, None if defer_record else blocks)
+        if blocks:
+            if defer_record:
+                asyncio.get_running_loop().call_soon(self._record, blocks)
+            elif router.shared is not None:
+                router.shared.recorded(self.instance, blocks)
         self._sent_at = time.perf_counter()
         self._publish_inflight()
+
+    def _record(self, blocks: list[int] | tuple[int, ...]) -> None:
+        router = self._router
+        if self._done and not self._got_first:  # failed (or cut off) before the loop came round: never arrived
+            return
+        if self.instance in router.fleet.instances:
+            router.fleet.index.record(self.instance, blocks)
+        if router.shared is not None:
+            router.shared.recorded(self.instance, blocks)
 
     def first_byte(self) -> None:
         if self._got_first:
