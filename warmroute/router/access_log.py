@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import datetime, timezone
 
 from aiohttp.abc import AbstractAccessLogger
@@ -22,8 +23,9 @@ from aiohttp.web import BaseRequest, RequestKey, StreamResponse
 from warmroute.core.strategies import Decision
 
 LOGGER = "warmroute.access"
-# What the handler and the proxy note on the request for this log: the (last) routing decision and how many
-# instances were tried, when routing began and when the instance's first byte arrived (perf_counter).
+# What the app and the proxy note on the request for this log: the (last) routing decision and how many
+# instances were tried, when the request's handling began and when the instance's first byte arrived
+# (perf_counter).
 DECISION = RequestKey("warmroute_decision", Decision)
 ATTEMPTS = RequestKey("warmroute_attempts", int)
 STARTED = RequestKey("warmroute_started", float)
@@ -32,6 +34,9 @@ FIRST_BYTE = RequestKey("warmroute_first_byte", float)
 
 class JsonAccessLogger(AbstractAccessLogger):
     def log(self, request: BaseRequest, response: StreamResponse, time_s: float) -> None:
+        started = request.get(STARTED)
+        if started is not None:  # aiohttp's `time_s` comes from the event loop's clock: 1 ms steps on uvloop
+            time_s = time.perf_counter() - started
         line: dict[str, object] = {
             "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             "client": request.remote,
@@ -45,7 +50,7 @@ class JsonAccessLogger(AbstractAccessLogger):
         if decision is not None:
             line.update(instance=decision.instance, reason=decision.reason, prompt_tokens=decision.prompt_tokens,
                         predicted_cached=round(decision.matched_ratio, 4), attempts=request.get(ATTEMPTS, 1))
-            started, first = request.get(STARTED), request.get(FIRST_BYTE)
+            first = request.get(FIRST_BYTE)
             if started is not None and first is not None:
                 line["ttfb_ms"] = round((first - started) * 1000, 3)
         self.logger.info(json.dumps(line, separators=(",", ":")))
