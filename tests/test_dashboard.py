@@ -137,6 +137,8 @@ def test_state_adds_the_other_workers_snapshots():
     siblings.receive(json.dumps(snapshot(*b)).encode())
     siblings.receive(b"not json")  # ignored
     siblings.receive(b'{"no pid": 1}')  # ignored
+    siblings.receive(b'{"pid": 7}')  # incomplete: ignored
+    siblings.receive(b'[1, 2]')  # not an object: ignored
     merged = state(*a, "cache_aware", siblings.fresh())
     alone = state(*a, "cache_aware")
     assert merged["workers"] == 2 and alone["workers"] == 1

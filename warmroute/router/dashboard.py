@@ -112,7 +112,9 @@ class Siblings:
         try:
             snap = json.loads(payload)
             pid = int(snap["pid"])
-        except (ValueError, KeyError, TypeError):
+            if not _SNAPSHOT_KEYS <= snap.keys():
+                raise KeyError("incomplete")
+        except (ValueError, KeyError, TypeError, AttributeError):
             return  # not from a sibling of this version: nothing to show
         self._latest[pid] = (time.monotonic(), snap)
 
@@ -130,6 +132,10 @@ def _engine_totals(metrics: Metrics) -> tuple[float, float, float]:
             sums[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
     return (sums["warmroute_engine_prompt_tokens"], sums["warmroute_engine_cached_tokens"],
             sums["warmroute_predicted_cached_tokens"])
+
+
+_SNAPSHOT_KEYS = frozenset({"pid", "instances", "predicted_tokens", "prompt_tokens", "engine_totals", "hot",
+                            "total", "recent"})
 
 
 def snapshot(fleet: Fleet, activity: Activity, metrics: Metrics) -> dict[str, Any]:
