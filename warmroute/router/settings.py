@@ -253,6 +253,8 @@ class RouterSettings(BaseSettings):
             raise ValueError(f"invalid setting tls_cert_file ({flag_of('tls_cert_file')}): tls_cert_file and "
                              f"tls_key_file ({flag_of('tls_key_file')}) go together")
         for name in ("tls_ca_file", "tls_cert_file"):
+            if getattr(self, name) is None:
+                continue  # nothing to load (a default context would read the system's CAs for nothing)
             try:
                 upstream_tls(self, only=name)
             except (OSError, ssl.SSLError) as exc:
