@@ -129,21 +129,21 @@ class Ticket:
         self._got_first = self._done = False
         blocks = decision.blocks if router.strategy.records_prefixes else None
         self._blocks = blocks
-        self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, None if defer_record else blocks)
+        self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached)
         if blocks:
             if defer_record:
                 asyncio.get_running_loop().call_soon(self._record, blocks)
-            elif router.shared is not None:
-                router.shared.recorded(self.instance, blocks)
+            else:
+                self._record(blocks)
         self._sent_at = time.perf_counter()
         self._publish_inflight()
 
     def _record(self, blocks: list[int] | tuple[int, ...]) -> None:
+        """The chain is (about to be) cached on the instance: into the index, and to the other replicas."""
         router = self._router
         if self._done and not self._got_first:  # failed (or cut off) before the loop came round: never arrived
             return
-        if self.instance in router.fleet.instances:
-            router.fleet.index.record(self.instance, blocks)
+        router.fleet.index.record(self.instance, blocks)  # an instance removed meanwhile: a no-op
         if router.shared is not None:
             router.shared.recorded(self.instance, blocks)
 

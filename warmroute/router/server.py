@@ -79,7 +79,7 @@ class RunningRouter:
 async def start_router(settings: RouterSettings, sock: socket.socket | None = None,
                        links: Links | None = None) -> RunningRouter:
     """Start serving in the running loop; with port 0 the kernel picks a free port (see `.port`). `links`: this
-    worker's sockets to its sibling workers, with which it shares index updates."""
+    worker's sockets to its sibling workers (index updates, dashboard snapshots)."""
     logging.getLogger("aiohttp.server").addFilter(_PARSER_LOG_FILTER)  # once: filters are a set
     runner = web.AppRunner(build_app(settings, links=links), handler_cancellation=True,  # a client that leaves cancels
                            access_log=access_logger(settings.access_log), access_log_class=JsonAccessLogger,
