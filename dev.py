@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 STAMP = VENV / ".warmroute-installed"
-BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "warmroute" / "core" / "_blockhash.c")
+BUILD_INPUTS = (ROOT / "pyproject.toml", *sorted((ROOT / "warmroute" / "core").glob("_*.c")))
 
 
 def _install() -> None:
     """Create the venv and install the package with its test extras when pyproject.toml or the C source
-    changed (an editable install compiles warmroute/core/_blockhash.c in place)."""
+    changed (an editable install compiles warmroute/core/_*.c in place)."""
     want = hashlib.sha256(b"".join(p.read_bytes() for p in BUILD_INPUTS if p.exists())).hexdigest()
     if STAMP.exists() and STAMP.read_text() == want:
         return

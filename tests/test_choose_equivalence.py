@@ -1,5 +1,6 @@
-"""CacheAwareStrategy.choose computes its rule with list comprehensions and a fast path; these properties check
-that it decides exactly as the plain loop below (the rule as first written) for random fleets.
+"""CacheAwareStrategy.choose computes its rule in one scan (compiled where a C compiler was found, else list
+comprehensions); these properties check that both versions decide exactly as the plain loop below (the rule as
+first written) for random fleets.
 
 If the rule itself changes, change `reference_choose` the same way: it is the readable statement of the rule.
 """
@@ -7,12 +8,15 @@ If the rule itself changes, change `reference_choose` the same way: it is the re
 from __future__ import annotations
 
 import math
+import os
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from warmroute.core import rendezvous
 from warmroute.core.engine_load import EngineLoad, backlog_tokens, foreign_requests
-from warmroute.core.fleet import Fleet, FleetSettings, Instance
+from warmroute.core import strategies
+from warmroute.core.fleet import RECENT_WINDOW, Fleet, FleetSettings, Instance
 from warmroute.core.routing_key import RoutingKey, key_for_json
 from warmroute.core.strategies import (CacheAwareStrategy, Decision, NoInstanceAvailable, OVERLOAD_SPILL,
                                        StrategySettings)
@@ -36,8 +40,16 @@ def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet
     deepest = max(depths.values(), default=0)
     private = deepest > 0 and sum(1 for d in depths.values() if d == deepest) == 1
     alpha = s.miss_weight if private else s.shared_miss_weight
+    # A hot prefix (its longest match's last block on >= 1/N of recent requests) skips instances sent more than
+    # (1+δ) x the mean of recent requests + slack, unless every candidate was.
+    under = [i for n, i in loads if not n >= cap]
+    fair = under
+    if depths and blocks and strategy.popularity.share(blocks[min(deepest, len(blocks)) - 1]) * len(up) >= 1.0:
+        share_cap = ((1 + s.hot_balance_factor) * sum(i.recent for i in up) / len(up)
+                     + s.hot_balance_slack * fleet.recent_unit)
+        fair = [i for i in under if i.recent <= share_cap] or under
     for n, i in loads:
-        if n >= cap:
+        if n >= cap or i not in fair:
             continue
         queued = i.queued_prefill_tokens
         if i.engine is not None:
@@ -95,6 +107,7 @@ instances = st.fixed_dictionaries({
     "draining": st.sampled_from([False, False, False, True]),
     "engine": engine_loads,
     "depth": st.one_of(st.just(0), st.integers(0, 600)),
+    "recent": st.one_of(st.sampled_from([0.0, 1.0, 5.0, 20.0]), st.floats(0, 100, allow_nan=False)),
 })
 strategy_settings = st.builds(
     StrategySettings,
@@ -106,6 +119,8 @@ strategy_settings = st.builds(
     miss_weight=st.sampled_from([0.0, 1.0, 2.0, 2, 3.5, 16.0]),
     shared_miss_weight=st.sampled_from([0.0, 1.0, 2.0]),
     block_bytes=st.sampled_from([64, 128]),
+    hot_balance_factor=st.sampled_from([0.0, 0.2, 1.0]),
+    hot_balance_slack=st.sampled_from([0.0, 2.0]),
 )
 
 
@@ -116,6 +131,7 @@ def make_fleet(drawn: list[dict], mean_uncached: float) -> tuple[Fleet, dict[str
         inst = f.add(f"i{n}", d["kv"], d["rate"])
         inst.inflight, inst.queued_prefill_tokens = d["inflight"], d["queued"]
         inst.healthy, inst.draining, inst.engine = d["healthy"], d["draining"], d["engine"]
+        inst.recent = d["recent"]
         if d["depth"]:
             depths[inst.name] = d["depth"]
     f.mean_uncached_tokens = mean_uncached
@@ -129,35 +145,77 @@ def outcome(choose, strategy, key, fleet):
         return "no instance"
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SCANS = [strategies.scan_python] + ([strategies._scan.scan] if strategies._scan is not None else [])
+
+
+@pytest.fixture(params=SCANS, ids=lambda f: "C" if f is not strategies.scan_python else "python")
+def each_scan(request, monkeypatch):
+    """Runs a test once with the Python scan and once with the compiled one (where it was built)."""
+    monkeypatch.setattr(strategies, "scan", request.param)
+    return request.param
+
+
+def test_the_compiled_scan_is_built_where_required():
+    assert strategies._scan is not None or os.environ.get("WARMROUTE_REQUIRE_NATIVE") != "1"
+    assert strategies.scan is (strategies._scan.scan if strategies._scan is not None else strategies.scan_python)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
 @given(st.lists(instances, min_size=1, max_size=12), strategy_settings,
        st.text(min_size=0, max_size=3000), st.sampled_from([0.0, 500.0, 4321.5]),
-       st.dictionaries(st.sampled_from(["gone", "i99"]), st.integers(1, 50), max_size=2))
-def test_choose_decides_as_the_reference_rule(drawn, s, prompt, mean_uncached, stray_depths):
+       st.dictionaries(st.sampled_from(["gone", "i99"]), st.integers(1, 50), max_size=2),
+       st.integers(0, 3), st.one_of(st.sampled_from([1.0, 0.05]), st.floats(0.001, 100)))
+def test_choose_decides_as_the_reference_rule(each_scan, drawn, s, prompt, mean_uncached, stray_depths, hot,
+                                              unit):
     f, depths = make_fleet(drawn, mean_uncached)
+    f.recent_unit = unit
     depths.update(stray_depths)  # names the fleet does not know: ignored by both
     strategy = GivenDepths(s, depths)
     k = key_for_json("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": prompt}]})
+    blocks = k.blocks(s.block_bytes)
+    if depths and blocks:  # make its prefix popular (or not): `hot` requests for it out of 3
+        prefix = blocks[min(max(depths.values()), len(blocks)) - 1]
+        for n in range(3):
+            strategy.popularity.add(prefix if n < hot else None, RECENT_WINDOW * len(drawn))
     expected = outcome(reference_choose, strategy, k, f)
     assert outcome(CacheAwareStrategy.choose, strategy, k, f) == expected
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(st.lists(instances, min_size=2, max_size=12), strategy_settings, st.integers(1, 600),
+       st.text(min_size=300, max_size=3000), st.one_of(st.sampled_from([1.0, 0.05]), st.floats(0.001, 100)))
+def test_choose_for_a_hot_prefix_decides_as_the_reference_rule(each_scan, drawn, s, depth, prompt, unit):
+    """A prefix on every recent request: the guard on recent requests applies."""
+    f, depths = make_fleet(drawn, 500.0)
+    f.recent_unit = unit
+    depths["i0"] = depth
+    strategy = GivenDepths(s, depths)
+    k = key_for_json("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": prompt}]})
+    blocks = k.blocks(s.block_bytes)
+    strategy.popularity.add(blocks[min(max(depths.values()), len(blocks)) - 1], RECENT_WINDOW * len(drawn))
+    expected = outcome(reference_choose, strategy, k, f)
+    assert outcome(CacheAwareStrategy.choose, strategy, k, f) == expected
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(1, 64), st.integers(0, 2**64 - 1))
-def test_idle_fleet_all_tied_matches_the_reference(n, seed):
+def test_idle_fleet_all_tied_matches_the_reference(each_scan, n, seed):
     """A cold prompt on an idle fleet: every instance ties and rendezvous picks among all of them."""
     f = Fleet(FleetSettings())
     for j in range(n):
         f.add(f"instance-{j}", 10**8)
     s = CacheAwareStrategy()
     k = key_for_json("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": f"{seed}"}]})
-    assert s.choose(k, f) == reference_choose(s, k, f)
+    expected = reference_choose(s, k, f)
+    assert s.choose(k, f) == expected
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 7), st.integers(1, 40), st.integers(0, 3)), max_size=40),
        st.integers(0, 3), st.integers(1, 40))
-def test_choose_with_the_real_index_matches_the_reference(records, prompt_id, prompt_blocks):
+def test_choose_with_the_real_index_matches_the_reference(each_scan, records, prompt_id, prompt_blocks):
     """Depths from the prefix index itself (chains sharing prefixes, per-instance caps with eviction)."""
     f = Fleet(FleetSettings(index_max_bytes=400 * 8 * 60))  # 60 entries per instance: evictions happen
     for j in range(8):
@@ -168,7 +226,13 @@ def test_choose_with_the_real_index_matches_the_reference(records, prompt_id, pr
         f.index.record(f"i{inst}", key_for_json("/v1/completions", {"prompt": texts[p]}).blocks()[:n_blocks])
         f.instances[f"i{inst}"].inflight += 1
     k = key_for_json("/v1/completions", {"prompt": texts[prompt_id][:64 * prompt_blocks]})
-    assert s.choose(k, f) == reference_choose(s, k, f)
+    depths = f.index.match_depths(k.blocks())
+    for _ in range(prompt_id if depths else 0):  # some prompts are hot; the busy instances' recent counts high
+        s.popularity.add(k.blocks()[max(depths.values()) - 1], 8)
+    for j, (inst, _, _) in enumerate(records):
+        f.instances[f"i{inst}"].recent += j
+    expected = reference_choose(s, k, f)
+    assert s.choose(k, f) == expected
 
 
 @settings(max_examples=300, deadline=None)

@@ -14,12 +14,14 @@ router and the simulator make exactly the same decision for the same state.
 from __future__ import annotations
 
 import math
+import os
 import random as _random
 from dataclasses import dataclass
 
 from warmroute.core import rendezvous
 from warmroute.core.engine_load import backlog_tokens, foreign_requests
-from warmroute.core.fleet import Fleet, Instance
+from warmroute.core.fleet import RECENT_WINDOW, Fleet, Instance
+from warmroute.core.popularity import Popularity
 from warmroute.core.routing_key import RoutingKey
 
 # Decision reasons (also the label values of the decisions metric).
@@ -71,6 +73,12 @@ class StrategySettings:
     # (benchmarks/cache_aware_tuning.py, docs/benchmarks.md).
     balance_factor: float = 1.0  # ε
     balance_slack: int = 4
+    # A hot prefix (one carrying at least 1/N of the recent requests) skips the instances that were sent more
+    # than (1+δ) x the mean of recent requests, plus a slack: a further copy of it spreads its load. Without
+    # it, at a load where queues stay short, a prompt on 60% of requests stayed on two instances (request
+    # counts 1.4-1.6x the mean in the simulator; 1.16-1.22 with δ = 0.2, same hit rate; docs/benchmarks.md).
+    hot_balance_factor: float = 0.2  # δ
+    hot_balance_slack: float = 4.0  # requests
     cold_to_least_loaded: bool = True
     # α: cost of an uncached token relative to a queued one, by who holds the prefix (see CacheAwareStrategy)
     miss_weight: float = 16.0  # one instance holds its deepest match: a private prefix (a conversation)
@@ -102,6 +110,48 @@ def _routable(fleet: Fleet, model: str | None = None) -> list[Instance]:
             raise ModelNotServed(model)
         raise NoInstanceAvailable("no healthy instance")
     return up
+
+
+def scan_python(up: list[Instance], miss: dict[str, float], miss_all: float, prompt: int, mean: float,
+                threshold: int, balance_factor: float, balance_slack: int, hot_factor: float, hot_slack: float,
+                slack_tokens: float, least_slack: int) -> Instance | list[Instance] | None:
+    """cache_aware's per-instance scan: the cheapest instance under the guard, or the tied ones (the caller
+    breaks the tie by rendezvous), or None when every instance is at the guard.
+
+    `miss`: α x uncached tokens per holder (`miss_all` elsewhere); `hot_factor` δ for a hot prefix (< 0: not
+    hot), `hot_slack` in units of Instance.recent; `slack_tokens`: α x one block, costs within that of the
+    cheapest tie; `least_slack`: among tied ones keep those within this many in-flight requests of the least
+    loaded (< 0: keep all)."""
+    loads = _guard_loads(up)
+    cap = min(threshold, math.ceil((1 + balance_factor) * (sum(loads) + 1) / len(up)) + balance_slack)
+    candidates = _under_cap(up, loads, cap)
+    if not candidates:
+        return None
+    if hot_factor >= 0:  # a hot prefix: not onto an instance already sent more than its share
+        share_cap = (1 + hot_factor) * sum([i.recent for i in up]) / len(up) + hot_slack
+        candidates = [i for i in candidates if i.recent <= share_cap] or candidates
+    get = miss.get
+    # Prefill queued ahead (the router's books, plus what the engine reports beyond them) plus this request's
+    # own, over the prefill rate; the engine's term only where it reported.
+    costs = [((i.queued_prefill_tokens if i.engine is None
+               else i.queued_prefill_tokens + backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, mean))
+              + get(i.name, miss_all)) / i.prefill_tokens_per_s for i in candidates]
+    limit = min(costs) + slack_tokens / min([i.prefill_tokens_per_s for i in candidates])
+    tied = [i for i, c in zip(candidates, costs) if c <= limit]
+    if len(tied) > 1 and least_slack >= 0:
+        # Equal cost (typically a cold prefix): keep warm instances' headroom for their own prefixes.
+        least = min([i.inflight for i in tied])
+        tied = [i for i in tied if i.inflight <= least + least_slack]
+    return tied[0] if len(tied) == 1 else tied
+
+
+try:
+    if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
+        raise ImportError("WARMROUTE_PURE_PYTHON=1")
+    from warmroute.core import _scan
+except ImportError:
+    _scan = None
+scan = _scan.scan if _scan is not None else scan_python
 
 
 class Strategy:
@@ -200,7 +250,7 @@ def hash_text(text: str) -> int:
 class CacheAwareStrategy(Strategy):
     """Lowest estimated time to first token, never at the cost of drowning an instance.
 
-    For every routable instance under the guard (in-flight < ConcurrencyThreshold and below
+    For every routable instance under the bounded-load guard (in-flight < ConcurrencyThreshold and below
     (1+ε) x mean + slack):
         cost = (prefill tokens already queued there + α x this request's tokens not cached there) / rate
     The cheapest wins. α weighs a cache miss against queueing, and depends on who holds the prefix:
@@ -212,6 +262,10 @@ class CacheAwareStrategy(Strategy):
       * several instances hold it (a popular system prompt), or none: α = 1, this request's own time to
         first token. One more copy of a prefix already proven popular is an investment that spreads its
         load; α = 2 here pinned a hot prompt to a few instances (request counts 1.6x the mean).
+    A hot prefix, one on at least 1/N of the recent requests (N routable instances; counted per end of the
+    longest match, so a conversation's history never is), skips the instances that were sent more than
+    (1+δ) x the mean of recent requests (+ a slack), unless all were: at a load where queues stay short the
+    cost alone keeps it on the instances that hold it, however many requests it brings them.
     Instances within one block of the cheapest tie: the less loaded of them, then the highest in the prefix's
     rendezvous order, so cold prefixes land where other router replicas would put them, and a hot prefix warms
     a small, stable set of instances instead of one (the guard makes it spill) or all of them. Where the engines
@@ -222,11 +276,16 @@ class CacheAwareStrategy(Strategy):
     name = "cache_aware"
     records_prefixes = True
 
-    # How the rule is computed (the rule itself is in the docstring above): every routable instance's cost
-    # has to be looked at, so the per-instance work is a few list comprehensions over plain attributes
-    # (≈ 20-40 ns an instance each, a third of a loop that builds tuples); what depends on the prompt's
-    # holders is computed once per holder. Decisions are exactly those of a straightforward loop over the
-    # rule (tests/test_choose_equivalence.py keeps one and compares them on random fleets).
+    def __init__(self, settings: StrategySettings | None = None, seed: int | None = None) -> None:
+        super().__init__(settings)
+        self.popularity = Popularity()  # per deepest matched block: which prefixes are hot
+
+    # How the rule is computed (the rule itself is in the docstring above): what depends on the prompt's
+    # holders is computed once per holder (`miss`); then one scan over the routable instances applies the guard,
+    # the costs and the tie (`_scan`). The scan is compiled where a C compiler was found (`_scan.c`, the same
+    # rule, one pass instead of five comprehensions); this Python version is its fallback and reference.
+    # Decisions are exactly those of a straightforward loop over the rule (tests/test_choose_equivalence.py
+    # keeps one and compares both versions with it on random fleets).
     def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
         up = _routable(fleet, key.model)
         s = self.settings
@@ -234,27 +293,23 @@ class CacheAwareStrategy(Strategy):
         depths = self.match_depths(blocks, fleet) if blocks else {}
         block_tokens = s.block_bytes // 4
         prompt = key.tokens
-
-        loads = _guard_loads(up)
-        cap = min(s.concurrency_threshold,
-                  math.ceil((1 + s.balance_factor) * (sum(loads) + 1) / len(up)) + s.balance_slack)
-        candidates = _under_cap(up, loads, cap)
-        if not candidates:  # everyone is at the guard: least loaded, whatever it holds
-            return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
         alpha = self.miss_weight_for(depths)
-        costs = self._costs(candidates, depths, prompt, block_tokens, fleet, alpha)
-
-        best = min(costs)
-        slack = alpha * block_tokens / min([i.prefill_tokens_per_s for i in candidates])
-        limit = best + slack
-        tied = [i for i, c in zip(candidates, costs) if c <= limit]
-        if len(tied) > 1 and s.cold_to_least_loaded:
-            # Equal cost (typically a cold prefix): keep warm instances' headroom for their own prefixes.
-            least = min([i.inflight for i in tied])
-            tied = [i for i in tied if i.inflight <= least + s.balance_slack]
-        name = tied[0].name if len(tied) == 1 else rendezvous.top(key.prefix_hash(s.prefix_length),
-                                                                  [i.name for i in tied])
-        inst = fleet.instances[name]
+        # Popularity is counted per end of the longest match (a hot system prompt's last cached block).
+        prefix = blocks[min(max(depths.values()), len(blocks)) - 1] if depths and blocks else None
+        hot = prefix is not None and self.popularity.share(prefix) * len(up) >= 1.0
+        self.popularity.add(prefix, RECENT_WINDOW * len(up))
+        # Prompt tokens to compute, x α: all of them, except on the (few) instances holding its first blocks.
+        miss_all = alpha * prompt
+        miss = {name: alpha * max(0, prompt - depth * block_tokens) if depth else miss_all
+                for name, depth in depths.items()}
+        found = scan(up, miss, miss_all, prompt, fleet.mean_uncached_tokens, s.concurrency_threshold,
+                     s.balance_factor, s.balance_slack, s.hot_balance_factor if hot else -1.0,
+                     s.hot_balance_slack * fleet.recent_unit, alpha * block_tokens,
+                     s.balance_slack if s.cold_to_least_loaded else -1)
+        if found is None:  # everyone is at the guard: least loaded, whatever it holds
+            return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
+        inst = found if isinstance(found, Instance) else fleet.instances[
+            rendezvous.top(key.prefix_hash(s.prefix_length), [i.name for i in found])]
         return self._decision(inst, self._reason(inst, depths), depths, block_tokens, prompt, blocks)
 
     def miss_weight_for(self, depths: dict[str, int]) -> float:
@@ -263,21 +318,6 @@ class CacheAwareStrategy(Strategy):
         if deepest > 0 and sum(1 for d in depths.values() if d == deepest) == 1:
             return self.settings.miss_weight
         return self.settings.shared_miss_weight
-
-    def _costs(self, candidates: list[Instance], depths: dict[str, int], prompt: int, block_tokens: int,
-               fleet: Fleet, alpha: float) -> list[float]:
-        """Estimated time to first token on each candidate (with miss weight α), in the candidates' order."""
-        mean = fleet.mean_uncached_tokens
-        # Prompt tokens to compute, x α: all of them, except on the (few) instances holding its first blocks.
-        miss_all = alpha * prompt
-        miss = {name: alpha * max(0, prompt - depth * block_tokens) if depth else miss_all
-                for name, depth in depths.items()}
-        get = miss.get
-        # Prefill queued ahead of this request (the router's books, plus what the engine reports beyond them)
-        # plus this request's own; one pass, the engine's term only where it reported.
-        return [((i.queued_prefill_tokens if i.engine is None
-                  else i.queued_prefill_tokens + backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, mean))
-                 + get(i.name, miss_all)) / i.prefill_tokens_per_s for i in candidates]
 
     def match_depths(self, blocks: list[int], fleet: Fleet) -> dict[str, int]:
         """Cached prefix length (blocks) per instance: the router's estimate (the simulator's oracle overrides)."""

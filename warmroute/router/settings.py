@@ -138,6 +138,12 @@ class RouterSettings(BaseSettings):
         StrategySettings.balance_factor, ge=0.0, le=10.0,
         description="cache_aware's bounded-load factor epsilon: no instance above (1+epsilon) x mean in-flight "
                     f"+ {StrategySettings.balance_slack}.")
+    hot_balance_factor: float = Field(
+        StrategySettings.hot_balance_factor, ge=0.0, le=1000.0,
+        description="cache_aware's guard for hot prefixes, delta: a prefix on at least 1/N of the recent requests "
+                    "(N instances) skips the instances sent more than (1+delta) x the mean of recent requests "
+                    f"+ {StrategySettings.hot_balance_slack:g}, so it is copied to more instances instead of "
+                    "loading a few. 1000: off.")
     miss_weight: float = Field(
         StrategySettings.miss_weight, ge=0.0, le=1000.0,
         description="cache_aware's cost of an uncached prompt token, relative to a queued one, when one "

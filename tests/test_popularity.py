@@ -1,0 +1,90 @@
+"""Popularity (recent requests per prefix) and cache_aware's guard for hot prefixes."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, strategies as st
+
+from warmroute.core.fleet import Fleet, FleetSettings
+from warmroute.core.popularity import Popularity
+from warmroute.core.routing_key import key_for_json
+from warmroute.core.strategies import CacheAwareStrategy, StrategySettings
+
+
+def test_share_is_the_decayed_fraction_of_requests():
+    p = Popularity()
+    for _ in range(30):
+        p.add(1, 100)
+        p.add(None, 100)
+        p.add(2, 100)
+    assert math.isclose(p.share(1), 1 / 3, rel_tol=0.02) and math.isclose(p.share(2), 1 / 3, rel_tol=0.02)
+    assert p.share(3) == 0.0 and Popularity().share(1) == 0.0
+    for _ in range(500):  # five windows of other requests: prefix 1 has faded
+        p.add(None, 100)
+    assert p.share(1) < 0.01 * (1 / 3)
+
+
+def test_weights_are_rescaled_before_they_overflow():
+    p = Popularity()
+    for _ in range(20_000):  # a window of 2: each count is worth 1.5x the one before
+        p.add(7, 2)
+    assert p.share(7) == 1.0 and math.isfinite(p._unit) and p._unit <= 1e100
+
+
+@given(st.lists(st.integers(0, 50_000), min_size=1, max_size=3000))
+def test_memory_stays_bounded_whatever_the_prefixes(prefixes):
+    p = Popularity(max_keys=64)
+    for k in prefixes:
+        p.add(k, 256)
+        assert len(p) <= 64 + 1
+    assert 0.0 <= p.share(prefixes[-1]) <= 1.0
+
+
+def _request(system: str, n: int):
+    return key_for_json("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": f"question {n}"}]})
+
+
+def _route(strategy: CacheAwareStrategy, fleet: Fleet, key) -> str:
+    """Decide and book the request as the router does, then finish it (an idle fleet: the cost rule alone
+    would keep every hot request on its holders)."""
+    d = strategy.choose(key, fleet)
+    fleet.dispatched(d.instance, d.uncached_tokens, list(d.blocks))
+    fleet.first_token(d.instance, d.uncached_tokens)
+    fleet.finished(d.instance)
+    return d.instance
+
+
+def test_a_hot_prefix_is_copied_until_request_counts_are_even():
+    hot = "You are the support assistant of a large shop. " * 40
+    for factor, bound in ((0.2, 1.3), (1000.0, None)):
+        fleet, strategy = Fleet(FleetSettings()), CacheAwareStrategy(StrategySettings(hot_balance_factor=factor))
+        for j in range(4):
+            fleet.add(f"i{j}", 10**7)
+        counts = {f"i{j}": 0 for j in range(4)}
+        for n in range(2000):
+            # 60% the hot prompt, the rest 40 others that each stay where they were first placed
+            system = hot if n % 5 < 3 else f"Tenant {n % 40} has its own instructions. " * 20
+            name = _route(strategy, fleet, _request(system, n))
+            if n >= 500:
+                counts[name] += 1
+        spread = max(counts.values()) / (sum(counts.values()) / 4)
+        holders = sum(1 for j in range(4) if fleet.index.holds(f"i{j}", _request(hot, 0).blocks()[5]))
+        if bound is not None:
+            assert spread <= bound and holders >= 3
+        else:  # without the guard the hot prompt stays where it was first placed
+            assert spread > 1.5 and holders == 1
+
+
+def test_a_conversation_is_not_moved_by_the_guard():
+    """A prefix only one request stream uses is never hot, however busy its instance is."""
+    fleet, strategy = Fleet(FleetSettings()), CacheAwareStrategy()
+    for j in range(4):
+        fleet.add(f"i{j}", 10**7)
+    history = "system: be brief. "
+    homes = set()
+    for turn in range(30):
+        history += f"user: turn {turn} asks something new. assistant: an answer of some length. " * 3
+        homes.add(_route(strategy, fleet, key_for_json("/v1/completions", {"prompt": history})))
+    assert len(homes) == 1

@@ -1,0 +1,216 @@
+/* cache_aware's per-instance scan, compiled: the same rule as strategies.scan_python, in one pass.
+ *
+ * scan(up, miss, miss_all, prompt, mean, threshold, balance_factor, balance_slack, hot_factor, hot_slack,
+ *      slack_tokens, least_slack) -> Instance | list[Instance] | None
+ *
+ * See scan_python for what each argument means; this computes the same values in the same order of floating-
+ * point operations, so both decide alike (tests/test_choose_equivalence.py runs both against a plain loop).
+ * Attributes are read from the Instance objects as Python does (an int or a float where the dataclass says
+ * so); anything unexpected raises as the Python version would.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+
+static PyObject *s_inflight, *s_engine, *s_queued, *s_rate, *s_name, *s_recent, *s_capacity;
+static PyObject *s_foreign_requests, *s_foreign_waiting, *s_kv_usage;
+
+typedef struct {
+    PyObject *inst;    /* borrowed from the list */
+    PyObject *engine;  /* new reference, or NULL for None */
+    double load;       /* in flight as the guard counts it */
+    long inflight;
+    double recent;     /* read only for a hot prefix */
+    double cost;
+    double rate;
+} Row;
+
+static int get_double(PyObject *obj, PyObject *attr, double *out) {
+    PyObject *v = PyObject_GetAttr(obj, attr);
+    if (v == NULL) return -1;
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* engine_load.backlog_tokens: foreign waiting x mean, plus the part of the prompt beyond the free KV. */
+static int backlog(PyObject *engine, PyObject *inst, double prompt, double mean, double *out) {
+    double waiting, capacity, usage;
+    if (get_double(engine, s_foreign_waiting, &waiting) < 0) return -1;
+    double extra = waiting * mean;
+    PyObject *kv = PyObject_GetAttr(engine, s_kv_usage);
+    if (kv == NULL) return -1;
+    if (kv != Py_None) {
+        usage = PyFloat_AsDouble(kv);
+        Py_DECREF(kv);
+        if (usage == -1.0 && PyErr_Occurred()) return -1;
+        if (get_double(inst, s_capacity, &capacity) < 0) return -1;
+        double over = prompt - (1.0 - usage) * capacity;
+        extra += over > 0.0 ? over : 0.0;  /* max(0.0, over): 0.0 unless over > 0.0 */
+    } else {
+        Py_DECREF(kv);
+    }
+    *out = extra;
+    return 0;
+}
+
+static PyObject *scan(PyObject *self, PyObject *args) {
+    PyObject *up, *miss, *result = NULL;
+    double miss_all, prompt, mean, balance_factor, hot_factor, hot_slack, slack_tokens;
+    long threshold, balance_slack, least_slack;
+    if (!PyArg_ParseTuple(args, "O!O!dddldldddl", &PyList_Type, &up, &PyDict_Type, &miss, &miss_all, &prompt,
+                          &mean, &threshold, &balance_factor, &balance_slack, &hot_factor, &hot_slack,
+                          &slack_tokens, &least_slack))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(up);
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "no instances");
+        return NULL;
+    }
+    Row stack_rows[128];
+    Row *rows = n <= 128 ? stack_rows : PyMem_Malloc(n * sizeof(Row));
+    if (rows == NULL) return PyErr_NoMemory();
+    Py_ssize_t filled = 0;
+
+    /* The guard: in flight (plus the engine's foreign requests) against min(threshold, ceil((1+e)(sum+1)/n)+k).
+     * Sums are taken in the list's order, as Python's sum() does. */
+    double total = 0.0, sent = 0.0;
+    int hot = hot_factor >= 0.0;
+    for (Py_ssize_t i = 0; i < n; i++, filled++) {
+        Row *r = &rows[i];
+        r->inst = PyList_GET_ITEM(up, i);
+        r->engine = NULL;
+        PyObject *v = PyObject_GetAttr(r->inst, s_inflight);
+        if (v == NULL) goto done;
+        r->inflight = PyLong_AsLong(v);
+        Py_DECREF(v);
+        if (r->inflight == -1 && PyErr_Occurred()) goto done;
+        r->load = (double)r->inflight;
+        PyObject *engine = PyObject_GetAttr(r->inst, s_engine);
+        if (engine == NULL) goto done;
+        if (engine == Py_None) {
+            Py_DECREF(engine);
+        } else {
+            r->engine = engine;
+            double foreign;
+            if (get_double(engine, s_foreign_requests, &foreign) < 0) { filled++; goto done; }
+            r->load += foreign;
+        }
+        total += r->load;
+        if (hot) {
+            if (get_double(r->inst, s_recent, &r->recent) < 0) { filled++; goto done; }
+            sent += r->recent;
+        }
+    }
+    double cap = ceil((1.0 + balance_factor) * (total + 1.0) / (double)n) + (double)balance_slack;
+    if ((double)threshold < cap) cap = (double)threshold;
+    Py_ssize_t m = 0;  /* candidates are compacted to the front of rows (their order kept) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(rows[i].load >= cap)) {
+            Row tmp = rows[m]; rows[m] = rows[i]; rows[i] = tmp;
+            m++;
+        }
+    }
+    if (m == 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+
+    /* A hot prefix: not onto an instance sent more than (1+d) x the mean of recent requests (unless all are). */
+    if (hot) {
+        double share_cap = (1.0 + hot_factor) * sent / (double)n + hot_slack;
+        Py_ssize_t fair = 0;
+        for (Py_ssize_t i = 0; i < m; i++) fair += rows[i].recent <= share_cap;
+        if (fair > 0) {
+            Py_ssize_t k = 0;
+            for (Py_ssize_t i = 0; i < m; i++) {
+                if (rows[i].recent <= share_cap) {
+                    Row tmp = rows[k]; rows[k] = rows[i]; rows[i] = tmp;
+                    k++;
+                }
+            }
+            m = k;
+        }
+    }
+
+    /* Costs: (queued prefill [+ engine backlog] + miss) / rate; the cheapest, and everything within a block. */
+    double best = INFINITY, slowest = INFINITY;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        Row *r = &rows[i];
+        double queued, extra, miss_here = miss_all;
+        if (get_double(r->inst, s_queued, &queued) < 0) goto done;
+        if (r->engine != NULL) {
+            if (backlog(r->engine, r->inst, prompt, mean, &extra) < 0) goto done;
+            queued = queued + extra;
+        }
+        if (PyDict_GET_SIZE(miss) > 0) {
+            PyObject *name = PyObject_GetAttr(r->inst, s_name);
+            if (name == NULL) goto done;
+            PyObject *got = PyDict_GetItemWithError(miss, name);  /* borrowed */
+            Py_DECREF(name);
+            if (got != NULL) {
+                miss_here = PyFloat_AsDouble(got);
+                if (miss_here == -1.0 && PyErr_Occurred()) goto done;
+            } else if (PyErr_Occurred()) {
+                goto done;
+            }
+        }
+        if (get_double(r->inst, s_rate, &r->rate) < 0) goto done;
+        r->cost = (queued + miss_here) / r->rate;
+        if (r->cost < best) best = r->cost;
+        if (r->rate < slowest) slowest = r->rate;
+    }
+    double limit = best + slack_tokens / slowest;
+    Py_ssize_t tied = 0;
+    long least = LONG_MAX;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (rows[i].cost <= limit) {
+            Row tmp = rows[tied]; rows[tied] = rows[i]; rows[i] = tmp;
+            if (rows[tied].inflight < least) least = rows[tied].inflight;
+            tied++;
+        }
+    }
+    if (tied > 1 && least_slack >= 0) {  /* equal cost: the least loaded of them (and those close to it) */
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < tied; i++) {
+            if (rows[i].inflight <= least + least_slack) {
+                Row tmp = rows[k]; rows[k] = rows[i]; rows[i] = tmp;
+                k++;
+            }
+        }
+        tied = k;
+    }
+    if (tied == 1) {
+        result = Py_NewRef(rows[0].inst);
+        goto done;
+    }
+    result = PyList_New(tied);
+    if (result == NULL) goto done;
+    for (Py_ssize_t i = 0; i < tied; i++) PyList_SET_ITEM(result, i, Py_NewRef(rows[i].inst));
+
+done:
+    for (Py_ssize_t i = 0; i < filled && i < n; i++) Py_XDECREF(rows[i].engine);
+    if (rows != stack_rows) PyMem_Free(rows);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", scan, METH_VARARGS, "cache_aware's per-instance scan (see strategies.scan_python)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__scan(void) {
+    struct { PyObject **slot; const char *name; } names[] = {
+        {&s_inflight, "inflight"}, {&s_engine, "engine"}, {&s_queued, "queued_prefill_tokens"},
+        {&s_rate, "prefill_tokens_per_s"}, {&s_name, "name"}, {&s_recent, "recent"},
+        {&s_capacity, "kv_capacity_tokens"}, {&s_foreign_requests, "foreign_requests"},
+        {&s_foreign_waiting, "foreign_waiting"}, {&s_kv_usage, "kv_usage"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        *names[i].slot = PyUnicode_InternFromString(names[i].name);
+        if (*names[i].slot == NULL) return NULL;
+    }
+    return PyModule_Create(&module);
+}
