@@ -243,3 +243,25 @@ def test_rendezvous_top_and_order_match_max_and_sorted(names, key):
     assert rendezvous.top(key, names) == max(names, key=w, default=None)
     assert rendezvous.top(key, iter(names)) == max(names, key=w, default=None)
     assert rendezvous.order(key, names) == sorted(names, key=w, reverse=True)
+
+
+class OtherInstance(Instance):
+    """Not exactly an Instance: the compiled scan reads its fields with getattr instead of at slot offsets."""
+
+    __slots__ = ()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(instances, min_size=1, max_size=12), st.sampled_from([0.0, 4321.5]), st.booleans())
+def test_the_compiled_scan_reads_other_objects_as_python_does(drawn, mean, hot):
+    if strategies._scan is None:
+        pytest.skip("the compiled scan was not built here")
+    up = []
+    for n, d in enumerate(drawn):
+        inst = (OtherInstance if n % 2 else Instance)(f"i{n}", d["kv"], d["rate"])
+        inst.inflight, inst.queued_prefill_tokens, inst.engine, inst.recent = (d["inflight"], d["queued"],
+                                                                               d["engine"], d["recent"])
+        up.append(inst)
+    miss = {"i0": 10.0, "i1": 0.0}
+    args = (up, miss, 5_000.0, 1_000, mean, 8, 0.5, 2, 0.2 if hot else -1.0, 1.0, 16.0, 2)
+    assert strategies._scan.scan(*args) == strategies.scan_python(*args)

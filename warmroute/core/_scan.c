@@ -5,15 +5,46 @@
  *
  * See scan_python for what each argument means; this computes the same values in the same order of floating-
  * point operations, so both decide alike (tests/test_choose_equivalence.py runs both against a plain loop).
- * Attributes are read from the Instance objects as Python does (an int or a float where the dataclass says
- * so); anything unexpected raises as the Python version would.
+ * Attributes are read as Python reads them (an int or a float where the dataclass says so), except that for
+ * an exact Instance (a dataclass with __slots__, see configure) the fields are read at their slot's offset:
+ * ~1 ns instead of ~20 for a generic attribute lookup, five fields of 64 instances per decision. An empty
+ * slot, or any other object, goes through getattr and raises as Python would.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <math.h>
 
 static PyObject *s_inflight, *s_engine, *s_queued, *s_rate, *s_name, *s_recent, *s_capacity;
 static PyObject *s_foreign_requests, *s_foreign_waiting, *s_kv_usage;
+
+/* The Instance class and its fields' slot offsets (configure); NULL / -1: read with getattr. */
+static PyTypeObject *inst_type = NULL;
+enum { F_INFLIGHT, F_ENGINE, F_QUEUED, F_RATE, F_NAME, F_RECENT, F_CAPACITY, F_COUNT };
+static Py_ssize_t offsets[F_COUNT] = {-1, -1, -1, -1, -1, -1, -1};
+static PyObject **field_names[F_COUNT] = {&s_inflight, &s_engine, &s_queued, &s_rate, &s_name, &s_recent,
+                                          &s_capacity};
+
+/* A new reference to obj's field (or NULL with an exception set, as getattr). */
+static inline PyObject *field(PyObject *obj, int f) {
+    if (offsets[f] >= 0 && Py_IS_TYPE(obj, inst_type)) {
+        PyObject *v = *(PyObject **)((char *)obj + offsets[f]);
+        if (v != NULL) return Py_NewRef(v);
+    }
+    return PyObject_GetAttr(obj, *field_names[f]);
+}
+
+static inline double as_double(PyObject *v) {
+    return PyFloat_CheckExact(v) ? PyFloat_AS_DOUBLE(v) : PyFloat_AsDouble(v);
+}
+
+static int field_double(PyObject *obj, int f, double *out) {
+    PyObject *v = field(obj, f);
+    if (v == NULL) return -1;
+    *out = as_double(v);
+    Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
 
 typedef struct {
     PyObject *inst;    /* borrowed from the list */
@@ -28,7 +59,7 @@ typedef struct {
 static int get_double(PyObject *obj, PyObject *attr, double *out) {
     PyObject *v = PyObject_GetAttr(obj, attr);
     if (v == NULL) return -1;
-    *out = PyFloat_AsDouble(v);
+    *out = as_double(v);
     Py_DECREF(v);
     return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
@@ -44,7 +75,7 @@ static int backlog(PyObject *engine, PyObject *inst, double prompt, double mean,
         usage = PyFloat_AsDouble(kv);
         Py_DECREF(kv);
         if (usage == -1.0 && PyErr_Occurred()) return -1;
-        if (get_double(inst, s_capacity, &capacity) < 0) return -1;
+        if (field_double(inst, F_CAPACITY, &capacity) < 0) return -1;
         double over = prompt - (1.0 - usage) * capacity;
         extra += over > 0.0 ? over : 0.0;  /* max(0.0, over): 0.0 unless over > 0.0 */
     } else {
@@ -55,6 +86,7 @@ static int backlog(PyObject *engine, PyObject *inst, double prompt, double mean,
 }
 
 static PyObject *scan(PyObject *self, PyObject *args) {
+    (void)self;
     PyObject *up, *miss, *result = NULL;
     double miss_all, prompt, mean, balance_factor, hot_factor, hot_slack, slack_tokens;
     long threshold, balance_slack, least_slack;
@@ -80,13 +112,13 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         Row *r = &rows[i];
         r->inst = PyList_GET_ITEM(up, i);
         r->engine = NULL;
-        PyObject *v = PyObject_GetAttr(r->inst, s_inflight);
+        PyObject *v = field(r->inst, F_INFLIGHT);
         if (v == NULL) goto done;
         r->inflight = PyLong_AsLong(v);
         Py_DECREF(v);
         if (r->inflight == -1 && PyErr_Occurred()) goto done;
         r->load = (double)r->inflight;
-        PyObject *engine = PyObject_GetAttr(r->inst, s_engine);
+        PyObject *engine = field(r->inst, F_ENGINE);
         if (engine == NULL) goto done;
         if (engine == Py_None) {
             Py_DECREF(engine);
@@ -98,7 +130,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         }
         total += r->load;
         if (hot) {
-            if (get_double(r->inst, s_recent, &r->recent) < 0) { filled++; goto done; }
+            if (field_double(r->inst, F_RECENT, &r->recent) < 0) { filled++; goto done; }
             sent += r->recent;
         }
     }
@@ -138,24 +170,24 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < m; i++) {
         Row *r = &rows[i];
         double queued, extra, miss_here = miss_all;
-        if (get_double(r->inst, s_queued, &queued) < 0) goto done;
+        if (field_double(r->inst, F_QUEUED, &queued) < 0) goto done;
         if (r->engine != NULL) {
             if (backlog(r->engine, r->inst, prompt, mean, &extra) < 0) goto done;
             queued = queued + extra;
         }
         if (PyDict_GET_SIZE(miss) > 0) {
-            PyObject *name = PyObject_GetAttr(r->inst, s_name);
+            PyObject *name = field(r->inst, F_NAME);
             if (name == NULL) goto done;
             PyObject *got = PyDict_GetItemWithError(miss, name);  /* borrowed */
             Py_DECREF(name);
             if (got != NULL) {
-                miss_here = PyFloat_AsDouble(got);
+                miss_here = as_double(got);
                 if (miss_here == -1.0 && PyErr_Occurred()) goto done;
             } else if (PyErr_Occurred()) {
                 goto done;
             }
         }
-        if (get_double(r->inst, s_rate, &r->rate) < 0) goto done;
+        if (field_double(r->inst, F_RATE, &r->rate) < 0) goto done;
         r->cost = (queued + miss_here) / r->rate;
         if (r->cost < best) best = r->cost;
         if (r->rate < slowest) slowest = r->rate;
@@ -194,8 +226,33 @@ done:
     return result;
 }
 
+/* configure(Instance): remember where its fields live, if they are slots holding objects; returns how many are. */
+static PyObject *configure(PyObject *self, PyObject *type) {
+    (void)self;
+    if (!PyType_Check(type)) {
+        PyErr_SetString(PyExc_TypeError, "configure() takes the Instance class");
+        return NULL;
+    }
+    long found = 0;
+    for (int f = 0; f < F_COUNT; f++) {
+        offsets[f] = -1;
+        PyObject *d = PyDict_GetItemWithError(((PyTypeObject *)type)->tp_dict, *field_names[f]);  /* borrowed */
+        if (d == NULL && PyErr_Occurred()) return NULL;
+        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+            PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+            if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) {
+                offsets[f] = m->offset;
+                found++;
+            }
+        }
+    }
+    Py_XSETREF(inst_type, (PyTypeObject *)Py_NewRef(type));
+    return PyLong_FromLong(found);
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "cache_aware's per-instance scan (see strategies.scan_python)."},
+    {"configure", configure, METH_O, "Read the fields of this Instance class at their slot offsets."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -21,7 +21,7 @@ MEAN_DECAY = 0.01  # weight of one request in the running mean of uncached promp
 RECENT_WINDOW = 64  # requests per instance over which `Instance.recent` fades (by 1/e)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: the compiled cost scan reads its fields at their offsets (core/_scan.c)
 class Instance:
     name: str
     kv_capacity_tokens: int

@@ -151,6 +151,8 @@ try:
     from warmroute.core import _scan
 except ImportError:
     _scan = None
+if _scan is not None:
+    _scan.configure(Instance)
 scan = _scan.scan if _scan is not None else scan_python
 
 
