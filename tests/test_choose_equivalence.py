@@ -265,3 +265,15 @@ def test_the_compiled_scan_reads_other_objects_as_python_does(drawn, mean, hot):
     miss = {"i0": 10.0, "i1": 0.0}
     args = (up, miss, 5_000.0, 1_000, mean, 8, 0.5, 2, 0.2 if hot else -1.0, 1.0, 16.0, 2)
     assert strategies._scan.scan(*args) == strategies.scan_python(*args)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=70, unique=True), st.integers(0, 2**64 - 1),
+       st.booleans())
+def test_the_compiled_top_picks_as_rendezvous_does(names, seed, other_class):
+    """Names never seen (not yet in rendezvous's cache of encoded names), any text, either kind of object."""
+    if strategies._scan is None:
+        pytest.skip("the compiled scan was not built here")
+    tied = [(OtherInstance if other_class and n % 2 else Instance)(name, 1000) for n, name in enumerate(names)]
+    assert strategies._scan.top(seed, tied) is strategies.top_python(seed, tied)
+    assert strategies.top_python(seed, tied).name == rendezvous.top(seed, names)

@@ -226,13 +226,57 @@ done:
     return result;
 }
 
-/* configure(Instance): remember where its fields live, if they are slots holding objects; returns how many are. */
-static PyObject *configure(PyObject *self, PyObject *type) {
+/* rendezvous.py's weight function (xxh3 of the name's bytes, seeded by the key), its cache of names' bytes and
+ * the function that fills it (configure). */
+static PyObject *hash_fn = NULL, *name_bytes = NULL, *encode = NULL;
+
+/* top(seed, instances): the instance whose name rendezvous.top(seed, names) picks: the highest weight, the first
+ * of equal ones. The same weights, computed by the same xxh3 function, without building the list of names. */
+static PyObject *top(PyObject *self, PyObject *args) {
     (void)self;
-    if (!PyType_Check(type)) {
-        PyErr_SetString(PyExc_TypeError, "configure() takes the Instance class");
+    PyObject *seed, *list, *best = NULL;
+    unsigned long long best_weight = 0;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyLong_Type, &seed, &PyList_Type, &list)) return NULL;
+    if (hash_fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_scan.configure() was not called");
         return NULL;
     }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+        PyObject *inst = PyList_GET_ITEM(list, i);
+        PyObject *name = field(inst, F_NAME);
+        if (name == NULL) return NULL;
+        PyObject *raw = PyDict_GetItemWithError(name_bytes, name);  /* borrowed */
+        if (raw != NULL) {
+            Py_INCREF(raw);
+        } else if (!PyErr_Occurred()) {
+            raw = PyObject_CallOneArg(encode, name);  /* a name not seen before: encoded and cached */
+        }
+        Py_DECREF(name);
+        if (raw == NULL) return NULL;
+        PyObject *argv[2] = {raw, seed};
+        PyObject *w = PyObject_Vectorcall(hash_fn, argv, 2, NULL);
+        Py_DECREF(raw);
+        if (w == NULL) return NULL;
+        unsigned long long weight = PyLong_AsUnsignedLongLong(w);
+        Py_DECREF(w);
+        if (weight == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+        if (best == NULL || weight > best_weight) {
+            best = inst;
+            best_weight = weight;
+        }
+    }
+    return Py_NewRef(best != NULL ? best : Py_None);
+}
+
+/* configure(Instance, hash_fn, name_bytes, encode): remember where Instance's fields live, if they are slots
+ * holding objects, and rendezvous's weight function; returns how many fields are read at their offsets. */
+static PyObject *configure(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *type, *fn, *cache, *enc;
+    if (!PyArg_ParseTuple(args, "O!OO!O", &PyType_Type, &type, &fn, &PyDict_Type, &cache, &enc)) return NULL;
+    Py_XSETREF(hash_fn, Py_NewRef(fn));
+    Py_XSETREF(name_bytes, Py_NewRef(cache));
+    Py_XSETREF(encode, Py_NewRef(enc));
     long found = 0;
     for (int f = 0; f < F_COUNT; f++) {
         offsets[f] = -1;
@@ -252,7 +296,8 @@ static PyObject *configure(PyObject *self, PyObject *type) {
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "cache_aware's per-instance scan (see strategies.scan_python)."},
-    {"configure", configure, METH_O, "Read the fields of this Instance class at their slot offsets."},
+    {"top", top, METH_VARARGS, "The instance rendezvous.top(seed, their names) picks (see rendezvous.py)."},
+    {"configure", configure, METH_VARARGS, "Instance's slot offsets and rendezvous's weight function."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,8 +13,9 @@ from itertools import repeat
 import xxhash
 
 _M64 = (1 << 64) - 1
-_hash = xxhash.xxh3_64_intdigest
+_hash = hash_fn = xxhash.xxh3_64_intdigest  # hash_fn(name bytes, key): the weight (also called from core/_scan.c)
 _name_bytes: dict[str, bytes] = {}
+name_bytes_cache = _name_bytes
 
 
 def _encoded(name: str) -> bytes:
@@ -22,6 +23,9 @@ def _encoded(name: str) -> bytes:
     if b is None:
         b = _name_bytes[name] = name.encode("utf-8", "surrogatepass")
     return b
+
+
+encoded = _encoded
 
 
 def weight(key: int, name: str) -> int:

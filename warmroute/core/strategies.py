@@ -34,6 +34,9 @@ AFFINITY = "affinity"  # the prefix's or session's own instance (prefix, session
 REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
 
 
+_M64 = (1 << 64) - 1
+
+
 class NoInstanceAvailable(Exception):
     """No healthy instance to route to (the shell answers 503)."""
 
@@ -151,9 +154,16 @@ try:
     from warmroute.core import _scan
 except ImportError:
     _scan = None
+def top_python(seed: int, tied: list[Instance]) -> Instance:
+    """The tied instance the seed's rendezvous order puts first (rendezvous.top over their names)."""
+    name = rendezvous.top(seed, [i.name for i in tied])
+    return next(i for i in tied if i.name == name)
+
+
 if _scan is not None:
-    _scan.configure(Instance)
+    _scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes_cache, rendezvous.encoded)
 scan = _scan.scan if _scan is not None else scan_python
+top = _scan.top if _scan is not None else top_python
 
 
 class Strategy:
@@ -310,8 +320,7 @@ class CacheAwareStrategy(Strategy):
                      s.balance_slack if s.cold_to_least_loaded else -1)
         if found is None:  # everyone is at the guard: least loaded, whatever it holds
             return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
-        inst = found if isinstance(found, Instance) else fleet.instances[
-            rendezvous.top(key.prefix_hash(s.prefix_length), [i.name for i in found])]
+        inst = found if isinstance(found, Instance) else top(key.prefix_hash(s.prefix_length) & _M64, found)
         return self._decision(inst, self._reason(inst, depths), depths, block_tokens, prompt, blocks)
 
     def miss_weight_for(self, depths: dict[str, int]) -> float:
