@@ -277,3 +277,23 @@ def test_the_compiled_top_picks_as_rendezvous_does(names, seed, other_class):
     tied = [(OtherInstance if other_class and n % 2 else Instance)(name, 1000) for n, name in enumerate(names)]
     assert strategies._scan.top(seed, tied) is strategies.top_python(seed, tied)
     assert strategies.top_python(seed, tied).name == rendezvous.top(seed, names)
+
+
+def test_the_compiled_scan_raises_as_python_does_on_objects_it_cannot_read():
+    """Internal functions, but a wrong argument must raise, not crash the router."""
+    if strategies._scan is None:
+        pytest.skip("the compiled scan was not built here")
+    good = Instance("a", 1000)
+    args = (1_000.0, 10, 0.0, 8, 1.0, 4, 0.2, 1.0, 16.0, 4)
+    for up in ([good, object()], [object(), good]):
+        with pytest.raises(AttributeError):
+            strategies._scan.scan(up, {}, *args)
+        with pytest.raises(AttributeError):
+            strategies.scan_python(up, {}, *args)
+    with pytest.raises(TypeError):
+        strategies._scan.scan([good], {"a": "not a number"}, *args)
+    with pytest.raises(ValueError):
+        strategies._scan.scan([], {}, *args)
+    with pytest.raises(AttributeError):
+        strategies._scan.top(1, [good, 5])
+    assert strategies._scan.top(1, []) is None
