@@ -79,7 +79,7 @@ class StrategySettings:
     # A hot prefix (one carrying at least 1/N of the recent requests) skips the instances that were sent more
     # than (1+δ) x the mean of recent requests, plus a slack: a further copy of it spreads its load. Without
     # it, at a load where queues stay short, a prompt on 60% of requests stayed on two instances (request
-    # counts 1.4-1.6x the mean in the simulator; 1.16-1.22 with δ = 0.2, same hit rate; docs/benchmarks.md).
+    # counts 1.3-1.6x the mean in the simulator; 1.20-1.25 with δ = 0.2, same hit rate; benchmarks/hot_guard.py).
     hot_balance_factor: float = 0.2  # δ
     hot_balance_slack: float = 4.0  # requests
     cold_to_least_loaded: bool = True
@@ -148,18 +148,19 @@ def scan_python(up: list[Instance], miss: dict[str, float], miss_all: float, pro
     return tied[0] if len(tied) == 1 else tied
 
 
-try:
-    if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
-        raise ImportError("WARMROUTE_PURE_PYTHON=1")
-    from warmroute.core import _scan
-except ImportError:
-    _scan = None
 def top_python(seed: int, tied: list[Instance]) -> Instance:
     """The tied instance the seed's rendezvous order puts first (rendezvous.top over their names)."""
     name = rendezvous.top(seed, [i.name for i in tied])
     return next(i for i in tied if i.name == name)
 
 
+# The compiled versions (core/_scan.c), where a C compiler was found at install: the same decisions.
+try:
+    if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
+        raise ImportError("WARMROUTE_PURE_PYTHON=1")
+    from warmroute.core import _scan
+except ImportError:
+    _scan = None
 if _scan is not None:
     _scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes_cache, rendezvous.encoded)
 scan = _scan.scan if _scan is not None else scan_python
