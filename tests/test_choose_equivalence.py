@@ -46,7 +46,7 @@ def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet
     fair = under
     if depths and blocks and strategy.popularity.share(blocks[min(deepest, len(blocks)) - 1]) * len(up) >= 1.0:
         share_cap = ((1 + s.hot_balance_factor) * sum(i.recent for i in up) / len(up)
-                     + s.hot_balance_slack * fleet.recent_unit)
+                     + s.hot_balance_slack * fleet.recent_unit.value)
         fair = [i for i in under if i.recent <= share_cap] or under
     for n, i in loads:
         if n >= cap or i not in fair:
@@ -169,7 +169,7 @@ def test_the_compiled_scan_is_built_where_required():
 def test_choose_decides_as_the_reference_rule(each_scan, drawn, s, prompt, mean_uncached, stray_depths, hot,
                                               unit):
     f, depths = make_fleet(drawn, mean_uncached)
-    f.recent_unit = unit
+    f.recent_unit.value = unit
     depths.update(stray_depths)  # names the fleet does not know: ignored by both
     strategy = GivenDepths(s, depths)
     k = key_for_json("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": prompt}]})
@@ -189,7 +189,7 @@ def test_choose_decides_as_the_reference_rule(each_scan, drawn, s, prompt, mean_
 def test_choose_for_a_hot_prefix_decides_as_the_reference_rule(each_scan, drawn, s, depth, prompt, unit):
     """A prefix on every recent request: the guard on recent requests applies."""
     f, depths = make_fleet(drawn, 500.0)
-    f.recent_unit = unit
+    f.recent_unit.value = unit
     depths["i0"] = depth
     strategy = GivenDepths(s, depths)
     k = key_for_json("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": prompt}]})

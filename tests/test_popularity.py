@@ -29,7 +29,7 @@ def test_weights_are_rescaled_before_they_overflow():
     p = Popularity()
     for _ in range(20_000):  # a window of 2: each count is worth 1.5x the one before
         p.add(7, 2)
-    assert p.share(7) == 1.0 and math.isfinite(p._unit) and p._unit <= 1e100
+    assert p.share(7) == 1.0 and math.isfinite(p._unit.value) and p._unit.value <= 1e100
 
 
 @given(st.lists(st.integers(0, 50_000), min_size=1, max_size=3000))
@@ -88,3 +88,16 @@ def test_a_conversation_is_not_moved_by_the_guard():
         history += f"user: turn {turn} asks something new. assistant: an answer of some length. " * 3
         homes.add(_route(strategy, fleet, key_for_json("/v1/completions", {"prompt": history})))
     assert len(homes) == 1
+
+
+def test_instances_recent_requests_keep_their_ratios_through_a_rescale():
+    fleet = Fleet(FleetSettings())
+    for j in range(2):
+        fleet.add(f"i{j}", 10**7)
+    fleet.recent_unit.value = 1e99  # close to the rescale: the next few requests cross it
+    for n in range(300):
+        fleet.dispatched("i0" if n % 3 else "i1", 0)
+    a, b = fleet.instances["i0"].recent, fleet.instances["i1"].recent
+    assert fleet.recent_unit.value < 1e99 and math.isfinite(a) and 1.5 < a / b < 2.5
+    # counts and unit were divided by the same factor: i0's count is still about 2/3 of a window (128) of units
+    assert 40 * fleet.recent_unit.value < a < 130 * fleet.recent_unit.value

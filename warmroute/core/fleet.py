@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from warmroute.core import feedback as fb
 from warmroute.core.engine_load import EngineLoad, observe
+from warmroute.core.fading import FadingUnit
 from warmroute.core.block_hash import BLOCK_BYTES_DEFAULT
 from warmroute.core.prefix_index import BYTES_PER_ENTRY, PrefixIndex
 from warmroute.core.routing_key import BYTES_PER_TOKEN
@@ -32,7 +33,7 @@ class Instance:
     queued_prefill_tokens: float = 0.0  # uncached prompt tokens sent here that have not had a first token
     pending: int = 0  # requests sent here that have not had a first token
     requests_total: int = 0
-    recent: float = 0.0  # requests sent here lately, decayed (in units of Fleet.recent_unit: a request sent now)
+    recent: float = 0.0  # requests sent here lately, fading (in units of Fleet.recent_unit.value)
     engine: EngineLoad | None = None  # load the engine itself reports (scraped /metrics); None: unknown
     models: frozenset[str] | None = None  # the models it serves (its /v1/models, or configured); None: unknown
 
@@ -57,9 +58,7 @@ class Fleet:
     index: PrefixIndex = field(init=False)
     cache_scale: fb.CapacityScale = field(default_factory=fb.CapacityScale)  # learnt from engine feedback
     mean_uncached_tokens: float = 0.0  # per request sent, a running mean (sizes other routers' queued requests)
-    # Instance.recent: rather than fading every instance's count on every request, each request counts
-    # (1 + 1/window) times the one before (one addition per request); rescaled long before it could overflow.
-    recent_unit: float = field(default=1.0, init=False)
+    recent_unit: FadingUnit = field(default_factory=FadingUnit, init=False)  # the unit of Instance.recent
     # model -> names of the instances that may serve it, or None where any may (see `serving`); rebuilt lazily
     _serving: dict[str, frozenset[str] | None] = field(default_factory=dict, init=False, repr=False)
 
@@ -138,12 +137,11 @@ class Fleet:
         inst.inflight += 1
         inst.pending += 1
         inst.requests_total += 1
-        inst.recent += self.recent_unit
-        self.recent_unit *= 1.0 + 1.0 / (RECENT_WINDOW * len(self.instances))
-        if self.recent_unit > 1e100:
+        inst.recent += self.recent_unit.value
+        factor = self.recent_unit.advance(RECENT_WINDOW * len(self.instances))
+        if factor is not None:
             for i in self.instances.values():
-                i.recent /= self.recent_unit
-            self.recent_unit = 1.0
+                i.recent /= factor
         inst.queued_prefill_tokens += uncached_tokens
         self.mean_uncached_tokens += MEAN_DECAY * (uncached_tokens - self.mean_uncached_tokens)
         if blocks:

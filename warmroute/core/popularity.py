@@ -1,19 +1,19 @@
 """Which prefixes carry a large share of the recent requests (a hot system prompt), for cache_aware's guard.
 
-Counts fade exponentially over a window of requests. Rather than fading every count on every request, each
-request counts (1 + 1/window) times the one before, so counting is one addition; the weights are rescaled long
-before they could overflow. Memory is bounded: past `max_keys` prefixes, those worth less than a few requests
-are dropped (a prefix that matters is worth many).
+Counts fade exponentially over a window of requests (core/fading.py). Memory is bounded: past `max_keys`
+prefixes, those worth less than a few requests are dropped (a prefix that matters is worth many).
 """
 
 from __future__ import annotations
+
+from warmroute.core.fading import FadingUnit
 
 
 class Popularity:
     def __init__(self, max_keys: int = 4096) -> None:
         self.max_keys = max_keys
         self._counts: dict[int, float] = {}
-        self._unit = 1.0  # the weight of a request counted now
+        self._unit = FadingUnit()
         self._total = 0.0  # every request counted, with or without a prefix
 
     def share(self, prefix: int) -> float:
@@ -22,18 +22,17 @@ class Popularity:
 
     def add(self, prefix: int | None, window: float) -> None:
         """One request, for this prefix (None: a request with none worth counting)."""
-        unit = self._unit
+        unit = self._unit.value
         self._total += unit
         if prefix is not None:
             counts = self._counts
             counts[prefix] = counts.get(prefix, 0.0) + unit
             if len(counts) > self.max_keys:
                 self._counts = {k: v for k, v in counts.items() if v > 4 * unit}
-        self._unit = unit * (1.0 + 1.0 / max(1.0, window))
-        if self._unit > 1e100:
-            self._counts = {k: v / self._unit for k, v in self._counts.items()}
-            self._total /= self._unit
-            self._unit = 1.0
+        factor = self._unit.advance(window)
+        if factor is not None:
+            self._counts = {k: v / factor for k, v in self._counts.items()}
+            self._total /= factor
 
     def __len__(self) -> int:
         return len(self._counts)

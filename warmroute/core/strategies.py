@@ -317,7 +317,7 @@ class CacheAwareStrategy(Strategy):
                 for name, depth in depths.items()}
         found = scan(up, miss, miss_all, prompt, fleet.mean_uncached_tokens, s.concurrency_threshold,
                      s.balance_factor, s.balance_slack, s.hot_balance_factor if hot else -1.0,
-                     s.hot_balance_slack * fleet.recent_unit, alpha * block_tokens,
+                     s.hot_balance_slack * fleet.recent_unit.value, alpha * block_tokens,
                      s.balance_slack if s.cold_to_least_loaded else -1)
         if found is None:  # everyone is at the guard: least loaded, whatever it holds
             return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
