@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -145,6 +146,7 @@ def test_engine_feedback_recovers_a_misconfigured_kv_capacity():
     (["--scale-at", "ten:+1"], "--scale-at"),
     (["--sweep", "colour=1,2"], "--sweep"),
     (["--router-kv-capacity-tokens", "10"], "--router-kv-capacity-tokens"),
+    (["--hot-balance-factor", "-1"], "--hot-balance-factor"),
     (["--workload", "nope"], "unknown workload"),
     (["--workload", "trace", "--trace", "/nonexistent.jsonl"], "cannot read trace"),
 ])
@@ -162,6 +164,16 @@ def test_cli_sweep_reports_the_winner():
     assert p.returncode == 0, p.stderr
     assert "prefix_length=1024" in p.stdout and "prefix_length=8192" in p.stdout
     assert "best setting for cache_aware by TTFT p50: prefix_length=" in p.stdout
+
+
+def test_cli_sweeps_the_hot_prefix_guard():
+    p = subprocess.run([sys.executable, "-m", "warmroute", "simulate", "--workload", "hot", "--param", "hot=0.6",
+                        "--instances", "4", "--kv-capacity-tokens", "10240", "--max-running", "8", "--max-tokens",
+                        "2", "--rate", "25", "--requests", "2000", "--strategies", "cache_aware", "--json",
+                        "--sweep", "hot_balance_factor=0.2,1000"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    spread = {r["setting"]: r["results"][0]["load_spread"] for r in json.loads(p.stdout)}
+    assert spread["hot_balance_factor=0.2"] <= 1.3 < spread["hot_balance_factor=1000.0"]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -36,6 +36,7 @@ class SimSettings:
     prefix_length: int = 4096
     concurrency_threshold: int = 32
     balance_factor: float = StrategySettings.balance_factor
+    hot_balance_factor: float = StrategySettings.hot_balance_factor
     requests: int = 10_000
     rate: float | None = None  # open loop (Poisson sessions per second); None with no concurrency: the trace's
     concurrency: int | None = None  # closed loop: this many sessions in flight
@@ -60,7 +61,8 @@ class SimSettings:
 
     def strategy_settings(self, block_bytes: int) -> StrategySettings:
         return StrategySettings(prefix_length=self.prefix_length, concurrency_threshold=self.concurrency_threshold,
-                                balance_factor=self.balance_factor, block_bytes=block_bytes)
+                                balance_factor=self.balance_factor, hot_balance_factor=self.hot_balance_factor,
+                                block_bytes=block_bytes)
 
 
 @dataclass
