@@ -18,7 +18,7 @@ from warmroute.core.engine_load import EngineLoad, backlog_tokens, foreign_reque
 from warmroute.core import strategies
 from warmroute.core.fleet import RECENT_WINDOW, Fleet, FleetSettings, Instance
 from warmroute.core.routing_key import RoutingKey, key_for_json
-from warmroute.core.strategies import (CacheAwareStrategy, Decision, NoInstanceAvailable, OVERLOAD_SPILL,
+from warmroute.core.strategies import (HOT_SPREAD, CacheAwareStrategy, Decision, NoInstanceAvailable, OVERLOAD_SPILL,
                                        StrategySettings)
 
 
@@ -44,7 +44,9 @@ def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet
     # (1+δ) x the mean of recent requests + slack, unless every candidate was.
     under = [i for n, i in loads if not n >= cap]
     fair = under
-    if depths and blocks and strategy.popularity.share(blocks[min(deepest, len(blocks)) - 1]) * len(up) >= 1.0:
+    hot = bool(depths and blocks
+               and strategy.popularity.share(blocks[min(deepest, len(blocks)) - 1]) * len(up) >= 1.0)
+    if hot:
         share_cap = ((1 + s.hot_balance_factor) * sum(i.recent for i in up) / len(up)
                      + s.hot_balance_slack * fleet.recent_unit.value)
         fair = [i for i in under if i.recent <= share_cap] or under
@@ -73,7 +75,10 @@ def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet
         hash_key = key.prefix_hash(s.prefix_length)
         name = max((i.name for i in tied), key=lambda n: rendezvous.weight(hash_key, n))
     inst = fleet.instances[name]
-    return strategy._decision(inst, strategy._reason(inst, depths), depths, block_tokens, prompt, blocks)
+    reason = strategy._reason(inst, depths)
+    if hot and reason == OVERLOAD_SPILL and any(i.recent > share_cap for i in up if depths.get(i.name) == deepest):
+        reason = HOT_SPREAD  # the hot-prefix guard, not the queue, kept a holder of the deepest match out
+    return strategy._decision(inst, reason, depths, block_tokens, prompt, blocks)
 
 
 class GivenDepths(CacheAwareStrategy):

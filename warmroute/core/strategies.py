@@ -28,10 +28,11 @@ from warmroute.core.routing_key import RoutingKey
 CACHE_HIT = "cache_hit"  # chosen for the prefix it already holds
 COLD = "cold"  # nobody holds the prefix: placed by rendezvous hashing
 OVERLOAD_SPILL = "overload_spill"  # the preferred instance was too busy: sent elsewhere
+HOT_SPREAD = "hot_spread"  # a hot prefix copied to one more instance: its holders already had their share
 UNHEALTHY_FALLBACK = "unhealthy_fallback"  # the preferred instance is down or draining
 LOAD_BALANCE = "load_balance"  # a load-only strategy chose (least_loaded, round_robin, random)
 AFFINITY = "affinity"  # the prefix's or session's own instance (prefix, session)
-REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
+REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
 
 
 _M64 = (1 << 64) - 1
@@ -115,6 +116,11 @@ def _routable(fleet: Fleet, model: str | None = None) -> list[Instance]:
     return up
 
 
+def share_cap(up: list[Instance], hot_factor: float, hot_slack: float) -> float:
+    """The most recent requests an instance may have been sent and still take a hot prefix's next one."""
+    return (1 + hot_factor) * sum([i.recent for i in up]) / len(up) + hot_slack
+
+
 def scan_python(up: list[Instance], miss: dict[str, float], miss_all: float, prompt: int, mean: float,
                 threshold: int, balance_factor: float, balance_slack: int, hot_factor: float, hot_slack: float,
                 slack_tokens: float, least_slack: int) -> Instance | list[Instance] | None:
@@ -131,8 +137,8 @@ def scan_python(up: list[Instance], miss: dict[str, float], miss_all: float, pro
     if not candidates:
         return None
     if hot_factor >= 0:  # a hot prefix: not onto an instance already sent more than its share
-        share_cap = (1 + hot_factor) * sum([i.recent for i in up]) / len(up) + hot_slack
-        candidates = [i for i in candidates if i.recent <= share_cap] or candidates
+        cap_recent = share_cap(up, hot_factor, hot_slack)
+        candidates = [i for i in candidates if i.recent <= cap_recent] or candidates
     get = miss.get
     # Prefill queued ahead (the router's books, plus what the engine reports beyond them) plus this request's
     # own, over the prefill rate; the engine's term only where it reported.
@@ -322,7 +328,10 @@ class CacheAwareStrategy(Strategy):
         if found is None:  # everyone is at the guard: least loaded, whatever it holds
             return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
         inst = found if isinstance(found, Instance) else top(key.prefix_hash(s.prefix_length) & _M64, found)
-        return self._decision(inst, self._reason(inst, depths), depths, block_tokens, prompt, blocks)
+        reason = self._reason(inst, depths)
+        if reason == OVERLOAD_SPILL and hot and self._holders_had_their_share(up, depths, fleet):
+            reason = HOT_SPREAD
+        return self._decision(inst, reason, depths, block_tokens, prompt, blocks)
 
     def miss_weight_for(self, depths: dict[str, int]) -> float:
         """α for this request: private (one instance holds its deepest match) or shared (several, or none)."""
@@ -341,6 +350,14 @@ class CacheAwareStrategy(Strategy):
             return COLD
         # Not the deepest match: a better-placed instance was over the guard, down, or had a longer queue.
         return CACHE_HIT if depths.get(inst.name, 0) == max(depths.values()) else OVERLOAD_SPILL
+
+    def _holders_had_their_share(self, up: list[Instance], depths: dict[str, int], fleet: Fleet) -> bool:
+        """Whether the hot-prefix guard kept a holder of the deepest match out (else: the queue or the load
+        guard did)."""
+        cap = share_cap(up, self.settings.hot_balance_factor,
+                        self.settings.hot_balance_slack * fleet.recent_unit.value)
+        deepest = max(depths.values())
+        return any(i.recent > cap for i in up if depths.get(i.name) == deepest)
 
     @staticmethod
     def _decision(inst: Instance, reason: str, depths: dict[str, int], block_tokens: int, prompt: int,

@@ -22,8 +22,8 @@ REFERENCES = ("oracle", "pooled", "sglang_like")
 # Settings a --sweep may vary, with their type.
 SWEEPABLE = {f.name: f.type for f in dataclasses.fields(SimSettings)
              if f.name in ("instances", "kv_capacity_tokens", "router_kv_capacity_tokens", "prefix_length",
-                           "concurrency_threshold", "balance_factor", "hot_balance_factor", "max_running", "rate", "concurrency",
-                           "speedup")}
+                           "concurrency_threshold", "balance_factor", "hot_balance_factor", "max_running", "rate",
+                           "concurrency", "speedup")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +90,8 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
         max_running=args.max_running, router_kv_capacity_tokens=args.router_kv_capacity_tokens,
         feedback=args.feedback, prefix_length=args.prefix_length,
         concurrency_threshold=args.concurrency_threshold, balance_factor=args.balance_factor,
-        hot_balance_factor=args.hot_balance_factor, requests=args.requests, rate=args.rate, concurrency=closed, speedup=args.speedup,
+        hot_balance_factor=args.hot_balance_factor, requests=args.requests, rate=args.rate, concurrency=closed,
+        speedup=args.speedup,
         scale_events=[_scale_event(s) for s in args.scale_at], seed=args.seed)
 
 
