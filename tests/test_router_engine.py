@@ -72,6 +72,8 @@ async def test_concurrent_load_on_one_prefix_spills_but_stays_cached(engines):
             results = await asyncio.gather(*(ask(client, router.url, _chat(9, q)) for q in range(1, 25)))
         instances = [r[0] for r in results]
         assert instances.count(first) >= len(results) // 3  # the holder keeps most of its prefix's traffic
+        # a prefix on every request is hot: once its holder had its share, copies go elsewhere, and say so
+        assert "hot_spread" in {r[1] for r in results} and len(set(instances)) > 1
         hits = sum(1 for r in results if r[2] > 0)
         assert hits >= len(results) // 2
     finally:
