@@ -13,33 +13,30 @@ from itertools import repeat
 import xxhash
 
 _M64 = (1 << 64) - 1
-_hash = hash_fn = xxhash.xxh3_64_intdigest  # hash_fn(name bytes, key): the weight (also called from core/_scan.c)
-_name_bytes: dict[str, bytes] = {}
-name_bytes_cache = _name_bytes
+# The weight of (key, name) is hash_fn(encoded(name), key); core/_scan.c computes it with these same three.
+hash_fn = xxhash.xxh3_64_intdigest
+name_bytes: dict[str, bytes] = {}  # encoded names, cached
 
 
-def _encoded(name: str) -> bytes:
-    b = _name_bytes.get(name)
+def encoded(name: str) -> bytes:
+    b = name_bytes.get(name)
     if b is None:
-        b = _name_bytes[name] = name.encode("utf-8", "surrogatepass")
+        b = name_bytes[name] = name.encode("utf-8", "surrogatepass")
     return b
-
-
-encoded = _encoded
 
 
 def weight(key: int, name: str) -> int:
     """The (key, instance) weight: xxh3 of the name, seeded by the key (one C call)."""
-    return _hash(_encoded(name), key & _M64)
+    return hash_fn(encoded(name), key & _M64)
 
 
 def _weights(key: int, names: Sequence[str]) -> list[int]:
     """weight(key, n) for every name, looped in C (map) rather than in Python: ≈ 40 ns a name instead of ≈ 150."""
     try:
-        raw = list(map(_name_bytes.__getitem__, names))
+        raw = list(map(name_bytes.__getitem__, names))
     except KeyError:  # a name not seen before
-        raw = [_encoded(n) for n in names]
-    return list(map(_hash, raw, repeat(key & _M64)))
+        raw = [encoded(n) for n in names]
+    return list(map(hash_fn, raw, repeat(key & _M64)))
 
 
 def top(key: int, names: Iterable[str]) -> str | None:

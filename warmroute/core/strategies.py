@@ -35,9 +35,6 @@ AFFINITY = "affinity"  # the prefix's or session's own instance (prefix, session
 REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
 
 
-_M64 = (1 << 64) - 1
-
-
 class NoInstanceAvailable(Exception):
     """No healthy instance to route to (the shell answers 503)."""
 
@@ -168,7 +165,7 @@ try:
 except ImportError:
     _scan = None
 if _scan is not None:
-    _scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes_cache, rendezvous.encoded)
+    _scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes, rendezvous.encoded)
 scan = _scan.scan if _scan is not None else scan_python
 top = _scan.top if _scan is not None else top_python
 
@@ -327,7 +324,7 @@ class CacheAwareStrategy(Strategy):
                      s.balance_slack if s.cold_to_least_loaded else -1)
         if found is None:  # everyone is at the guard: least loaded, whatever it holds
             return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
-        inst = found if isinstance(found, Instance) else top(key.prefix_hash(s.prefix_length) & _M64, found)
+        inst = found if isinstance(found, Instance) else top(key.prefix_hash(s.prefix_length), found)
         reason = self._reason(inst, depths)
         if reason == OVERLOAD_SPILL and hot and self._holders_had_their_share(up, depths, fleet):
             reason = HOT_SPREAD
