@@ -234,6 +234,27 @@ def test_demo_runs_a_strategy_and_stops_its_processes(monkeypatch, capsys):
     assert len(started) == 2 and all(c.proc.poll() is not None for c in started)
 
 
+def test_free_ports_stay_below_the_ephemeral_range_and_skip_taken_ones(monkeypatch, tmp_path):
+    """Ports for children come from below the range the kernel gives outgoing connections (which could take a
+    port between our check and the child's bind), start where asked, and step over a port already bound."""
+    import socket
+
+    from warmroute.bench import processes
+
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t60999\n")
+    monkeypatch.setattr(processes, "_EPHEMERAL_RANGE", ranges)
+    port = processes.free_ports(3)
+    assert 10000 <= port and port + 3 <= 40000
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        taken.listen()
+        assert processes.free_ports(1, busy) > busy
+        assert processes.free_ports(2, busy - 1) >= busy + 1
+    assert processes.free_ports(3, 39999) >= 40000  # no room for three below the range: above it, never below start
+
+
 async def test_requests_still_running_after_the_drain_are_unfinished_errors(aiohttp_server):
     server = await aiohttp_server(FakeEngine(tokens=1000).app())  # 5 s per request
     url = str(server.make_url("")).rstrip("/")

@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from test_router_proxy import CHAT, Upstream, router_for
+from warmroute.bench.processes import free_ports
 from warmroute.router.app import ROUTER
 
 # A stand-in instance in its own process, so it can really be killed (SIGKILL: no FIN handshake niceties,
@@ -57,12 +58,6 @@ async def _spawn_killable(port: int) -> asyncio.subprocess.Process:
     return proc
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _until(cond, timeout: float) -> float:
     """Seconds until `cond()` holds (AssertionError after `timeout`)."""
     start = time.monotonic()
@@ -94,7 +89,7 @@ async def test_instance_killed_mid_stream():
     sent after the kill all go to the survivor (none lost); the instance is ejected within one health
     interval and taken back within one interval of coming back on the same port."""
     interval = 0.5
-    port = _free_port()
+    port = free_ports(1)
     proc = await _spawn_killable(port)
     b = await _sse_upstream("b")
     a_url = f"http://127.0.0.1:{port}"

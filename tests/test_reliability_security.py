@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from test_router_proxy import CHAT, Upstream, router_for
+from warmroute.bench.processes import free_ports
 from warmroute.router import auth
 
 MARKER = "zq-PROMPT-MARKER-7781"
@@ -83,9 +84,7 @@ async def test_clients_see_instance_names_never_addresses():
         await asyncio.sleep(2)
         return web.Response(text="late")
 
-    with __import__("socket").socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    dead_port = free_ports(1)  # a port nobody listens on
     router = await router_for(a, backends=[f"a={a.url}", f"dead=http://127.0.0.1:{dead_port}"],
                               first_byte_timeout=0.2, strategy="round_robin")
     addresses = (str(a.port), str(dead_port))

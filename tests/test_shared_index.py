@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 
 from client_helpers import StubEngine
+from warmroute.bench.processes import free_ports
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -36,19 +37,13 @@ def test_messages_round_trip_and_malformed_ones_are_refused():
             unpack(bad)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def redis_url():
     pytest.importorskip("redis", reason="the redis package is not installed (pip install 'warmroute[redis]')")
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run installs it)")
-    port = free_port()
+    port = free_ports(1)
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
@@ -71,7 +66,7 @@ async def test_replicas_learn_each_others_prefixes(redis_url):
     engines = [await StubEngine(f"gpu-{i}").start() for i in range(4)]
     values = {"backends": [f"{e.name}={e.url}" for e in engines], "port": 0, "health_interval": 3600,
               "engine_metrics": False, "engine_feedback": False, "redis_url": redis_url,
-              "redis_channel": f"test:{free_port()}"}
+              "redis_channel": f"test:{free_ports(1)}"}
     a = await start_router(load_settings(values, env={}))
     b = await start_router(load_settings(values, env={}))
     lone = await start_router(load_settings({**values, "redis_url": None}, env={}))
@@ -104,7 +99,7 @@ async def test_a_router_whose_redis_is_down_still_serves():
     engine = await StubEngine("gpu-0").start()
     router = await start_router(load_settings({
         "backends": [f"gpu-0={engine.url}"], "port": 0, "health_interval": 3600, "engine_metrics": False,
-        "redis_url": f"redis://127.0.0.1:{free_port()}/0"}, env={}))
+        "redis_url": f"redis://127.0.0.1:{free_ports(1)}/0"}, env={}))
     try:
         async with aiohttp.ClientSession() as client:
             async with client.post(router.url + "/v1/chat/completions", json=PROMPT) as r:

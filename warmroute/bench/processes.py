@@ -83,15 +83,35 @@ class Child:
                 await asyncio.sleep(0.05)
 
 
+# Ports handed out below the kernel's ephemeral range: a port picked there can be taken, between our check and
+# the child's bind, by any outgoing connection on the machine (a CI run lost a router start to that).
+_LOWEST_PORT = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_ports(count: int, start: int | None = None) -> int:
     """The first port p >= start with p .. p+count-1 all free on 127.0.0.1 (racy, but fine for a demo).
-    The default start depends on the process id, so demos running side by side rarely collide."""
-    port = start if start is not None else 20000 + (os.getpid() % 3000) * 10
-    while port + count < 65536:
-        if all(_free(p) for p in range(port, port + count)):
-            return port
-        port += count
+    The default start depends on the process id, so demos running side by side rarely collide; ports are
+    looked for below the ephemeral range first, where outgoing connections do not take them."""
+    ceiling = _ephemeral_floor()
+    if start is None:
+        slots = max(1, (ceiling - _LOWEST_PORT) // 10 - 100)
+        start = _LOWEST_PORT + (os.getpid() % slots) * 10
+    for low, high in ((start, ceiling), (max(start, ceiling), 65536)):
+        port = low
+        while port + count <= high:
+            if all(_free(p) for p in range(port, port + count)):
+                return port
+            port += count
     raise UsageError("no free local ports")
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (32768 where it cannot be read)."""
+    try:
+        return max(_LOWEST_PORT + 2000, int(_EPHEMERAL_RANGE.read_text().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _free(port: int) -> bool:
