@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from warmroute.core.block_cache import BlockCache
-from warmroute.core.prefix_index import PrefixIndex
+from warmroute.core.prefix_index import STORES
 
 
 class ModelCache:
@@ -120,11 +120,11 @@ index_ops = st.lists(st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 120), index_ops)
-def test_prefix_index_owner_bits_follow_the_caches(max_entries, operations):
+@given(st.sampled_from(STORES), st.integers(1, 120), index_ops)
+def test_prefix_index_owner_bits_follow_the_caches(store, max_entries, operations):
     """A block's owner mask has exactly the bits of the instances whose cache holds it; no empty masks."""
     chains = [list(range(1000 * c, 1000 * c + 25)) for c in range(3)] + [list(range(24, -1, -1))]  # 3 shares 0's
-    idx = PrefixIndex(max_entries)
+    idx = store(max_entries)
     for name in "ab":
         idx.add_instance(name, 30)
     for op, name, *args in operations:
@@ -139,7 +139,7 @@ def test_prefix_index_owner_bits_follow_the_caches(max_entries, operations):
         else:
             idx.add_instance(name, args[0])
         expected: dict[int, int] = {}
-        for n, cache in idx._caches.items():
-            for h in cache.lru_order():
-                expected[h] = expected.get(h, 0) | idx._bit[n]
-        assert idx._owners == expected
+        for n, slot in idx._slot.items():
+            for h in idx.lru_order(n):
+                expected[h] = expected.get(h, 0) | 1 << slot
+        assert idx.owner_masks() == expected

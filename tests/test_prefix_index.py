@@ -1,8 +1,19 @@
+import os
 import random
 import tracemalloc
 
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from warmroute.core import prefix_index
 from warmroute.core.block_hash import block_hashes
-from warmroute.core.prefix_index import BYTES_PER_ENTRY, PrefixIndex
+from warmroute.core.prefix_index import STORES, CompiledPrefixIndex, PythonPrefixIndex
+
+
+@pytest.fixture(params=STORES, ids=lambda c: c.__name__)
+def PrefixIndex(request):
+    """Each test runs on both stores (the compiled one where it was built)."""
+    return request.param
 
 
 def chain(n: int, seed: int) -> list[int]:
@@ -10,7 +21,7 @@ def chain(n: int, seed: int) -> list[int]:
     return block_hashes(bytes(rng.getrandbits(8) for _ in range(64 * n)))
 
 
-def test_match_depths_per_instance():
+def test_match_depths_per_instance(PrefixIndex):
     idx = PrefixIndex(10_000)
     for name in ("a", "b", "c"):
         idx.add_instance(name, 1000)
@@ -23,7 +34,7 @@ def test_match_depths_per_instance():
     assert idx.match_depths(chain(3, 99)) == {}
 
 
-def test_match_depths_agree_with_a_linear_scan():
+def test_match_depths_agree_with_a_linear_scan(PrefixIndex):
     rng = random.Random(3)
     idx = PrefixIndex(100_000)
     names = [f"i{j}" for j in range(6)]
@@ -45,7 +56,7 @@ def test_match_depths_agree_with_a_linear_scan():
         assert idx.match_depths(q) == expected
 
 
-def test_each_instance_is_capped_and_evicts_lru():
+def test_each_instance_is_capped_and_evicts_lru(PrefixIndex):
     idx = PrefixIndex(10_000)
     idx.add_instance("a", 100)
     old, new = chain(60, 1), chain(60, 2)
@@ -56,7 +67,7 @@ def test_each_instance_is_capped_and_evicts_lru():
     assert idx.match_depths(old) == {"a": 40}  # the old chain lost its tail, never its head
 
 
-def test_total_entries_never_exceed_the_cap():
+def test_total_entries_never_exceed_the_cap(PrefixIndex):
     idx = PrefixIndex(5_000)
     for j in range(4):
         idx.add_instance(f"i{j}", 10**9)  # configured capacity far above the memory cap
@@ -70,7 +81,7 @@ def test_total_entries_never_exceed_the_cap():
     assert idx.entries() <= 5_000 and all(idx.entries(f"i{j}") <= 1000 for j in range(5))
 
 
-def test_remove_and_forget():
+def test_remove_and_forget(PrefixIndex):
     idx = PrefixIndex(1000)
     idx.add_instance("a", 100)
     idx.add_instance("b", 100)
@@ -85,8 +96,8 @@ def test_remove_and_forget():
     assert idx.match_depths(c) == {"a": 4}
 
 
-def test_memory_per_entry_estimate():
-    """BYTES_PER_ENTRY (used to turn the byte cap into an entry cap) must not understate real use."""
+def test_memory_per_entry_estimate(PrefixIndex):
+    """bytes_per_entry (used to turn the byte cap into an entry cap) must not understate real use."""
     idx = PrefixIndex(10**7)
     for j in range(4):
         idx.add_instance(f"i{j}", 10**7)
@@ -99,5 +110,96 @@ def test_memory_per_entry_estimate():
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     per_entry = used / idx.entries()
-    assert per_entry <= BYTES_PER_ENTRY, per_entry
-    assert per_entry >= BYTES_PER_ENTRY / 3, per_entry  # and is not wildly pessimistic
+    assert per_entry <= PrefixIndex.bytes_per_entry, per_entry
+    assert per_entry >= PrefixIndex.bytes_per_entry / 3, per_entry  # and is not wildly pessimistic
+    if PrefixIndex is CompiledPrefixIndex:  # what the index reports (the index_bytes metric) is what it allocated
+        assert abs(idx.estimated_bytes() - used) <= 0.02 * used, (idx.estimated_bytes(), used)
+
+
+def test_the_compiled_store_is_built_where_required():
+    assert prefix_index.NATIVE or os.environ.get("WARMROUTE_REQUIRE_NATIVE") != "1"
+    assert prefix_index.PrefixIndex is (CompiledPrefixIndex if prefix_index.NATIVE else PythonPrefixIndex)
+
+
+needs_compiled = pytest.mark.skipif(not prefix_index.NATIVE, reason="the C prefix index was not built")
+
+# Chains that share heads (0-2 share their first 12 blocks), a reversed one, one with a large hash and hash 0.
+_CHAINS = ([list(range(1, 13)) + list(range(1000 * c, 1000 * c + 28)) for c in range(3)]
+           + [list(range(40, 0, -1)), [0, 2**64 - 1] + list(range(7000, 7030))])
+_NAMES = [f"n{j}" for j in range(6)]
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("record"), st.sampled_from(_NAMES), st.integers(0, 4), st.integers(0, 40)),
+    st.tuples(st.just("forget"), st.sampled_from(_NAMES), st.integers(0, 4), st.integers(0, 40)),
+    st.tuples(st.just("resize"), st.sampled_from(_NAMES), st.integers(0, 60)),
+    st.tuples(st.just("remove"), st.sampled_from(_NAMES)),
+    st.tuples(st.just("add"), st.sampled_from(_NAMES), st.integers(0, 60)),
+), max_size=60)
+
+
+def _apply(idx, op, name, *args):
+    if op == "record":
+        idx.record(name, _CHAINS[args[0]][: args[1]])
+    elif op == "forget":
+        return idx.forget(name, _CHAINS[args[0]][args[1]:])
+    elif op == "resize":
+        idx.resize_instance(name, args[0])
+    elif op == "remove":
+        idx.remove_instance(name)
+    else:
+        idx.add_instance(name, args[0])
+
+
+def _state(idx):
+    """Everything either store answers."""
+    queries = [c[:d] for c in _CHAINS for d in (1, 5, 12, 13, 27, len(c))]
+    return ({n: (idx.entries(n), idx.capacity(n), idx.lru_order(n)) for n in idx._slot}, idx.owner_masks(),
+            idx.entries(), len(idx), [idx.match_depths(q) for q in queries],
+            [(n, b, idx.holds(n, b)) for n in _NAMES for b in (1, 12, 1005, 2005, 40, 0, 2**64 - 1)])
+
+
+@needs_compiled
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 150), _ops)
+def test_the_compiled_store_answers_as_the_python_one(max_entries, operations):
+    """Operation by operation, the C store's LRU order, owner masks, depths and counts are the Python one's."""
+    py, c = PythonPrefixIndex(max_entries), CompiledPrefixIndex(max_entries)
+    for idx in (py, c):
+        idx.add_instance("n0", 50)
+        idx.add_instance("n1", 50)
+    for op in operations:
+        assert _apply(py, *op) == _apply(c, *op)
+        assert _state(py) == _state(c)
+
+
+@needs_compiled
+def test_more_than_64_instances_need_wider_masks():
+    """Owner masks grow past one 64-bit word as instances join; slots freed by leavers are reused."""
+    py, c = PythonPrefixIndex(10**6), CompiledPrefixIndex(10**6)
+    rng = random.Random(5)
+    base = chain(80, 9)
+    for j in range(150):
+        for idx in (py, c):
+            idx.add_instance(f"i{j}", 500)
+        depth = rng.randint(1, 80)
+        for idx in (py, c):
+            idx.record(f"i{j}", base[:depth])
+        if j % 7 == 3:
+            for idx in (py, c):
+                idx.remove_instance(f"i{j - 2}")
+    assert c.match_depths(base) == py.match_depths(base) and len(c.match_depths(base)) > 100
+    assert c.owner_masks() == py.owner_masks() and max(c.owner_masks().values()).bit_length() > 128
+    assert all(c.lru_order(n) == py.lru_order(n) for n in py._slot)
+
+
+@needs_compiled
+@pytest.mark.parametrize("bad", [-1, 2**64, "x", 1.5, None])
+def test_the_compiled_store_refuses_what_is_not_a_block_hash_and_changes_nothing(bad):
+    idx = CompiledPrefixIndex(1000)
+    idx.add_instance("a", 100)
+    idx.record("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="block hashes"):
+        idx.record("a", [4, bad, 5])
+    with pytest.raises(ValueError, match="block hashes"):
+        idx.match_depths([1, bad])
+    assert idx.lru_order("a") == [3, 2, 1] and len(idx) == 3
+    assert idx.holds("a", bad) is False

@@ -49,7 +49,9 @@ class Metrics:
         # Each worker holds the whole (shared) index: report the scraping worker's latest reading.
         self.index_entries = Gauge("warmroute_index_entries", "Blocks held in the prefix index", registry=r,
                                    multiprocess_mode="livemostrecent")
-        self.index_bytes = Gauge("warmroute_index_bytes", "Estimated memory of the prefix index", registry=r,
+        self.index_bytes = Gauge("warmroute_index_bytes",
+                                 "Memory of the prefix index (allocated by the C store; the Python one's estimate)",
+                                 registry=r,
                                  multiprocess_mode="livemostrecent")
         self.healthy = Gauge("warmroute_instance_healthy", "1 while the instance receives traffic",
                              ["backend"], registry=r, multiprocess_mode="livemin")  # every worker's checks agree

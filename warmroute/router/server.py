@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from warmroute.core import block_hash, strategies
+from warmroute.core import block_hash, prefix_index, strategies
 from warmroute.errors import UsageError
 from warmroute.router.access_log import JsonAccessLogger, access_logger
 from warmroute.router.app import DISCOVERY, PROXY, SETTINGS, build_app
@@ -125,9 +125,10 @@ async def _serve_until_signal(settings: RouterSettings, sock: socket.socket, lin
     running = await start_router(settings, sock, links)
     if hasattr(signal, "SIGHUP"):
         loop.add_signal_handler(signal.SIGHUP, running.app[DISCOVERY].reload)
-    log.info("listening on %s (strategy %s, %d backends, pid %d, block hashes in %s, cost scan in %s)",
-             running.url, settings.strategy, len(settings.backends), os.getpid(),
-             "C" if block_hash.NATIVE else "numpy", "C" if strategies._scan is not None else "Python")
+    log.info("listening on %s (strategy %s, %d backends, pid %d, block hashes in %s, cost scan in %s, "
+             "prefix index in %s)", running.url, settings.strategy, len(settings.backends), os.getpid(),
+             "C" if block_hash.NATIVE else "numpy", "C" if strategies._scan is not None else "Python",
+             "C" if prefix_index.NATIVE else "Python")
     if not settings.tls_verify:
         log.warning("tls_verify is off: https:// instances' certificates and host names are not checked")
     await stop.wait()
