@@ -100,3 +100,31 @@ def test_deterministic_and_collision_free_on_many_blocks():
     assert h == block_hashes(data, 3)
     assert len(set(h)) == len(h)
     assert all(0 <= x < 2**64 for x in h)
+
+
+@needs_native
+def test_the_c_chain_reads_as_a_list_of_its_ints():
+    """The C version returns a Chain (the hashes as uint64 words, ints made only when read); to Python code it
+    behaves as the list numpy_block_hashes returns, and the compiled index reads its words in place."""
+    import array
+    import pickle
+
+    data = random.Random(4).randbytes(64 * 20)
+    chain, ref = block_hash._blockhash.block_hashes(data, 7, 64), numpy_block_hashes(data, 7, 64)
+    assert type(chain).__name__ == "Chain" and len(chain) == 20 and bool(chain) and not chain[5:5]
+    assert chain == ref and ref == chain and not chain != ref and chain != ref[:-1] and chain == tuple(ref)
+    assert [chain[i] for i in range(-20, 20)] == ref[-20:] + ref
+    for sl in (slice(3, 9), slice(None, -4), slice(None, None, -3), slice(50, 60)):
+        assert chain[sl] == ref[sl]
+    assert list(chain) == list(reversed(chain))[::-1] == ref and sorted(chain) == sorted(ref)
+    assert chain.tolist() == ref and array.array("Q", chain).tolist() == ref
+    assert memoryview(chain).format == "Q" and memoryview(chain).tolist() == ref and memoryview(chain).readonly
+    assert pickle.loads(pickle.dumps(chain)) == ref and repr(chain) == f"Chain({ref!r})"
+    with pytest.raises(IndexError):
+        chain[20]
+    with pytest.raises(TypeError):
+        chain["1"]
+    with pytest.raises(TypeError):
+        hash(chain)
+    with pytest.raises(TypeError):
+        chain[0] = 1

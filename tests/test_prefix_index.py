@@ -203,3 +203,26 @@ def test_the_compiled_store_refuses_what_is_not_a_block_hash_and_changes_nothing
         idx.match_depths([1, bad])
     assert idx.lru_order("a") == [3, 2, 1] and len(idx) == 3
     assert idx.holds("a", bad) is False
+
+
+@needs_compiled
+def test_a_chain_and_its_list_are_the_same_blocks_to_the_compiled_store():
+    """block_hash's Chain is read in place (no ints); a list of the same ints must give the same answers."""
+    from warmroute.core import block_hash
+
+    if not block_hash.NATIVE:
+        pytest.skip("the C block hash was not built")
+    c1, c2 = chain(30, 1), chain(30, 2)
+    assert type(c1).__name__ == "Chain"
+    a, b = CompiledPrefixIndex(10_000), CompiledPrefixIndex(10_000)
+    for idx in (a, b):
+        idx.add_instance("x", 40)
+        idx.add_instance("y", 40)
+    a.record("x", c1), b.record("x", c1.tolist())
+    a.record("y", c1[:12].tolist()), b.record("y", c1[:12])
+    a.record("x", c2), b.record("x", c2.tolist())  # over capacity: x keeps c2's head and evicts c1's tail
+    assert a.forget("y", c1[8:]) == b.forget("y", c1[8:].tolist()) == 4
+    for q in (c1, c1.tolist(), c1[:5], c2, c2.tolist()):
+        assert a.match_depths(q) == b.match_depths(q)
+    assert a.match_depths(c1) == {"x": 10, "y": 8}
+    assert all(a.lru_order(n) == b.lru_order(n) for n in "xy") and a.owner_masks() == b.owner_masks()

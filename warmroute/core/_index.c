@@ -304,27 +304,62 @@ static inline int as_u64(PyObject *o, uint64_t *out) {
     return 0;
 }
 
-/* The chain as uint64s (a new buffer, to free), all converted before anything changes. */
-static uint64_t *read_chain(PyObject *blocks, Py_ssize_t *n) {
+/* A chain of block hashes as uint64s: read in place from a buffer of 'Q' (block_hash's Chain: no Python int at
+ * all), else converted from a sequence of ints into memory of our own, all before anything changes. */
+typedef struct {
+    const uint64_t *h;
+    Py_ssize_t n;
+    Py_buffer view;    /* held while h points into it */
+    int has_view;
+    uint64_t *owned;
+} ChainView;
+
+static int is_u64_format(const char *f) {
+    return f != NULL && (strcmp(f, "Q") == 0 || strcmp(f, "@Q") == 0 || strcmp(f, "=Q") == 0);
+}
+
+static int chain_open(PyObject *blocks, ChainView *cv) {
+    memset(cv, 0, sizeof *cv);
+    if (PyObject_CheckBuffer(blocks) && !PyBytes_Check(blocks) && !PyByteArray_Check(blocks)) {
+        if (PyObject_GetBuffer(blocks, &cv->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+            if (cv->view.itemsize == 8 && is_u64_format(cv->view.format) && cv->view.ndim <= 1) {
+                cv->has_view = 1;
+                cv->h = cv->view.buf;
+                cv->n = cv->view.len / 8;
+                return 0;
+            }
+            PyBuffer_Release(&cv->view);
+        } else {
+            PyErr_Clear();
+        }
+    }
     PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence of ints");
-    if (seq == NULL) return NULL;
-    *n = PySequence_Fast_GET_SIZE(seq);
-    uint64_t *out = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof *out);
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uint64_t *out = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *out);
     if (out == NULL) {
         Py_DECREF(seq);
         PyErr_NoMemory();
-        return NULL;
+        return -1;
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < *n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         if (as_u64(items[i], &out[i]) < 0) {
             PyMem_Free(out);
             Py_DECREF(seq);
-            return NULL;
+            return -1;
         }
     }
     Py_DECREF(seq);
-    return out;
+    cv->h = cv->owned = out;
+    cv->n = n;
+    return 0;
+}
+
+static void chain_close(ChainView *cv) {
+    if (cv->has_view) PyBuffer_Release(&cv->view);
+    PyMem_Free(cv->owned);
+    memset(cv, 0, sizeof *cv);
 }
 
 /* -- methods ------------------------------------------------------------------------------------------------------- */
@@ -374,11 +409,12 @@ static PyObject *Index_record(Index *ix, PyObject *args) {
     Py_ssize_t s, n;
     if (!PyArg_ParseTuple(args, "OO", &slot_obj, &blocks)) return NULL;
     if (get_slot(ix, slot_obj, &s) < 0) return NULL;
-    uint64_t *chain = read_chain(blocks, &n);
-    if (chain == NULL) return NULL;
+    ChainView cv;
+    if (chain_open(blocks, &cv) < 0) return NULL;
+    n = cv.n;
     Lru *c = &ix->slots[s];
     for (Py_ssize_t j = n - 1; j >= 0; j--) {  /* tail first: the head ends up most recent */
-        uint64_t k = chain[j];
+        uint64_t k = cv.h[j];
         uint32_t mi = t_find(&c->map, k);
         if (mi != NIL) {
             uint32_t node = c->map.vals[mi];
@@ -398,11 +434,11 @@ static PyObject *Index_record(Index *ix, PyObject *args) {
         lru_append(c, node);
         c->len++;
     }
-    PyMem_Free(chain);
+    chain_close(&cv);
     evict_to(ix, s, c->capacity);
     Py_RETURN_NONE;
 fail:  /* out of memory part way: what was added stays consistent; trim it back to capacity */
-    PyMem_Free(chain);
+    chain_close(&cv);
     evict_to(ix, s, c->capacity);
     return NULL;
 }
@@ -412,24 +448,32 @@ static PyObject *Index_forget(Index *ix, PyObject *args) {
     Py_ssize_t s, n, removed = 0;
     if (!PyArg_ParseTuple(args, "OO", &slot_obj, &blocks)) return NULL;
     if (get_slot(ix, slot_obj, &s) < 0) return NULL;
-    uint64_t *chain = read_chain(blocks, &n);
-    if (chain == NULL) return NULL;
+    ChainView cv;
+    if (chain_open(blocks, &cv) < 0) return NULL;
+    n = cv.n;
     Lru *c = &ix->slots[s];
     for (Py_ssize_t j = 0; j < n; j++) {
-        uint32_t mi = t_find(&c->map, chain[j]);
+        uint32_t mi = t_find(&c->map, cv.h[j]);
         if (mi != NIL) {
             drop_node(ix, s, c->map.vals[mi], mi);
             removed++;
         }
     }
-    PyMem_Free(chain);
+    chain_close(&cv);
     return PyLong_FromSsize_t(removed);
 }
 
-/* The owner mask of blocks[i] (read from the sequence; 0 if absent), ANDed into out. Returns -1 on error. */
-static int mask_at(Index *ix, PyObject **items, Py_ssize_t i, const uint64_t *within, uint64_t *out) {
+/* Block i of a chain being matched: from a buffer of uint64 in place, or converted from a list's int. */
+typedef struct {
+    const uint64_t *raw;
+    PyObject **items;
+} Reader;
+
+/* The owner mask of block i (0 if absent), ANDed with `within` if given, into out. Returns -1 on error. */
+static int mask_at(Index *ix, const Reader *r, Py_ssize_t i, const uint64_t *within, uint64_t *out) {
     uint64_t k;
-    if (as_u64(items[i], &k) < 0) return -1;
+    if (r->raw != NULL) k = r->raw[i];
+    else if (as_u64(r->items[i], &k) < 0) return -1;
     uint32_t t = t_find(&ix->owners, k);
     if (t == NIL) {
         memset(out, 0, ix->words * sizeof *out);
@@ -446,17 +490,27 @@ static int mask_eq(const uint64_t *a, const uint64_t *b, uint32_t words) {
 
 /* Longest cached prefix per slot: the same bisection as PythonPrefixIndex.match_depths, in the same order. */
 static PyObject *Index_match(Index *ix, PyObject *args) {
-    PyObject *blocks, *names;
+    PyObject *blocks, *names, *seq = NULL;
     if (!PyArg_ParseTuple(args, "OO", &blocks, &names)) return NULL;
-    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence of ints");
-    if (seq == NULL) return NULL;
     if (!PyList_Check(names)) {
-        Py_DECREF(seq);
         PyErr_SetString(PyExc_TypeError, "names must be a list");
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    /* A Chain is read in place; anything else as a sequence of ints, each converted only where bisection
+     * looks (a chain is never copied whole). */
+    ChainView cv = {0};
+    Reader reader = {NULL, NULL};
+    Py_ssize_t n;
+    if (PyObject_CheckBuffer(blocks) && !PyBytes_Check(blocks) && !PyByteArray_Check(blocks)) {
+        if (chain_open(blocks, &cv) < 0) return NULL;
+        reader.raw = cv.h;
+        n = cv.n;
+    } else {
+        seq = PySequence_Fast(blocks, "blocks must be a sequence of ints");
+        if (seq == NULL) return NULL;
+        reader.items = PySequence_Fast_ITEMS(seq);
+        n = PySequence_Fast_GET_SIZE(seq);
+    }
     uint32_t W = ix->words ? ix->words : 1;
     PyObject *depths = PyDict_New();
     /* A stack of intervals (lo, hi) with their masks; depth <= 2 log2(n) + 2 entries. */
@@ -471,7 +525,7 @@ static PyObject *Index_match(Index *ix, PyObject *args) {
     if (n == 0 || ix->words == 0) goto done;
     /* entry e: los[2e] = lo, los[2e+1] = hi, ms[2eW..] = mask(lo), ms[(2e+1)W..] = mask(hi) */
     Py_ssize_t top = 0;
-    if (mask_at(ix, items, 0, NULL, ms) < 0) goto fail;
+    if (mask_at(ix, &reader, 0, NULL, ms) < 0) goto fail;
     int any = 0;
     for (uint32_t w = 0; w < W; w++) any |= ms[w] != 0;
     if (!any) goto done;
@@ -505,7 +559,7 @@ static PyObject *Index_match(Index *ix, PyObject *args) {
             continue;
         }
         Py_ssize_t mid = (lo + hi) / 2;
-        if (mask_at(ix, items, mid, mlo, mid_mask) < 0) goto fail;
+        if (mask_at(ix, &reader, mid, mlo, mid_mask) < 0) goto fail;
         if (top + 2 > max_stack) {  /* cannot happen for a bisection (depth <= 64), kept as a guard */
             PyErr_SetString(PyExc_RuntimeError, "match stack overflow");
             goto fail;
@@ -524,13 +578,15 @@ done:
     PyMem_Free(los);
     PyMem_Free(ms);
     PyMem_Free(mid_mask);
-    Py_DECREF(seq);
+    Py_XDECREF(seq);
+    chain_close(&cv);
     return depths;
 fail:
     PyMem_Free(los);
     PyMem_Free(ms);
     PyMem_Free(mid_mask);
-    Py_DECREF(seq);
+    Py_XDECREF(seq);
+    chain_close(&cv);
     Py_XDECREF(depths);
     return NULL;
 }
