@@ -100,11 +100,11 @@ def render_messages(messages: Any, tools: Any = None) -> str:
         role = m.get("role", "user")
         if not isinstance(role, str):
             raise KeyError_(f"messages[{i}].role must be a string")
-        text = content_text(m.get("content"))
+        out += ("<|", role, "|>\n", content_text(m.get("content")))
         if m.get("tool_calls"):
-            text += json.dumps(m["tool_calls"], sort_keys=True, separators=(",", ":"))
-        out.append(f"<|{role}|>\n{text}\n")
-    return "".join(out)
+            out.append(json.dumps(m["tool_calls"], sort_keys=True, separators=(",", ":")))
+        out.append("\n")
+    return "".join(out)  # the message texts are copied once, here (not into a formatted string first)
 
 
 def render_prompt(prompt: Any) -> tuple[str | None, bytes]:
