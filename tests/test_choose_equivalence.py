@@ -272,16 +272,51 @@ def test_the_compiled_scan_reads_other_objects_as_python_does(drawn, mean, hot):
     assert strategies._scan.scan(*args) == strategies.scan_python(*args)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=70, unique=True), st.integers(0, 2**64 - 1),
-       st.booleans())
-def test_the_compiled_top_picks_as_rendezvous_does(names, seed, other_class):
-    """Names never seen (not yet in rendezvous's cache of encoded names), any text, either kind of object."""
+def _configure_scan(address: int) -> None:
+    strategies._scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes, rendezvous.encoded, address)
+
+
+@pytest.fixture(params=["direct xxh3", "through hash_fn"])
+def weights(request):
+    """The compiled top with the xxhash library called directly (where its address was found) and without."""
     if strategies._scan is None:
         pytest.skip("the compiled scan was not built here")
+    address = rendezvous.hash_fn_address()
+    if request.param == "direct xxh3" and not address:
+        pytest.skip("the xxhash extension does not export XXH3_64bits_withSeed here")
+    _configure_scan(address if request.param == "direct xxh3" else 0)
+    assert strategies._scan.native_weights() == (request.param == "direct xxh3")
+    yield request.param
+    _configure_scan(address)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(names=st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=70, unique=True),
+       seed=st.integers(0, 2**64 - 1), other_class=st.booleans())
+def test_the_compiled_top_picks_as_rendezvous_does(weights, names, seed, other_class):
+    """Names never seen (not yet in rendezvous's cache of encoded names), any text, either kind of object."""
     tied = [(OtherInstance if other_class and n % 2 else Instance)(name, 1000) for n, name in enumerate(names)]
     assert strategies._scan.top(seed, tied) is strategies.top_python(seed, tied)
     assert strategies.top_python(seed, tied).name == rendezvous.top(seed, names)
+
+
+def test_a_function_that_is_not_xxh3_is_never_called_for_the_weights():
+    """configure checks the address it is given against hash_fn's values before using it."""
+    import ctypes
+
+    from xxhash import _xxhash
+
+    if strategies._scan is None or not rendezvous.hash_fn_address():
+        pytest.skip("the compiled scan was not built here, or xxh3's address was not found")
+    try:
+        xxh64 = ctypes.cast(ctypes.CDLL(_xxhash.__file__).XXH64, ctypes.c_void_p).value  # same signature
+        _configure_scan(xxh64)
+        assert not strategies._scan.native_weights()
+        tied = [Instance(f"instance-{n}", 1000) for n in range(20)]
+        assert strategies._scan.top(77, tied).name == rendezvous.top(77, [i.name for i in tied])
+    finally:
+        _configure_scan(rendezvous.hash_fn_address())
+    assert strategies._scan.native_weights()
 
 
 def test_the_compiled_scan_raises_as_python_does_on_objects_it_cannot_read():

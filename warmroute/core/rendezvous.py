@@ -18,6 +18,19 @@ hash_fn = xxhash.xxh3_64_intdigest
 name_bytes: dict[str, bytes] = {}  # encoded names, cached
 
 
+def hash_fn_address() -> int:
+    """Where hash_fn's C function (the xxhash library's XXH3_64bits_withSeed, inside the xxhash package's
+    extension) is, for core/_scan.c to call it without the Python wrapper; 0 where it is not exported."""
+    try:
+        import ctypes
+
+        from xxhash import _xxhash
+
+        return ctypes.cast(ctypes.CDLL(_xxhash.__file__).XXH3_64bits_withSeed, ctypes.c_void_p).value or 0
+    except (ImportError, OSError, AttributeError):
+        return 0
+
+
 def encoded(name: str) -> bytes:
     b = name_bytes.get(name)
     if b is None:

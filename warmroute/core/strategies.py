@@ -165,7 +165,8 @@ try:
 except ImportError:
     _scan = None
 if _scan is not None:
-    _scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes, rendezvous.encoded)
+    _scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes, rendezvous.encoded,
+                    rendezvous.hash_fn_address())
 scan = _scan.scan if _scan is not None else scan_python
 top = _scan.top if _scan is not None else top_python
 
