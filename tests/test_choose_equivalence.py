@@ -337,3 +337,38 @@ def test_the_compiled_scan_raises_as_python_does_on_objects_it_cannot_read():
     with pytest.raises(AttributeError):
         strategies._scan.top(1, [good, 5])
     assert strategies._scan.top(1, []) is None
+
+
+def _affinity_reference(hash_key, fleet, threshold, model):
+    """The rule as the reference states it: the key's whole rendezvous order, its first instance that is up and
+    under the threshold (unhealthy_fallback if the preferred one was down), else the least loaded."""
+    serving = fleet.serving(model) if model is not None else None
+    names = rendezvous.order(hash_key, list(fleet.instances) if serving is None else sorted(serving))
+    for pos, name in enumerate(names):
+        inst = fleet.instances[name]
+        if inst.routable and inst.inflight < threshold:
+            preferred_down = not fleet.instances[names[0]].routable
+            return inst, ("affinity" if pos == 0 else "unhealthy_fallback" if preferred_down else "overload_spill")
+    return strategies._least_loaded(strategies._routable(fleet, model)), "overload_spill"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans(), st.integers(0, 6), st.booleans()), min_size=1, max_size=12),
+       st.integers(0, 2**64 - 1), st.integers(1, 6), st.booleans())
+def test_affinity_takes_the_first_instance_of_the_whole_order(drawn, key, threshold, by_model):
+    """prefix/session: the shortcut (the order's top, when it can take the request) decides as the full order."""
+    fleet = Fleet()
+    for n, (healthy, draining, inflight, serves) in enumerate(drawn):
+        fleet.add(f"i{n}")
+        inst = fleet.instances[f"i{n}"]
+        inst.healthy, inst.draining, inst.inflight = healthy, draining, inflight
+        fleet.set_models(inst.name, frozenset({"m"} if serves else {"other"}))
+    model = "m" if by_model else None
+    try:
+        want = _affinity_reference(key, fleet, threshold, model)
+    except strategies.NoInstanceAvailable:
+        with pytest.raises(strategies.NoInstanceAvailable):
+            strategies._affinity_choice(key, fleet, threshold, model)
+        return
+    got = strategies._affinity_choice(key, fleet, threshold, model)
+    assert (got[0].name, got[1]) == (want[0].name, want[1])
