@@ -11,6 +11,9 @@ stage, of the decision (key + block hashes + choose, summed per request before t
 needs no block hashes, so its decision is key + choose) and of the total with the record, for a warm prompt
 (its prefix is indexed) and a cold one, for cache_aware and prefix.
 
+The last row times fixed pure-Python work of about a decision's length as often: the p99 this machine gives
+work that never varies (scheduling, other tenants), to read the p99s above against.
+
 --engine-load gives every instance a scraped engine load (the cost model's engine terms then run for all).
 --baseline GITREV also runs the core modules (block_hash, rendezvous, block_cache, prefix_index, strategies) as
 they are at that git revision, on a second fleet and index built the same way, in turns of 50 requests with
@@ -183,6 +186,31 @@ def main() -> None:
                     line += (f" {b50:9.1f} {b99:9.1f} {b50 / max(pct(per_core[0], 50), 1e-9):6.2f}"
                              f" {b99 / max(pct(per_core[0], 99), 1e-9):6.2f}")
                 print(line, flush=True)
+    noise_floor(args.samples)
+
+
+def _fixed_work(n: int) -> int:
+    s = 0
+    for i in range(n):
+        s += i * i
+    return s
+
+
+def _timed(n: int) -> float:
+    t0 = time.perf_counter_ns()
+    _fixed_work(n)
+    return (time.perf_counter_ns() - t0) / 1000
+
+
+def noise_floor(samples: int, target_us: float = 18.0) -> None:
+    """The machine's own tail: the same pure-Python work, about as long as a decision, timed as often. Its p99
+    over its p50 is what this machine adds to any p99 here (on a quiet dedicated core it would be ~1.0)."""
+    probe = 2000  # calibrate: the fastest of a few runs of a probe size, scaled to target_us
+    fastest = min(_timed(probe) for _ in range(20))
+    n = max(1, int(probe * target_us / max(fastest, 1e-3)))
+    times = [_timed(n) for _ in range(samples)]
+    print(f"{'noise floor':<12} {'-':<5} {'fixed work, same length every time':<34} {pct(times, 50):8.1f} "
+          f"{pct(times, 99):8.1f}", flush=True)
 
 
 if __name__ == "__main__":
