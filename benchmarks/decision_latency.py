@@ -94,7 +94,13 @@ def baseline_core(rev: str) -> Core:
     # Their imports of each other found the working tree's modules: point them at the baseline's.
     mods["prefix_index"].BlockCache = mods["block_cache"].BlockCache
     mods["strategies"].rendezvous = mods["rendezvous"]
-    # The compiled extensions are the working tree's builds; before 2026-11-30 the C block hash returned a list.
+    # The compiled extensions are the working tree's builds, shared with it: the baseline's strategies just
+    # configured the one _scan module with its own rendezvous; configure it again as the working tree does (so
+    # the baseline's ties are weighed by this tree's code too). Before 2026-11-30 the block hash returned a list.
+    if strategies._scan is not None:
+        strategies._scan.configure(strategies.Instance, strategies.rendezvous.hash_fn,
+                                   strategies.rendezvous.name_bytes, strategies.rendezvous.encoded,
+                                   strategies.rendezvous.hash_fn_address())
     hashes = mods["block_hash"].block_hashes
     if not hasattr(mods["prefix_index"], "CompiledPrefixIndex"):
         def hashes(data: bytes, seed: int = 0, block_bytes: int = 64, _h=hashes) -> list[int]:
