@@ -7,6 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from warmroute.core.block_cache import BlockCache
+from test_prefix_index import apply_op
 from warmroute.core.prefix_index import STORES
 
 
@@ -127,17 +128,8 @@ def test_prefix_index_owner_bits_follow_the_caches(store, max_entries, operation
     idx = store(max_entries)
     for name in "ab":
         idx.add_instance(name, 30)
-    for op, name, *args in operations:
-        if op == "record":
-            idx.record(name, chains[args[0]][: args[1]])
-        elif op == "forget":
-            idx.forget(name, chains[args[0]][args[1]:])
-        elif op == "resize":
-            idx.resize_instance(name, args[0])
-        elif op == "remove":
-            idx.remove_instance(name)
-        else:
-            idx.add_instance(name, args[0])
+    for op in operations:
+        apply_op(idx, chains, *op)
         expected: dict[int, int] = {}
         for n, slot in idx._slot.items():
             for h in idx.lru_order(n):

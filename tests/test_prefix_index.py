@@ -136,11 +136,12 @@ _ops = st.lists(st.one_of(
 ), max_size=60)
 
 
-def _apply(idx, op, name, *args):
+def apply_op(idx, chains, op, name, *args):
+    """One operation of a generated sequence (tests/test_block_cache_model.py draws them too)."""
     if op == "record":
-        idx.record(name, _CHAINS[args[0]][: args[1]])
+        idx.record(name, chains[args[0]][: args[1]])
     elif op == "forget":
-        return idx.forget(name, _CHAINS[args[0]][args[1]:])
+        return idx.forget(name, chains[args[0]][args[1]:])
     elif op == "resize":
         idx.resize_instance(name, args[0])
     elif op == "remove":
@@ -167,7 +168,7 @@ def test_the_compiled_store_answers_as_the_python_one(max_entries, operations):
         idx.add_instance("n0", 50)
         idx.add_instance("n1", 50)
     for op in operations:
-        assert _apply(py, *op) == _apply(c, *op)
+        assert apply_op(py, _CHAINS, *op) == apply_op(c, _CHAINS, *op)
         assert _state(py) == _state(c)
 
 

@@ -404,13 +404,18 @@ static PyObject *Index_release(Index *ix, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Index_record(Index *ix, PyObject *args) {
+/* (slot, blocks) arguments: the slot checked, the chain opened (close it). */
+static int slot_and_chain(Index *ix, PyObject *args, Py_ssize_t *s, ChainView *cv) {
     PyObject *slot_obj, *blocks;
+    if (!PyArg_ParseTuple(args, "OO", &slot_obj, &blocks)) return -1;
+    if (get_slot(ix, slot_obj, s) < 0) return -1;
+    return chain_open(blocks, cv);
+}
+
+static PyObject *Index_record(Index *ix, PyObject *args) {
     Py_ssize_t s, n;
-    if (!PyArg_ParseTuple(args, "OO", &slot_obj, &blocks)) return NULL;
-    if (get_slot(ix, slot_obj, &s) < 0) return NULL;
     ChainView cv;
-    if (chain_open(blocks, &cv) < 0) return NULL;
+    if (slot_and_chain(ix, args, &s, &cv) < 0) return NULL;
     n = cv.n;
     Lru *c = &ix->slots[s];
     for (Py_ssize_t j = n - 1; j >= 0; j--) {  /* tail first: the head ends up most recent */
@@ -444,12 +449,9 @@ fail:  /* out of memory part way: what was added stays consistent; trim it back 
 }
 
 static PyObject *Index_forget(Index *ix, PyObject *args) {
-    PyObject *slot_obj, *blocks;
     Py_ssize_t s, n, removed = 0;
-    if (!PyArg_ParseTuple(args, "OO", &slot_obj, &blocks)) return NULL;
-    if (get_slot(ix, slot_obj, &s) < 0) return NULL;
     ChainView cv;
-    if (chain_open(blocks, &cv) < 0) return NULL;
+    if (slot_and_chain(ix, args, &s, &cv) < 0) return NULL;
     n = cv.n;
     Lru *c = &ix->slots[s];
     for (Py_ssize_t j = 0; j < n; j++) {

@@ -237,6 +237,40 @@ static PyObject *hash_fn = NULL, *name_bytes = NULL, *encode = NULL;
 typedef uint64_t (*xxh3_seeded)(const void *data, size_t len, uint64_t seed);
 static xxh3_seeded native_xxh3 = NULL;
 
+/* rendezvous.weight(seed, inst.name): xxh3 of the name's UTF-8 bytes seeded by the seed, into *out. Called
+ * directly where `direct` (with the seed as 64 bits): an ASCII name's characters are its UTF-8 bytes, hashed in
+ * place; any other name's bytes come from rendezvous's cache (filled on a miss). Else through hash_fn. */
+static int weight_of(PyObject *inst, PyObject *seed, int direct, unsigned long long s64,
+                     unsigned long long *out) {
+    PyObject *name = field(inst, F_NAME);
+    if (name == NULL) return -1;
+    if (direct && PyUnicode_CheckExact(name) && PyUnicode_IS_COMPACT_ASCII(name)) {
+        *out = native_xxh3(PyUnicode_DATA(name), (size_t)PyUnicode_GET_LENGTH(name), s64);
+        Py_DECREF(name);
+        return 0;
+    }
+    PyObject *raw = PyDict_GetItemWithError(name_bytes, name);  /* borrowed */
+    if (raw != NULL) {
+        Py_INCREF(raw);
+    } else if (!PyErr_Occurred()) {
+        raw = PyObject_CallOneArg(encode, name);  /* a name not seen before: encoded and cached */
+    }
+    Py_DECREF(name);
+    if (raw == NULL) return -1;
+    if (direct && PyBytes_CheckExact(raw)) {
+        *out = native_xxh3(PyBytes_AS_STRING(raw), (size_t)PyBytes_GET_SIZE(raw), s64);
+        Py_DECREF(raw);
+        return 0;
+    }
+    PyObject *argv[2] = {raw, seed};
+    PyObject *w = PyObject_Vectorcall(hash_fn, argv, 2, NULL);
+    Py_DECREF(raw);
+    if (w == NULL) return -1;
+    *out = PyLong_AsUnsignedLongLong(w);
+    Py_DECREF(w);
+    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
 /* top(seed, instances): the instance whose name rendezvous.top(seed, names) picks: the highest weight, the first
  * of equal ones. The same weights, computed by the same xxh3 function, without building the list of names. */
 static PyObject *top(PyObject *self, PyObject *args) {
@@ -260,42 +294,8 @@ static PyObject *top(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         PyObject *inst = PyList_GET_ITEM(list, i);
-        PyObject *name = field(inst, F_NAME);
-        if (name == NULL) return NULL;
-        if (direct && PyUnicode_CheckExact(name) && PyUnicode_IS_COMPACT_ASCII(name)) {
-            /* An ASCII name's characters are its UTF-8 bytes: hashed in place, no lookup of its encoding. */
-            unsigned long long weight = native_xxh3(PyUnicode_DATA(name), (size_t)PyUnicode_GET_LENGTH(name), s64);
-            Py_DECREF(name);
-            if (best == NULL || weight > best_weight) {
-                best = inst;
-                best_weight = weight;
-            }
-            continue;
-        }
-        PyObject *raw = PyDict_GetItemWithError(name_bytes, name);  /* borrowed */
-        if (raw != NULL) {
-            Py_INCREF(raw);
-        } else if (!PyErr_Occurred()) {
-            raw = PyObject_CallOneArg(encode, name);  /* a name not seen before: encoded and cached */
-        }
-        Py_DECREF(name);
-        if (raw == NULL) return NULL;
-        if (direct && PyBytes_CheckExact(raw)) {
-            unsigned long long weight = native_xxh3(PyBytes_AS_STRING(raw), (size_t)PyBytes_GET_SIZE(raw), s64);
-            Py_DECREF(raw);
-            if (best == NULL || weight > best_weight) {
-                best = inst;
-                best_weight = weight;
-            }
-            continue;
-        }
-        PyObject *argv[2] = {raw, seed};
-        PyObject *w = PyObject_Vectorcall(hash_fn, argv, 2, NULL);
-        Py_DECREF(raw);
-        if (w == NULL) return NULL;
-        unsigned long long weight = PyLong_AsUnsignedLongLong(w);
-        Py_DECREF(w);
-        if (weight == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+        unsigned long long weight;
+        if (weight_of(inst, seed, direct, s64, &weight) < 0) return NULL;
         if (best == NULL || weight > best_weight) {
             best = inst;
             best_weight = weight;
