@@ -18,6 +18,7 @@ import pytest
 
 from client_helpers import StubEngine
 from warmroute.bench.processes import free_ports
+from warmroute.core.block_hash import block_hashes
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -31,7 +32,11 @@ PROMPT = {"model": "m", "messages": [{"role": "system", "content": "shared polic
 def test_messages_round_trip_and_malformed_ones_are_refused():
     entries = [(RECORD, "gpu-0", [1, 2**64 - 1, 12345]), (FORGET, "é-1", [7])]
     replica, got = unpack(pack(b"12345678", entries))
-    assert replica == b"12345678" and got == entries
+    assert replica == b"12345678" and [(op, name, list(blocks)) for op, name, blocks in got] == entries
+    # A Chain (block_hash's) is packed from its words as they are: the same bytes as from its list of ints.
+    chain = block_hashes(b"shared index words " * 40, 3)
+    assert pack(b"12345678", [(RECORD, "a", chain)]) == pack(b"12345678", [(RECORD, "a", list(chain))])
+    assert list(unpack(pack(b"12345678", [(RECORD, "a", chain)]))[1][0][2]) == list(chain)
     for bad in (b"short", pack(b"12345678", entries)[:-3], b"12345678" + bytes([9, 1]) + b"a" + b"\0\0\0\0"):
         with pytest.raises(ValueError):
             unpack(bad)

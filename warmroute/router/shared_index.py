@@ -34,7 +34,7 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from warmroute.core.fleet import Fleet
 from warmroute.router.background import cancel_all
@@ -47,20 +47,34 @@ _COUNT = struct.Struct("<I")
 RECONNECT_S = 1.0
 
 
-def pack(replica: bytes, entries: list[tuple[int, str, list[int]]]) -> bytes:
+def pack(replica: bytes, entries: list[tuple[int, str, Sequence[int]]]) -> bytes:
     out = bytearray(replica)
     for op, name, blocks in entries:
         raw = name.encode()
-        out += _HEAD.pack(op, len(raw)) + raw + _COUNT.pack(len(blocks))
-        a = array.array("Q", blocks)
-        if sys.byteorder != "little":
-            a.byteswap()
-        out += a.tobytes()
+        out += _HEAD.pack(op, len(raw)) + raw + _COUNT.pack(len(blocks)) + _words(blocks)
     return bytes(out)
 
 
-def unpack(payload: bytes) -> tuple[bytes, list[tuple[int, str, list[int]]]]:
-    """(replica id, entries); ValueError on a malformed message."""
+def _words(blocks: Sequence[int]) -> bytes:
+    """The chain as uint64 little-endian words: a Chain's (block_hash) as they are, no int made, on
+    little-endian hosts; anything else through an array."""
+    if sys.byteorder == "little" and not isinstance(blocks, (list, tuple)):
+        try:
+            view = memoryview(blocks)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if view.format == "Q" and view.itemsize == 8 and view.ndim == 1:
+                return view.tobytes()
+    a = array.array("Q", blocks)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack(payload: bytes) -> tuple[bytes, list[tuple[int, str, array.array]]]:
+    """(replica id, entries); ValueError on a malformed message. Each entry's blocks are an array of uint64
+    (a sequence of ints; the compiled index reads its words in place)."""
     if len(payload) < 8:
         raise ValueError("message too short")
     replica, pos, entries = payload[:8], 8, []
@@ -79,7 +93,7 @@ def unpack(payload: bytes) -> tuple[bytes, list[tuple[int, str, list[int]]]]:
             a.frombytes(payload[pos:end])
             if sys.byteorder != "little":
                 a.byteswap()
-            entries.append((op, name, a.tolist()))
+            entries.append((op, name, a))
             pos = end
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(str(exc)) from None
@@ -94,7 +108,7 @@ class IndexUpdates:
         self.fleet = fleet
         self.replica = os.urandom(8)
         self.received = 0  # entries applied from other replicas (tests, debugging)
-        self._pending: list[tuple[int, str, list[int]]] = []
+        self._pending: list[tuple[int, str, Sequence[int]]] = []
         self._flush_scheduled = False
         self._client: object | None = None  # set while updates can be sent
 
@@ -108,7 +122,8 @@ class IndexUpdates:
     def _queue(self, op: int, name: str, blocks: list[int] | tuple[int, ...]) -> None:
         if not blocks or self._client is None:
             return
-        self._pending.append((op, name, list(blocks)))
+        # A list could change before the flush: copied. A Chain (block_hash's) or a tuple cannot.
+        self._pending.append((op, name, blocks.copy() if isinstance(blocks, list) else blocks))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -119,7 +134,7 @@ class IndexUpdates:
         if entries and self._client is not None:
             self._send(entries)
 
-    def _send(self, entries: list[tuple[int, str, list[int]]]) -> None:
+    def _send(self, entries: list[tuple[int, str, Sequence[int]]]) -> None:
         raise NotImplementedError
 
     # -- incoming ----------------------------------------------------------------------------------------------
@@ -153,7 +168,7 @@ class SharedIndex(IndexUpdates):
         self._publishes: set[asyncio.Task] = set()
         self.connected = asyncio.Event()
 
-    def _send(self, entries: list[tuple[int, str, list[int]]]) -> None:
+    def _send(self, entries: list[tuple[int, str, Sequence[int]]]) -> None:
         task = asyncio.get_running_loop().create_task(self._publish(pack(self.replica, entries)))
         self._publishes.add(task)
         task.add_done_callback(self._publishes.discard)
@@ -260,8 +275,8 @@ class WorkerLinks(IndexUpdates):
     def send_snapshot(self, payload: bytes) -> None:
         self._post(_SNAPSHOT + payload)
 
-    def _send(self, entries: list[tuple[int, str, list[int]]]) -> None:
-        batch: list[tuple[int, str, list[int]]] = []
+    def _send(self, entries: list[tuple[int, str, Sequence[int]]]) -> None:
+        batch: list[tuple[int, str, Sequence[int]]] = []
         size = 0
         for op, name, blocks in entries:
             blocks = blocks[:MAX_LINK_BLOCKS]
