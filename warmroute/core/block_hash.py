@@ -27,6 +27,7 @@ and the reference the tests compare it with (tests/test_block_hash.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -116,5 +117,5 @@ else:
 NATIVE = _blockhash is not None  # whether the compiled version is in use (logged at start-up)
 
 
-def text_block_hashes(text: str, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFAULT) -> list[int]:
+def text_block_hashes(text: str, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFAULT) -> Sequence[int]:
     return block_hashes(text.encode("utf-8", "surrogatepass"), seed, block_bytes)

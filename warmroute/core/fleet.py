@@ -7,6 +7,7 @@ the load-balancing policy). The I/O shell and the simulator report what happens 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from warmroute.core import feedback as fb
@@ -127,7 +128,7 @@ class Fleet:
         return int(inst.kv_capacity_tokens * self.cache_scale.value) if inst is not None else 0
 
     # -- load accounting --------------------------------------------------------------------------------
-    def dispatched(self, name: str, uncached_tokens: int, blocks: list[int] | None = None) -> int:
+    def dispatched(self, name: str, uncached_tokens: int, blocks: Sequence[int] | None = None) -> int:
         """A request was sent to `name`; its blocks are now (about to be) cached there. Returns how many
         requests sent there before it still wait for their first token (for `feedback`'s queued_ahead)."""
         inst = self.instances.get(name)
@@ -156,7 +157,7 @@ class Fleet:
             inst.pending = max(0, inst.pending - 1)
 
     def finished(self, name: str, uncached_tokens: int = 0, got_first_token: bool = True,
-                 blocks: list[int] | tuple[int, ...] | None = None) -> None:
+                 blocks: Sequence[int] | None = None) -> None:
         """The request is done. Its blocks are refreshed in the index: engines free a finished sequence's
         blocks to the most-recent end of their LRU, so that is when they become the last to be evicted."""
         inst = self.instances.get(name)
@@ -179,7 +180,7 @@ class Fleet:
         else:
             inst.engine = observe(waiting, running, kv_usage, inst.inflight, inst.pending)
 
-    def feedback(self, name: str, blocks: list[int] | tuple[int, ...], predicted_tokens: int, cached_tokens: int,
+    def feedback(self, name: str, blocks: Sequence[int], predicted_tokens: int, cached_tokens: int,
                  engine_prompt_tokens: int | None = None, prompt_tokens: int | None = None,
                  queued_ahead: int = 0) -> fb.Verdict:
         """The engine reported `cached_tokens` for a request routed to `name` with this chain, where the index

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,15 +41,16 @@ class RoutingKey:
     prefix_units: str | bytes  # what PrefixLength counts: characters of message text, or body bytes
     session: str | None = None
     model: str | None = None
-    _blocks: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _blocks: dict[int, Sequence[int]] = field(default_factory=dict, repr=False)
 
     @property
     def tokens(self) -> int:
         """Prompt length estimate in tokens (≈ 4 bytes per token)."""
         return max(1, len(self.data) // BYTES_PER_TOKEN)
 
-    def blocks(self, block_bytes: int = BLOCK_BYTES_DEFAULT) -> list[int]:
-        """Chained hashes of the key's full blocks (computed once per block size)."""
+    def blocks(self, block_bytes: int = BLOCK_BYTES_DEFAULT) -> Sequence[int]:
+        """Chained hashes of the key's full blocks (computed once per block size): a Chain where the C block
+        hash was built (read-only, ints made on access), a list otherwise."""
         got = self._blocks.get(block_bytes)
         if got is None:
             got = self._blocks[block_bytes] = block_hashes(self.data, self.seed, block_bytes)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import random as _random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from warmroute.core import rendezvous
@@ -53,7 +54,7 @@ class Decision:
     reason: str
     matched_tokens: int = 0  # tokens of the prompt the chosen instance is predicted to hold
     prompt_tokens: int = 0
-    blocks: tuple[int, ...] | list[int] = ()  # the chain to record for the chosen instance
+    blocks: Sequence[int] = ()  # the chain to record for the chosen instance
 
     @property
     def uncached_tokens(self) -> int:
@@ -343,7 +344,7 @@ class CacheAwareStrategy(Strategy):
             return self.settings.miss_weight
         return self.settings.shared_miss_weight
 
-    def match_depths(self, blocks: list[int], fleet: Fleet) -> dict[str, int]:
+    def match_depths(self, blocks: Sequence[int], fleet: Fleet) -> dict[str, int]:
         """Cached prefix length (blocks) per instance: the router's estimate (the simulator's oracle overrides)."""
         return fleet.index.match_depths(blocks)
 
@@ -364,7 +365,7 @@ class CacheAwareStrategy(Strategy):
 
     @staticmethod
     def _decision(inst: Instance, reason: str, depths: dict[str, int], block_tokens: int, prompt: int,
-                  blocks: list[int]) -> Decision:
+                  blocks: Sequence[int]) -> Decision:
         matched = min(prompt, depths.get(inst.name, 0) * block_tokens)
         return Decision(inst.name, reason, matched, prompt, blocks)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey, key_for_json, key_for_raw
@@ -139,7 +140,7 @@ class Ticket:
         self._sent_at = time.perf_counter()
         self._publish_inflight()
 
-    def _record(self, blocks: list[int] | tuple[int, ...]) -> None:
+    def _record(self, blocks: Sequence[int]) -> None:
         """The chain is (about to be) cached on the instance: into the index, and to the other replicas."""
         router = self._router
         if self._done and not self._got_first:  # failed (or cut off) before the loop came round: never arrived
