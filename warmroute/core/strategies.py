@@ -224,7 +224,7 @@ def _affinity_choice(hash_key: int, fleet: Fleet, threshold: int, model: str | N
     # Usually the first in the order is up and under the threshold: its top alone, without sorting them all.
     first = top(hash_key, list(fleet.instances.values()) if serving is None
                 else [fleet.instances[n] for n in sorted(serving)])
-    if first is not None and first.healthy and not first.draining and first.inflight < threshold:
+    if first is not None and first.routable and first.inflight < threshold:
         return first, AFFINITY
     names = rendezvous.order(hash_key, list(fleet.instances) if serving is None else sorted(serving))
     preferred_up = True
