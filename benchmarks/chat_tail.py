@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Where cache_aware's TTFT tail on long multi-turn chats comes from, and what shortening it costs (simulator).
+
+    .venv/bin/python benchmarks/chat_tail.py [--seeds 8] [--requests 3000]
+
+The case is the peer comparison's chat workload (docs/peers.md): 4 instances of 13,312 KV tokens, 8 running each,
+32 closed-loop conversations of 6-12 turns with 300-token replies kept in the history. Its in-flight working set
+is about the fleet's whole cache, so some conversations must lose their history.
+
+Part 1, cache_aware alone: each request's predicted cached tokens (the router's index, at routing time) against
+what the engine found when it admitted the request, bucketed by the chosen instance's KV pressure at routing time:
+(prompt tokens of the requests in flight there + this request's predicted match) / its KV capacity. Under
+pressure the engine evicts a waiting conversation's history to admit the requests ahead of it, so the index's
+prediction fails and the request both waits and recomputes: those requests are the tail.
+
+Part 2, the trade-off: variants that act on that pressure, over several seeds. Experiments, not product code
+(they live only in this script); each changes one thing:
+  * tighter load guard: ε 0.5, slack 0 instead of 1.0 and 4 (fewer conversations may pile onto one instance);
+  * miss weight 4 for a private prefix instead of 16 (a conversation moves more readily);
+  * survival discount: at an instance under pressure x (as in part 1), the part of its match that no other
+    instance holds counts as cached only by a factor falling linearly from 1 at x = 1.25 to 0 at x = 1.75;
+  * least_loaded, the SGLang-like reference and the oracle (cache_aware fed the engines' true caches), for scale.
+
+Part 3: the tighter guard on the other closed loops of the peer comparison (hot prompt, mixed), where it must
+not cost what it buys on chat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import replace
+
+from warmroute.core.strategies import STRATEGIES, CacheAwareStrategy, Decision, StrategySettings
+from warmroute.sim.report import summarize
+from warmroute.sim.simulator import SimSettings, Simulation
+from warmroute.workloads.registry import make_workload
+
+CHAT = dict(min_turns=6, max_turns=12, reply_tokens=300, max_tokens=2)
+BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+
+
+def settings(seed: int, requests: int) -> SimSettings:
+    return SimSettings(instances=4, requests=requests, concurrency=32, kv_capacity_tokens=13312, max_running=8,
+                       seed=seed)
+
+
+def in_flight_tokens(sim: Simulation, name: str) -> int:
+    """Prompt tokens of the requests sent to `name` that have not finished (the router's books hold the same)."""
+    model = sim.instances[name].model
+    return sum(s.prompt_tokens for s in (*model._waiting.values(), *model._running.values()))
+
+
+def pressure(sim: Simulation, name: str, matched_tokens: int) -> float:
+    return (in_flight_tokens(sim, name) + matched_tokens) / sim.fleet.instances[name].kv_capacity_tokens
+
+
+# -- part 1 --------------------------------------------------------------------------------------------------
+def prediction_by_pressure(seed: int, requests: int) -> None:
+    sim = Simulation(settings(seed, requests), make_workload("chat", seed=seed, **CHAT), "cache_aware")
+    choose, seen = sim.strategy.choose, []
+
+    def observed(key, fleet):  # the decision and its instance's pressure, at routing time
+        d = choose(key, fleet)
+        seen.append((d, pressure(sim, d.instance, d.matched_tokens)))
+        return d
+
+    sim.strategy.choose = observed
+    result = sim.run()
+    rows: dict[float, list] = {}
+    for rec, (d, x) in zip(result.records, seen):
+        if rec.first_token is None or d.matched_tokens <= 400:  # continuations (more than the system prompt)
+            continue
+        b = max([0.0, *[t for t in BUCKETS if x >= t]])
+        rows.setdefault(b, []).append((d.matched_tokens, rec.cached_tokens, (rec.first_token - rec.arrival) * 1000))
+    print(f"Part 1: cache_aware, seed {seed}, {requests} requests; continuations (predicted match > 400 tokens)")
+    print(f"{'pressure':>10} {'requests':>8} {'predicted':>9} {'found':>7} {'found %':>7} {'TTFT p50':>8} "
+          f"{'TTFT p90':>8}")
+    for b in sorted(rows):
+        r = rows[b]
+        pred, found = sum(x[0] for x in r), sum(x[1] for x in r)
+        t = sorted(x[2] for x in r)
+        print(f"{'>= %.2f' % b:>10} {len(r):>8} {pred / len(r):>9.0f} {found / len(r):>7.0f} {found / pred:>7.0%} "
+              f"{t[len(t) // 2]:>8.0f} {t[int(len(t) * 0.9)]:>8.0f}")
+
+
+# -- part 2 --------------------------------------------------------------------------------------------------
+class _Tuned(CacheAwareStrategy):
+    overrides: dict = {}
+
+    def __init__(self, settings: StrategySettings | None = None, seed: int | None = None) -> None:
+        super().__init__(replace(settings or StrategySettings(), **self.overrides), seed)
+
+
+class TightGuard(_Tuned):
+    name = "tight guard (ε 0.5, slack 0)"
+    overrides = dict(balance_factor=0.5, balance_slack=0)
+
+
+class LowMissWeight(_Tuned):
+    name = "miss weight 4 (private)"
+    overrides = dict(miss_weight=4.0)
+
+
+class SurvivalDiscount(CacheAwareStrategy):
+    """Discounts the unshared part of each holder's match by the holder's KV pressure (reads the simulator)."""
+    name = "survival discount"
+    sim: Simulation | None = None
+    LOW, HIGH = 1.25, 1.75
+
+    def match_depths(self, blocks, fleet):
+        depths = super().match_depths(blocks, fleet)
+        if not depths or self.sim is None:
+            return depths
+        shared = sorted(depths.values())[-2] if len(depths) > 1 else 0  # what others hold too stays fresh
+        out = {}
+        for name, depth in depths.items():
+            x = pressure(self.sim, name, depth * fleet.block_tokens)
+            keep = min(depth, shared)
+            out[name] = keep + round((depth - keep) * min(1.0, max(0.0, (self.HIGH - x) / (self.HIGH - self.LOW))))
+        return out
+
+    def choose(self, key, fleet):  # the decision reports the index's own prediction, as cache_aware's does
+        d = super().choose(key, fleet)
+        raw = fleet.index.match_depths(d.blocks).get(d.instance, 0) * fleet.block_tokens if d.blocks else 0
+        return Decision(d.instance, d.reason, min(raw, d.prompt_tokens), d.prompt_tokens, d.blocks)
+
+
+VARIANTS = ["cache_aware", TightGuard.name, LowMissWeight.name, SurvivalDiscount.name, "least_loaded",
+            "sglang_like", "oracle"]
+
+
+def register() -> None:
+    for cls in (TightGuard, LowMissWeight, SurvivalDiscount):
+        STRATEGIES[cls.name] = cls
+
+
+def trade_off(seeds: int, requests: int) -> None:
+    print(f"\nPart 2: {seeds} seeds x {requests} requests, means")
+    print(f"{'variant':<30} {'hit rate':>8} {'TTFT p50':>8} {'TTFT p99':>8} {'req/s':>6} {'spread':>6}")
+    for variant in VARIANTS:
+        rows = []
+        for seed in range(seeds):
+            sim = Simulation(settings(seed, requests), make_workload("chat", seed=seed, **CHAT), variant)
+            if isinstance(sim.strategy, SurvivalDiscount):
+                sim.strategy.sim = sim
+            s = summarize(sim.run())
+            rows.append((s.hit_rate, s.ttft_p50_ms, s.ttft_p99_ms, s.throughput_rps, s.load_spread))
+        m = [statistics.mean(c) for c in zip(*rows)]
+        print(f"{variant:<30} {m[0]:>8.1%} {m[1]:>8.0f} {m[2]:>8.0f} {m[3]:>6.2f} {m[4]:>6.2f}", flush=True)
+
+
+OTHERS = [
+    ("hot, 16 clients", "hot", dict(requests=2000, concurrency=16, kv_capacity_tokens=10240, max_running=8),
+     dict(hot=0.6, max_tokens=2)),
+    ("mixed, 16 clients", "mixed", dict(requests=3000, concurrency=16, kv_capacity_tokens=16384, max_running=8),
+     dict(max_tokens=2)),
+]
+
+
+def other_workloads(seeds: int) -> None:
+    print(f"\nPart 3: {seeds} seeds, means")
+    print(f"{'case':<18} {'variant':<30} {'hit rate':>8} {'TTFT p50':>8} {'TTFT p99':>8} {'req/s':>6}")
+    for label, workload, sim_settings, params in OTHERS:
+        for variant in ("cache_aware", TightGuard.name):
+            rows = []
+            for seed in range(seeds):
+                sim = Simulation(SimSettings(instances=4, seed=seed, **sim_settings),
+                                 make_workload(workload, seed=seed, **params), variant)
+                s = summarize(sim.run())
+                rows.append((s.hit_rate, s.ttft_p50_ms, s.ttft_p99_ms, s.throughput_rps))
+            m = [statistics.mean(c) for c in zip(*rows)]
+            print(f"{label:<18} {variant:<30} {m[0]:>8.1%} {m[1]:>8.0f} {m[2]:>8.0f} {m[3]:>6.2f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=3000)
+    args = ap.parse_args()
+    register()
+    prediction_by_pressure(0, args.requests)
+    trade_off(args.seeds, args.requests)
+    other_workloads(args.seeds)
+
+
+if __name__ == "__main__":
+    main()
