@@ -6,7 +6,10 @@
 
 Times, per request (its JSON body parsed just before, untimed, as the server does): building the routing key from
 the parsed body, hashing its blocks, the strategy's choice
-(index lookups + cost), and recording the chosen instance's blocks in the index. Prints p50/p99 in µs of every
+(index lookups + cost), and recording the chosen instance's blocks in the index. Where the C block hash is built,
+the "block hashes" stage makes a lazy Chain, whose hashes are computed when first read: by the choice's index
+lookup for a prompt whose first block is indexed, by the record for a cold one (the server records after the
+request has been sent), so their cost shows in those stages. Prints p50/p99 in µs of every
 stage, of the decision (key + block hashes + choose, summed per request before taking percentiles; `prefix`
 needs no block hashes, so its decision is key + choose) and of the total with the record, for a warm prompt
 (its prefix is indexed) and a cold one, for cache_aware and prefix.

@@ -128,3 +128,69 @@ def test_the_c_chain_reads_as_a_list_of_its_ints():
         hash(chain)
     with pytest.raises(TypeError):
         chain[0] = 1
+
+
+_READS = st.one_of(
+    st.tuples(st.just("item"), st.integers(-40, 40)),
+    st.tuples(st.just("slice"), st.integers(-40, 40) | st.none(), st.integers(-40, 40) | st.none(),
+              st.sampled_from([None, 1, 2, 3, -1, -2, -5])),
+    st.tuples(st.sampled_from(["len", "bool", "list", "buffer", "eq", "iter", "pickle"])),
+)
+
+
+@needs_native
+@given(st.binary(max_size=2500), st.sampled_from([8, 16, 64, 72]), st.integers(0, 2**64 - 1),
+       st.lists(_READS, max_size=8))
+@settings(max_examples=300)
+def test_a_lazy_chain_reads_as_the_eager_one_whatever_is_read_first(data, block_bytes, seed, reads):
+    """A Chain of bytes computes its hashes when first read, as far as they are read; every read in any order
+    gives the numpy reference's values, and `computed` only grows, up to the length."""
+    import pickle
+
+    chain, ref = block_hash._blockhash.block_hashes(data, seed, block_bytes), numpy_block_hashes(data, seed, block_bytes)
+    assert chain.computed == 0 and len(chain) == len(ref)
+    seen = 0
+    for op, *args in reads:
+        if op == "item":
+            if -len(ref) <= args[0] < len(ref):
+                assert chain[args[0]] == ref[args[0]]
+            else:
+                with pytest.raises(IndexError):
+                    chain[args[0]]
+        elif op == "slice":
+            assert chain[slice(*args)] == ref[slice(*args)]
+        elif op == "len":
+            assert len(chain) == len(ref)
+        elif op == "bool":
+            assert bool(chain) == bool(ref)
+        elif op == "list":
+            assert chain.tolist() == ref
+        elif op == "buffer":
+            assert memoryview(chain).tolist() == ref
+        elif op == "eq":
+            assert chain == ref and chain == block_hash._blockhash.block_hashes(data, seed, block_bytes)
+        elif op == "iter":
+            assert list(chain) == ref
+        else:
+            assert pickle.loads(pickle.dumps(chain)) == ref
+        assert seen <= chain.computed <= len(ref)
+        seen = chain.computed
+    assert chain == ref and chain.computed == len(ref)
+
+
+@needs_native
+def test_a_chain_reads_only_as_far_as_asked_and_not_from_mutable_buffers():
+    data = random.Random(5).randbytes(64 * 500)
+    chain = block_hash._blockhash.block_hashes(data, 1, 64)
+    assert chain.computed == 0 and len(chain) == 500 and chain  # length and truth need no hashing
+    first = chain[0]
+    assert chain.computed == 1
+    assert chain[:10] == numpy_block_hashes(data[:640], 1, 64) and chain.computed == 10
+    assert chain[99] == numpy_block_hashes(data, 1, 64)[99] and chain.computed == 100
+    assert chain[0] == first
+    # A bytearray may change after the call: its chain is computed at once, from the bytes as they were.
+    buf = bytearray(data[:64 * 4])
+    eager = block_hash._blockhash.block_hashes(buf, 1, 64)
+    assert eager.computed == 4
+    buf[:64] = bytes(64)
+    assert eager == numpy_block_hashes(data[:64 * 4], 1, 64)

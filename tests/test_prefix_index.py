@@ -227,3 +227,24 @@ def test_a_chain_and_its_list_are_the_same_blocks_to_the_compiled_store():
         assert a.match_depths(q) == b.match_depths(q)
     assert a.match_depths(c1) == {"x": 10, "y": 8}
     assert all(a.lru_order(n) == b.lru_order(n) for n in "xy") and a.owner_masks() == b.owner_masks()
+
+
+def test_a_cold_chain_is_hashed_no_further_than_its_first_block(PrefixIndex):
+    """A lazy Chain computes its hashes as they are read. Nobody holding a chain's first block means nothing
+    deeper can match: both stores look no further, so a cold prompt's chain is hashed beyond block 0 only when
+    it is recorded (after the request has been sent). A held one is matched exactly."""
+    from warmroute.core import block_hash
+
+    if not block_hash.NATIVE:
+        pytest.skip("the C block hash was not built")
+    rng = random.Random(8)
+    warm_data, cold_data = rng.randbytes(64 * 300), rng.randbytes(64 * 300)
+    idx = PrefixIndex(10_000)
+    idx.add_instance("a", 1000)
+    idx.record("a", block_hashes(warm_data[:64 * 120]))
+    cold = block_hashes(cold_data)
+    assert idx.match_depths(cold) == {} and cold.computed == 1
+    warm = block_hashes(warm_data)
+    assert idx.match_depths(warm) == {"a": 120}
+    idx.record("a", cold)
+    assert cold.computed == 300 and idx.match_depths(block_hashes(cold_data)) == {"a": 300}

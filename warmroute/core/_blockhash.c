@@ -11,6 +11,12 @@
  * of ints to Python (indexing, slicing, iteration, == with lists) and a buffer of uint64 to C (the compiled
  * prefix index reads it without any int). Making 500 Python ints took more than the hashing (~6 of ~10 µs for
  * 32,000 bytes); now an int is made only where Python code reads one.
+ *
+ * A Chain of a bytes object is lazy: it keeps the bytes and computes its hashes when they are first read, and
+ * only as far as they are read (the hashes are chained, so h_k needs blocks 0..k and nothing after). Its length
+ * is known at once. The router reads a cold prompt's first hash only (nobody holds its first block, so nothing
+ * deeper can match) and records the whole chain after the request has left; the hashing is then off the
+ * request's path. Every read (item, slice, ==, buffer, list, pickle) sees the same values as an eager chain.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -69,6 +75,10 @@ static PyObject *configure(PyObject *self, PyObject *args) {
 /* -- Chain: a read-only sequence of uint64 hashes ----------------------------------------------------------- */
 typedef struct {
     PyObject_VAR_HEAD
+    PyObject *src;          /* the bytes still to hash (NULL once all are: h[0..size) valid) */
+    Py_ssize_t done;        /* h[0..done) are computed */
+    Py_ssize_t block_bytes;
+    uint64_t seed, sum, weight;  /* the running chain: sum = h[done-1], weight = P^-done */
     uint64_t h[1];
 } Chain;
 
@@ -76,7 +86,59 @@ static PyTypeObject ChainType;
 
 static Chain *chain_new(Py_ssize_t n) {
     Chain *c = PyObject_NewVar(Chain, &ChainType, n);
+    if (c == NULL) return NULL;
+    c->src = NULL;
+    c->done = n;
+    c->block_bytes = 0;
+    c->seed = c->sum = 0;
+    c->weight = 1;
     return c;
+}
+
+static void chain_dealloc(Chain *c) {
+    Py_XDECREF(c->src);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+/* One block's value c_j (before chaining), `width` 8-byte words at b. */
+static inline uint64_t block_value(const unsigned char *b, Py_ssize_t width) {
+    uint64_t c = 0;
+    if (width == 8) {  /* the default 64-byte block, unrolled: eight independent products */
+        uint64_t w[8];
+        memcpy(w, b, sizeof w);  /* native byte order, as numpy's frombuffer */
+        for (int l = 0; l < 8; l++) c += (w[l] ^ (w[l] >> 29)) * lane_keys[l];
+    } else {
+        for (Py_ssize_t l = 0; l < width; l++) {
+            uint64_t w;
+            memcpy(&w, b + l * 8, 8);
+            c += (w ^ (w >> 29)) * lane_keys[l & 7];
+        }
+    }
+    return fmix64(c);
+}
+
+/* Hashes h[done..upto) of the key at p. */
+static void chain_fill_from(Chain *c, const unsigned char *p, Py_ssize_t upto) {
+    Py_ssize_t bb = c->block_bytes, width = bb / 8;
+    uint64_t sum = c->sum, weight = c->weight;
+    for (Py_ssize_t j = c->done; j < upto; j++) {
+        uint64_t v = block_value(p + j * bb, width);
+        if (j == 0) v ^= c->seed;
+        sum += v * weight;
+        weight *= p_inv;
+        c->h[j] = sum;
+    }
+    c->sum = sum;
+    c->weight = weight;
+    c->done = upto;
+}
+
+/* Hashes h[done..upto) from the kept bytes; the bytes are let go once the last hash is computed. */
+static void chain_fill(Chain *c, Py_ssize_t upto) {
+    if (upto > Py_SIZE(c)) upto = Py_SIZE(c);
+    if (upto <= c->done) return;
+    chain_fill_from(c, (const unsigned char *)PyBytes_AS_STRING(c->src), upto);
+    if (upto == Py_SIZE(c)) Py_CLEAR(c->src);
 }
 
 static Py_ssize_t chain_length(Chain *c) { return Py_SIZE(c); }
@@ -86,10 +148,12 @@ static PyObject *chain_item(Chain *c, Py_ssize_t i) {
         PyErr_SetString(PyExc_IndexError, "chain index out of range");
         return NULL;
     }
+    chain_fill(c, i + 1);
     return PyLong_FromUnsignedLongLong(c->h[i]);
 }
 
 static PyObject *chain_tolist(Chain *c, PyObject *unused) {
+    chain_fill(c, Py_SIZE(c));
     PyObject *out = PyList_New(Py_SIZE(c));
     if (out == NULL) return NULL;
     for (Py_ssize_t i = 0; i < Py_SIZE(c); i++) {
@@ -116,6 +180,7 @@ static PyObject *chain_subscript(Chain *c, PyObject *key) {
     Py_ssize_t start, stop, step;
     if (PySlice_Unpack(key, &start, &stop, &step) < 0) return NULL;
     Py_ssize_t n = PySlice_AdjustIndices(Py_SIZE(c), &start, &stop, step);
+    if (n > 0) chain_fill(c, (step > 0 ? start + (n - 1) * step : start) + 1);  /* the furthest item read */
     Chain *out = chain_new(n);
     if (out == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) out->h[i] = c->h[start + i * step];
@@ -125,6 +190,8 @@ static PyObject *chain_subscript(Chain *c, PyObject *key) {
 static PyObject *chain_richcompare(PyObject *a, PyObject *b, int op) {
     if (op != Py_EQ && op != Py_NE) Py_RETURN_NOTIMPLEMENTED;
     if (Py_IS_TYPE(a, &ChainType) && Py_IS_TYPE(b, &ChainType)) {
+        chain_fill((Chain *)a, Py_SIZE(a));
+        chain_fill((Chain *)b, Py_SIZE(b));
         int eq = Py_SIZE(a) == Py_SIZE(b) &&
                  memcmp(((Chain *)a)->h, ((Chain *)b)->h, Py_SIZE(a) * sizeof(uint64_t)) == 0;
         return PyBool_FromLong(op == Py_EQ ? eq : !eq);
@@ -167,6 +234,7 @@ static int chain_getbuffer(Chain *c, Py_buffer *view, int flags) {
         return -1;
     }
     static Py_ssize_t itemsize = sizeof(uint64_t);
+    chain_fill(c, Py_SIZE(c));
     view->obj = Py_NewRef(c);
     view->buf = c->h;
     view->len = Py_SIZE(c) * (Py_ssize_t)sizeof(uint64_t);
@@ -196,11 +264,22 @@ static PyMethodDef chain_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *chain_computed(Chain *c, void *unused) {
+    return PyLong_FromSsize_t(c->done);
+}
+
+static PyGetSetDef chain_getset[] = {
+    {"computed", (getter)chain_computed, NULL, "how many of the hashes have been computed so far (lazy chains)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject ChainType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "warmroute.core._blockhash.Chain",
     .tp_basicsize = offsetof(Chain, h),
     .tp_itemsize = sizeof(uint64_t),
+    .tp_dealloc = (destructor)chain_dealloc,
+    .tp_getset = chain_getset,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_SEQUENCE,
     .tp_doc = "Chained block hashes: a read-only sequence of 64-bit ints, and a buffer of uint64 ('Q').",
     .tp_repr = (reprfunc)chain_repr,
@@ -214,9 +293,11 @@ static PyTypeObject ChainType = {
 
 static PyObject *block_hashes(PyObject *self, PyObject *args) {
     Py_buffer buf;
-    PyObject *seed_obj = NULL;
+    PyObject *data, *seed_obj = NULL;
     Py_ssize_t block_bytes = default_block_bytes;
-    if (!PyArg_ParseTuple(args, "y*|On", &buf, &seed_obj, &block_bytes))
+    if (!PyArg_ParseTuple(args, "O|On", &data, &seed_obj, &block_bytes))
+        return NULL;
+    if (PyObject_GetBuffer(data, &buf, PyBUF_SIMPLE) < 0)
         return NULL;
     /* seed & (2^64 - 1), as in Python */
     uint64_t seed = seed_obj == NULL ? 0 : (uint64_t)PyLong_AsUnsignedLongLongMask(seed_obj);
@@ -234,34 +315,20 @@ static PyObject *block_hashes(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "block_bytes must be a positive multiple of 8");
         return NULL;
     }
-    Py_ssize_t n = buf.len / block_bytes, width = block_bytes / 8;
+    Py_ssize_t n = buf.len / block_bytes;
     Chain *out = chain_new(n);
     if (out == NULL) {
         PyBuffer_Release(&buf);
         return NULL;
     }
-    const unsigned char *p = (const unsigned char *)buf.buf;
-    uint64_t chain = 0, weight = 1;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        uint64_t c = 0;
-        const unsigned char *b = p + j * block_bytes;
-        if (width == 8) {  /* the default 64-byte block, unrolled: eight independent products */
-            uint64_t w[8];
-            memcpy(w, b, sizeof w);  /* native byte order, as numpy's frombuffer */
-            for (int l = 0; l < 8; l++) c += (w[l] ^ (w[l] >> 29)) * lane_keys[l];
-        } else {
-            for (Py_ssize_t l = 0; l < width; l++) {
-                uint64_t w;
-                memcpy(&w, b + l * 8, 8);
-                c += (w ^ (w >> 29)) * lane_keys[l & 7];
-            }
-        }
-        c = fmix64(c);
-        if (j == 0)
-            c ^= seed;
-        chain += c * weight;
-        weight *= p_inv;
-        out->h[j] = chain;
+    out->block_bytes = block_bytes;
+    out->seed = seed;
+    if (n > 0) {
+        out->done = 0;
+        if (PyBytes_CheckExact(data))  /* immutable: keep it and hash on demand */
+            out->src = Py_NewRef(data);
+        else  /* a bytearray or memoryview may change after we return: hash it all now */
+            chain_fill_from(out, (const unsigned char *)buf.buf, n);
     }
     PyBuffer_Release(&buf);
     return (PyObject *)out;
@@ -269,7 +336,7 @@ static PyObject *block_hashes(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"block_hashes", block_hashes, METH_VARARGS,
-     "block_hashes(data, seed=0, block_bytes=default) -> Chain: block_hash.block_hashes, in C."},
+     "block_hashes(data, seed=0, block_bytes=default) -> Chain: block_hash.block_hashes, in C (lazy for bytes)."},
     {"configure", configure, METH_VARARGS, "configure(lane_keys, p_inv, default_block_bytes): block_hash.py's constants."},
     {NULL, NULL, 0, NULL},
 };

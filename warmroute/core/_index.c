@@ -499,14 +499,32 @@ static PyObject *Index_match(Index *ix, PyObject *args) {
         return NULL;
     }
     /* A Chain is read in place; anything else as a sequence of ints, each converted only where bisection
-     * looks (a chain is never copied whole). */
+     * looks (a chain is never copied whole). A Chain's first hash is read alone first: when nobody holds it
+     * (a cold prompt) nothing deeper can match, and a lazy Chain is then never hashed beyond its first block. */
     ChainView cv = {0};
     Reader reader = {NULL, NULL};
-    Py_ssize_t n;
-    if (PyObject_CheckBuffer(blocks) && !PyBytes_Check(blocks) && !PyByteArray_Check(blocks)) {
-        if (chain_open(blocks, &cv) < 0) return NULL;
-        reader.raw = cv.h;
-        n = cv.n;
+    Py_ssize_t n = -1;
+    uint64_t first = 0;
+    int buffered = PyObject_CheckBuffer(blocks) && !PyBytes_Check(blocks) && !PyByteArray_Check(blocks);
+    if (buffered) {
+        n = PyObject_Length(blocks);
+        if (n < 0) {
+            PyErr_Clear();  /* not a sequence: chain_open below says what is wrong with it */
+        } else if (n > 0) {
+            PyObject *b0 = PySequence_GetItem(blocks, 0);
+            if (b0 == NULL) return NULL;
+            int bad = as_u64(b0, &first);
+            Py_DECREF(b0);
+            if (bad < 0) return NULL;
+        }
+        if (n < 0) {
+            if (chain_open(blocks, &cv) < 0) return NULL;
+            reader.raw = cv.h;
+            n = cv.n;
+            buffered = 0;  /* opened already */
+        } else {
+            reader.raw = &first;  /* until the first block is known to be held */
+        }
     } else {
         seq = PySequence_Fast(blocks, "blocks must be a sequence of ints");
         if (seq == NULL) return NULL;
@@ -531,6 +549,14 @@ static PyObject *Index_match(Index *ix, PyObject *args) {
     int any = 0;
     for (uint32_t w = 0; w < W; w++) any |= ms[w] != 0;
     if (!any) goto done;
+    if (buffered) {  /* held: read the whole chain */
+        if (chain_open(blocks, &cv) < 0) goto fail;
+        if (cv.n != n) {
+            PyErr_SetString(PyExc_ValueError, "blocks changed length while being read");
+            goto fail;
+        }
+        reader.raw = cv.h;
+    }
     los[0] = 0;
     los[1] = n;
     memset(ms + W, 0, W * sizeof *ms);
