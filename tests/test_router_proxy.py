@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from warmroute.core.routing_key import key_for_json
 from warmroute.router.app import PROXY, ROUTER
 from warmroute.router.server import RunningRouter, start_router
 from warmroute.router.settings import load_settings
@@ -243,6 +244,36 @@ async def test_stream_chunks_arrive_before_the_upstream_finishes(up_a, client):
         assert rest == b'data: {"n": 2}\n\ndata: {"n": 3}\n\ndata: [DONE]\n\n'
         fleet = router.app[ROUTER].fleet
         assert fleet.instances["a"].inflight == 0
+    finally:
+        await router.stop()
+
+
+async def test_the_kv_demand_in_flight_is_on_the_books_and_in_metrics(up_a, client):
+    """While a request is in flight its prompt tokens count against its instance (the KV cache it needs), in the
+    fleet's books and in warmroute_inflight_prompt_tokens; both return to 0 when it is done."""
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.wait_for(release.wait(), 5)
+        return web.json_response({"choices": []})
+
+    up_a.behaviour = slow
+    router = await router_for(up_a)
+    fleet = router.app[ROUTER].fleet
+    expected = key_for_json("/v1/chat/completions", CHAT).tokens
+    try:
+        sent = asyncio.ensure_future(client.post(router.url + "/v1/chat/completions", json=CHAT))
+        await _until(lambda: fleet.instances["a"].inflight == 1)
+        assert fleet.instances["a"].inflight_prompt_tokens == expected > 0
+        async with client.get(router.url + "/metrics") as r:
+            assert f'warmroute_inflight_prompt_tokens{{backend="a"}} {float(expected)}' in await r.text()
+        release.set()
+        async with await sent as r:
+            assert r.status == 200
+        await _until(lambda: fleet.instances["a"].inflight == 0)
+        assert fleet.instances["a"].inflight_prompt_tokens == 0
+        async with client.get(router.url + "/metrics") as r:
+            assert 'warmroute_inflight_prompt_tokens{backend="a"} 0.0' in await r.text()
     finally:
         await router.stop()
 
@@ -561,6 +592,7 @@ async def test_metrics_exposes_every_family(up_a, client):
         for needle in ('warmroute_requests_total{backend="a",status="200"} 1.0',
                        'warmroute_requests_total{backend="none",status="400"} 1.0',
                        'warmroute_inflight{backend="a"} 0.0',
+                       'warmroute_inflight_prompt_tokens{backend="a"} 0.0',
                        'warmroute_decisions_total{reason="cold",strategy="cache_aware"} 1.0',
                        "warmroute_matched_prefix_ratio_bucket",
                        'warmroute_time_to_first_byte_seconds_count{backend="a"} 1.0',
@@ -594,7 +626,8 @@ async def test_many_concurrent_streams_keep_the_books_straight(up_a, up_b, clien
 
         assert await asyncio.gather(*(one(i) for i in range(64))) == [200] * 64
         fleet = router.app[ROUTER].fleet
-        assert all(i.inflight == 0 and i.queued_prefill_tokens == 0 for i in fleet.instances.values())
+        assert all(i.inflight == 0 and i.queued_prefill_tokens == 0 and i.inflight_prompt_tokens == 0
+                   for i in fleet.instances.values())
         assert router.app[PROXY].session is not None
     finally:
         await router.stop()

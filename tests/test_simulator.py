@@ -32,6 +32,25 @@ def test_every_request_is_served_once():
     assert all(x.arrival <= x.first_token <= x.done for x in r.records)
 
 
+def test_the_books_follow_the_kv_demand_in_flight_and_balance_at_the_end():
+    """The fleet's in-flight prompt tokens per instance are, at every arrival, the prompt tokens of the requests
+    sent there that are not done yet (from the simulator's own records), and all of them leave the books."""
+    sim = Simulation(small(requests=600), make_workload("mixed", seed=1), "cache_aware")
+    choose, checked = sim.strategy.choose, []
+
+    def checking(key, fleet):
+        for name, inst in fleet.instances.items():
+            live = sum(r.prompt_tokens for r in sim.records if r.instance == name and r.done is None)
+            checked.append((inst.inflight_prompt_tokens, live))
+        return choose(key, fleet)
+
+    sim.strategy.choose = checking
+    sim.run()
+    assert len(checked) == 600 * 4 and all(books == live for books, live in checked)
+    assert sum(live > 0 for _, live in checked) > 100  # requests were in flight at many arrivals
+    assert all(i.inflight_prompt_tokens == 0 and i.inflight == 0 for i in sim.fleet.instances.values())
+
+
 def test_strategy_ordering_on_a_cache_constrained_fleet():
     """The caches hold about a quarter of the working set each: routing decides the hit rate."""
     hits = {s: run(s).hit_rate for s in ("random", "prefix", "cache_aware", "oracle", "pooled")}

@@ -33,6 +33,9 @@ class Instance:
     inflight: int = 0
     queued_prefill_tokens: float = 0.0  # uncached prompt tokens sent here that have not had a first token
     pending: int = 0  # requests sent here that have not had a first token
+    # Prompt tokens of the requests in flight here: the KV cache they will need. Above the instance's capacity,
+    # histories of requests still queued get evicted before their turn (benchmarks/chat_tail.py).
+    inflight_prompt_tokens: int = 0
     requests_total: int = 0
     recent: float = 0.0  # requests sent here lately, fading (in units of Fleet.recent_unit.value)
     engine: EngineLoad | None = None  # load the engine itself reports (scraped /metrics); None: unknown
@@ -128,7 +131,8 @@ class Fleet:
         return int(inst.kv_capacity_tokens * self.cache_scale.value) if inst is not None else 0
 
     # -- load accounting --------------------------------------------------------------------------------
-    def dispatched(self, name: str, uncached_tokens: int, blocks: Sequence[int] | None = None) -> int:
+    def dispatched(self, name: str, uncached_tokens: int, blocks: Sequence[int] | None = None,
+                   prompt_tokens: int = 0) -> int:
         """A request was sent to `name`; its blocks are now (about to be) cached there. Returns how many
         requests sent there before it still wait for their first token (for `feedback`'s queued_ahead)."""
         inst = self.instances.get(name)
@@ -136,6 +140,7 @@ class Fleet:
             return 0
         queued_ahead = inst.pending
         inst.inflight += 1
+        inst.inflight_prompt_tokens += prompt_tokens
         inst.pending += 1
         inst.requests_total += 1
         inst.recent += self.recent_unit.value
@@ -157,13 +162,14 @@ class Fleet:
             inst.pending = max(0, inst.pending - 1)
 
     def finished(self, name: str, uncached_tokens: int = 0, got_first_token: bool = True,
-                 blocks: Sequence[int] | None = None) -> None:
+                 blocks: Sequence[int] | None = None, prompt_tokens: int = 0) -> None:
         """The request is done. Its blocks are refreshed in the index: engines free a finished sequence's
         blocks to the most-recent end of their LRU, so that is when they become the last to be evicted."""
         inst = self.instances.get(name)
         if inst is None:
             return
         inst.inflight = max(0, inst.inflight - 1)
+        inst.inflight_prompt_tokens = max(0, inst.inflight_prompt_tokens - prompt_tokens)
         if not got_first_token:
             self.first_token(name, uncached_tokens)
         if blocks and got_first_token:

@@ -35,6 +35,11 @@ class Metrics:
                                 ["backend", "status"], registry=r)
         self.inflight = Gauge("warmroute_inflight", "Requests in flight per instance", ["backend"], registry=r,
                               multiprocess_mode="livesum")
+        self.inflight_prompt_tokens = Gauge(
+            "warmroute_inflight_prompt_tokens",
+            "Prompt tokens of the requests in flight per instance: the KV cache they need. Above the instance's "
+            "KV capacity, the engine evicts cached prefixes of queued requests before their turn",
+            ["backend"], registry=r, multiprocess_mode="livesum")
         self.decisions = Counter("warmroute_decisions", "Routing decisions by strategy and reason",
                                  ["strategy", "reason"], registry=r)
         self.matched_ratio = Histogram("warmroute_matched_prefix_ratio",
@@ -97,7 +102,7 @@ class Metrics:
     # -- membership (discovery) ---------------------------------------------------------------------------
     def add_backend(self, name: str, healthy: bool = True) -> None:
         if name not in self._inflight:
-            self._inflight[name] = self.inflight.labels(name)
+            self._inflight[name] = (self.inflight.labels(name), self.inflight_prompt_tokens.labels(name))
             self._ttfb[name] = self.ttfb.labels(name)
             self._healthy[name] = self.healthy.labels(name)
             self._engine[name] = (self.engine_prompt_tokens.labels(name), self.engine_cached_tokens.labels(name),
@@ -107,9 +112,11 @@ class Metrics:
 
     def remove_backend(self, name: str) -> None:
         """The instance left the fleet: drop its gauges (counters stay, so rates over them remain right)."""
-        for store, gauge in ((self._inflight, self.inflight), (self._healthy, self.healthy)):
-            if store.pop(name, None) is not None:
-                gauge.remove(name)
+        if self._inflight.pop(name, None) is not None:
+            self.inflight.remove(name)
+            self.inflight_prompt_tokens.remove(name)
+        if self._healthy.pop(name, None) is not None:
+            self.healthy.remove(name)
 
     # -- per-request hooks (cheap) ------------------------------------------------------------------------
     def decided(self, reason: str, matched_ratio: float, seconds: float) -> None:
@@ -120,10 +127,11 @@ class Metrics:
         self.matched_ratio.observe(matched_ratio)
         self.decision_seconds.observe(seconds)
 
-    def set_inflight(self, name: str, value: int) -> None:
-        gauge = self._inflight.get(name)
-        if gauge is not None:  # None: removed from the fleet while this request was in flight
-            gauge.set(value)
+    def set_inflight(self, name: str, requests: int, prompt_tokens: int = 0) -> None:
+        gauges = self._inflight.get(name)
+        if gauges is not None:  # None: removed from the fleet while this request was in flight
+            gauges[0].set(requests)
+            gauges[1].set(prompt_tokens)
 
     def first_byte(self, name: str, seconds: float) -> None:
         hist = self._ttfb.get(name)

@@ -122,16 +122,18 @@ class Router:
 class Ticket:
     """One request's accounting on one instance: dispatched now, first token once, finished exactly once."""
 
-    __slots__ = ("_router", "instance", "_uncached", "_blocks", "queued_ahead", "_sent_at", "_got_first", "_done")
+    __slots__ = ("_router", "instance", "_uncached", "_prompt", "_blocks", "queued_ahead", "_sent_at", "_got_first",
+                 "_done")
 
     def __init__(self, router: Router, decision: Decision, defer_record: bool = False) -> None:
         self._router = router
         self.instance = decision.instance
         self._uncached = decision.uncached_tokens
+        self._prompt = decision.prompt_tokens
         self._got_first = self._done = False
         blocks = decision.blocks if router.strategy.records_prefixes else None
         self._blocks = blocks
-        self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached)
+        self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, prompt_tokens=self._prompt)
         if blocks:
             if defer_record:
                 asyncio.get_running_loop().call_soon(self._record, blocks)
@@ -161,7 +163,7 @@ class Ticket:
             return
         self._done = True
         router = self._router
-        router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks)
+        router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks, self._prompt)
         if self._got_first and self._blocks and router.shared is not None:
             # The refresh at finish (core/fleet.py) too: otherwise the other replicas / workers age this chain
             # from when it was sent, and a long answer's history can drop out of their models before its turn.
@@ -171,4 +173,4 @@ class Ticket:
     def _publish_inflight(self) -> None:
         inst = self._router.fleet.instances.get(self.instance)
         if inst is not None:
-            self._router.metrics.set_inflight(self.instance, inst.inflight)
+            self._router.metrics.set_inflight(self.instance, inst.inflight, inst.inflight_prompt_tokens)

@@ -263,7 +263,8 @@ class Simulation:
             return
         self._last_instance_by_prefix[key.prefix_hash(self.s.prefix_length)] = d.instance
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
-                                             list(d.blocks) if self.strategy.records_prefixes else None)
+                                             list(d.blocks) if self.strategy.records_prefixes else None,
+                                             d.prompt_tokens)
         rec = RequestRecord(now, d.instance, key.tokens, d.reason, tag=req.tag)
         self.records.append(rec)
         seq = next(self._seq)
@@ -307,8 +308,8 @@ class Simulation:
         for seq in result.finished:  # type: ignore[attr-defined]
             rec, req, turns, d, _ = self._inflight.pop(seq)
             rec.done = now
-            self.fleet.finished(inst.name, d.uncached_tokens,
-                                blocks=d.blocks if self.strategy.records_prefixes else None)
+            self.fleet.finished(inst.name, d.uncached_tokens, blocks=d.blocks if self.strategy.records_prefixes
+                                else None, prompt_tokens=d.prompt_tokens)
             nxt = next(turns, None) if turns is not None else None
             if nxt is not None:
                 self._push(now, self.ARRIVE, (nxt, turns, None))
