@@ -308,8 +308,8 @@ class Simulation:
         for seq in result.finished:  # type: ignore[attr-defined]
             rec, req, turns, d, _ = self._inflight.pop(seq)
             rec.done = now
-            self.fleet.finished(inst.name, d.uncached_tokens, blocks=d.blocks if self.strategy.records_prefixes
-                                else None, prompt_tokens=d.prompt_tokens)
+            blocks = d.blocks if self.strategy.records_prefixes else None
+            self.fleet.finished(inst.name, d.uncached_tokens, blocks=blocks, prompt_tokens=d.prompt_tokens)
             nxt = next(turns, None) if turns is not None else None
             if nxt is not None:
                 self._push(now, self.ARRIVE, (nxt, turns, None))
