@@ -127,7 +127,7 @@ def test_state_adds_the_other_workers_snapshots():
             fleet.add(name)
         for i, data in enumerate(requests):
             name = "ab"[i % 2]
-            fleet.dispatched(name, 10)
+            fleet.dispatched(name, 10, prompt_tokens=100 * (i + 1))
             activity.note(key_for_raw(data), Decision(name, "cold", matched_tokens=5, prompt_tokens=10))
         return fleet, activity, metrics
 
@@ -144,6 +144,10 @@ def test_state_adds_the_other_workers_snapshots():
     assert merged["workers"] == 2 and alone["workers"] == 1
     assert [i["requests"] for i in merged["instances"]] == [2 + 3, 1 + 2]  # a, b over both workers
     assert [i["inflight"] for i in merged["instances"]] == [5, 3]
+    # prompt tokens in flight: worker a sent 100, 200, 300 (a, b, a); worker b 100..500 (a, b, a, b, a)
+    assert [i["inflight_prompt_tokens"] for i in merged["instances"]] == [100 + 300 + 100 + 300 + 500, 200 + 200 + 400]
+    cap = a[0].estimated_capacity_tokens("a")
+    assert [i["kv_demand"] for i in merged["instances"]] == [round(1300 / cap, 4), round(800 / cap, 4)]
     assert len(merged["recent_decisions"]) == 8 and merged["hit_rate"]["predicted"] == 0.5
     assert [p["share"] for p in merged["hot_prefixes"]] == [0.5, 0.5]  # hot 4 of 8, cold 4 of 8
     assert [p["share"] for p in alone["hot_prefixes"]] == [1.0]
@@ -177,7 +181,7 @@ async def test_page_renders_live_state_in_headless_chromium(router_with_traffic,
     for name in ("gpu-0", "gpu-1", "gpu-2"):
         assert name in dom
     assert "50.0%" in dom  # the engine-reported hit rate
-    assert "healthy" in dom and "strategy cache_aware" in dom
+    assert "healthy" in dom and "strategy cache_aware" in dom and "KV demand" in dom
 
     shot = tmp_path / "dashboard.png"
     await run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={shot}", url)

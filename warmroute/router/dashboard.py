@@ -142,7 +142,8 @@ def snapshot(fleet: Fleet, activity: Activity, metrics: Metrics) -> dict[str, An
     """This worker's own figures, for the other workers' pages (JSON; block hashes, names and counts only)."""
     return {
         "pid": os.getpid(),
-        "instances": {i.name: [i.inflight, i.requests_total] for i in fleet.instances.values()},
+        "instances": {i.name: [i.inflight, i.requests_total, i.inflight_prompt_tokens]
+                      for i in fleet.instances.values()},
         "predicted_tokens": activity.predicted_tokens, "prompt_tokens": activity.prompt_tokens,
         "engine_totals": list(_engine_totals(metrics)),
         "hot": list(activity._counts.items()), "total": activity._total,
@@ -154,15 +155,20 @@ def state(fleet: Fleet, activity: Activity, metrics: Metrics, strategy: str,
           others: list[dict[str, Any]] = ()) -> dict[str, Any]:
     """The page's JSON: this worker's figures plus the other workers' latest snapshots (`others`)."""
     now = time.time()
-    load = {i.name: [i.inflight, i.requests_total] for i in fleet.instances.values()}
+    load = {i.name: [i.inflight, i.requests_total, i.inflight_prompt_tokens] for i in fleet.instances.values()}
     for snap in others:  # health and membership are this worker's; traffic is everyone's
-        for name, (inflight, requests) in snap["instances"].items():
+        for name, (inflight, requests, prompt_tokens) in snap["instances"].items():
             if name in load:
                 load[name][0] += inflight
                 load[name][1] += requests
-    total = sum(r for _, r in load.values()) or 1
+                load[name][2] += prompt_tokens
+    total = sum(r for _, r, _ in load.values()) or 1
+    # KV demand: prompt tokens in flight over the KV capacity the index models for the instance; above 1, its
+    # engine evicts cached prefixes of queued requests before their turn.
     instances = [{"name": i.name, "healthy": i.healthy, "draining": i.draining, "inflight": load[i.name][0],
-                  "requests": load[i.name][1], "share": round(load[i.name][1] / total, 4)}
+                  "requests": load[i.name][1], "share": round(load[i.name][1] / total, 4),
+                  "inflight_prompt_tokens": load[i.name][2],
+                  "kv_demand": round(load[i.name][2] / max(1, fleet.estimated_capacity_tokens(i.name)), 4)}
                  for i in sorted(fleet.instances.values(), key=lambda i: i.name)]
     prompt, cached, predicted_same = _engine_totals(metrics)
     predicted, asked = activity.predicted_tokens, activity.prompt_tokens
@@ -210,7 +216,8 @@ table{border-collapse:collapse;width:100%} td,th{text-align:left;padding:3px 6px
   <div>engine-reported <span class="big" id="hit-engine">-</span>
    <span class="muted">(router predicted <span id="hit-same">-</span> for the same responses)</span></div></div>
  <div class="card"><h2>Instances</h2><table><thead><tr><th>name</th><th>state</th><th>in flight</th>
-  <th>requests</th><th>share</th></tr></thead><tbody id="instances"></tbody></table></div>
+  <th>requests</th><th>share</th><th title="prompt tokens in flight / KV capacity: above 100%, queued requests'
+  cached prefixes are evicted before their turn">KV demand</th></tr></thead><tbody id="instances"></tbody></table></div>
  <div class="card"><h2>Hottest prefixes (share of traffic)</h2><table><thead><tr><th>prefix id</th><th>share</th>
   <th></th></tr></thead><tbody id="hot"></tbody></table></div>
  <div class="card"><h2>Recent decisions</h2><table><thead><tr><th>age</th><th>instance</th><th>reason</th>
@@ -234,7 +241,8 @@ function render(s) {
   rows("instances", s.instances, (tr, i) => {
     cell(tr, i.name);
     if (i.draining) cell(tr, "draining", "drain"); else cell(tr, i.healthy ? "healthy" : "ejected", i.healthy ? "ok" : "bad");
-    cell(tr, String(i.inflight)); cell(tr, String(i.requests)); cell(tr, pct(i.share)); });
+    cell(tr, String(i.inflight)); cell(tr, String(i.requests)); cell(tr, pct(i.share));
+    cell(tr, pct(i.kv_demand), i.kv_demand > 1 ? "bad" : ""); });
   rows("hot", s.hot_prefixes, (tr, p) => { cell(tr, p.prefix); cell(tr, pct(p.share));
     const bar = document.createElement("div"); bar.className = "bar"; bar.style.width = Math.round(200 * p.share) + "px";
     cell(tr, "").appendChild(bar); });
