@@ -506,25 +506,21 @@ static PyObject *Index_match(Index *ix, PyObject *args) {
     Py_ssize_t n = -1;
     uint64_t first = 0;
     int buffered = PyObject_CheckBuffer(blocks) && !PyBytes_Check(blocks) && !PyByteArray_Check(blocks);
-    if (buffered) {
-        n = PyObject_Length(blocks);
-        if (n < 0) {
-            PyErr_Clear();  /* not a sequence: chain_open below says what is wrong with it */
-        } else if (n > 0) {
+    if (buffered && (n = PyObject_Length(blocks)) < 0) {  /* no length: open it whole (it says what is wrong) */
+        PyErr_Clear();
+        buffered = 0;
+        if (chain_open(blocks, &cv) < 0) return NULL;
+        reader.raw = cv.h;
+        n = cv.n;
+    } else if (buffered) {  /* its first block only, until that is known to be held */
+        if (n > 0) {
             PyObject *b0 = PySequence_GetItem(blocks, 0);
             if (b0 == NULL) return NULL;
             int bad = as_u64(b0, &first);
             Py_DECREF(b0);
             if (bad < 0) return NULL;
         }
-        if (n < 0) {
-            if (chain_open(blocks, &cv) < 0) return NULL;
-            reader.raw = cv.h;
-            n = cv.n;
-            buffered = 0;  /* opened already */
-        } else {
-            reader.raw = &first;  /* until the first block is known to be held */
-        }
+        reader.raw = &first;
     } else {
         seq = PySequence_Fast(blocks, "blocks must be a sequence of ints");
         if (seq == NULL) return NULL;
