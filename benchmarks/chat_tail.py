@@ -31,6 +31,7 @@ import argparse
 import statistics
 from dataclasses import replace
 
+from warmroute.core.fleet import Fleet
 from warmroute.core.strategies import STRATEGIES, CacheAwareStrategy, Decision, StrategySettings
 from warmroute.sim.report import summarize
 from warmroute.sim.simulator import SimSettings, Simulation
@@ -45,14 +46,10 @@ def settings(seed: int, requests: int) -> SimSettings:
                        seed=seed)
 
 
-def in_flight_tokens(sim: Simulation, name: str) -> int:
-    """Prompt tokens of the requests sent to `name` that have not finished (the router's books hold the same)."""
-    model = sim.instances[name].model
-    return sum(s.prompt_tokens for s in (*model._waiting.values(), *model._running.values()))
-
-
-def pressure(sim: Simulation, name: str, matched_tokens: int) -> float:
-    return (in_flight_tokens(sim, name) + matched_tokens) / sim.fleet.instances[name].kv_capacity_tokens
+def pressure(fleet: Fleet, name: str, matched_tokens: int) -> float:
+    """(prompt tokens in flight there, from the router's books, + this match) / the instance's KV capacity."""
+    inst = fleet.instances[name]
+    return (inst.inflight_prompt_tokens + matched_tokens) / inst.kv_capacity_tokens
 
 
 # -- part 1 --------------------------------------------------------------------------------------------------
@@ -62,7 +59,7 @@ def prediction_by_pressure(seed: int, requests: int) -> None:
 
     def observed(key, fleet):  # the decision and its instance's pressure, at routing time
         d = choose(key, fleet)
-        seen.append((d, pressure(sim, d.instance, d.matched_tokens)))
+        seen.append((d, pressure(fleet, d.instance, d.matched_tokens)))
         return d
 
     sim.strategy.choose = observed
@@ -103,19 +100,18 @@ class LowMissWeight(_Tuned):
 
 
 class SurvivalDiscount(CacheAwareStrategy):
-    """Discounts the unshared part of each holder's match by the holder's KV pressure (reads the simulator)."""
+    """Discounts the unshared part of each holder's match by the holder's KV pressure."""
     name = "survival discount"
-    sim: Simulation | None = None
     LOW, HIGH = 1.25, 1.75
 
     def match_depths(self, blocks, fleet):
         depths = super().match_depths(blocks, fleet)
-        if not depths or self.sim is None:
+        if not depths:
             return depths
         shared = sorted(depths.values())[-2] if len(depths) > 1 else 0  # what others hold too stays fresh
         out = {}
         for name, depth in depths.items():
-            x = pressure(self.sim, name, depth * fleet.block_tokens)
+            x = pressure(fleet, name, depth * fleet.block_tokens)
             keep = min(depth, shared)
             out[name] = keep + round((depth - keep) * min(1.0, max(0.0, (self.HIGH - x) / (self.HIGH - self.LOW))))
         return out
@@ -142,8 +138,6 @@ def trade_off(seeds: int, requests: int) -> None:
         rows = []
         for seed in range(seeds):
             sim = Simulation(settings(seed, requests), make_workload("chat", seed=seed, **CHAT), variant)
-            if isinstance(sim.strategy, SurvivalDiscount):
-                sim.strategy.sim = sim
             s = summarize(sim.run())
             rows.append((s.hit_rate, s.ttft_p50_ms, s.ttft_p99_ms, s.throughput_rps, s.load_spread))
         m = [statistics.mean(c) for c in zip(*rows)]
