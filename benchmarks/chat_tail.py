@@ -7,22 +7,25 @@ The case is the peer comparison's chat workload (docs/peers.md): 4 instances of 
 32 closed-loop conversations of 6-12 turns with 300-token replies kept in the history. Its in-flight working set
 is about the fleet's whole cache, so some conversations must lose their history.
 
-Part 1, cache_aware alone: each request's predicted cached tokens (the router's index, at routing time) against
+Part 1, cache_aware alone, with every conversation sticky (sticky_kv_limit 1000, the rule before it existed) and
+as shipped (1.75): each request's predicted cached tokens (the router's index, at routing time) against
 what the engine found when it admitted the request, bucketed by the chosen instance's KV pressure at routing time:
 (prompt tokens of the requests in flight there + this request's predicted match) / its KV capacity. Under
 pressure the engine evicts a waiting conversation's history to admit the requests ahead of it, so the index's
-prediction fails and the request both waits and recomputes: those requests are the tail.
+prediction fails and the request both waits and recomputes: those requests are the tail. The shipped rule lets
+such a conversation go (its miss weighs as a shared prefix's) where the pressure exceeds sticky_kv_limit.
 
-Part 2, the trade-off: variants that act on that pressure, over several seeds. Experiments, not product code
-(they live only in this script); each changes one thing:
+Part 2, the trade-off: sticky_kv_limit at several values, and variants that act on that pressure differently,
+over several seeds. The variants are experiments, not product code (they live only in this script), each a
+change of the rule as it was before sticky_kv_limit (always sticky):
   * tighter load guard: ε 0.5, slack 0 instead of 1.0 and 4 (fewer conversations may pile onto one instance);
   * miss weight 4 for a private prefix instead of 16 (a conversation moves more readily);
   * survival discount: at an instance under pressure x (as in part 1), the part of its match that no other
     instance holds counts as cached only by a factor falling linearly from 1 at x = 1.25 to 0 at x = 1.75;
   * least_loaded, the SGLang-like reference and the oracle (cache_aware fed the engines' true caches), for scale.
 
-Part 3: the tighter guard on the other closed loops of the peer comparison (hot prompt, mixed), where it must
-not cost what it buys on chat.
+Part 3: sticky_kv_limit and the tighter guard on the other closed loops of the peer comparison (hot prompt,
+mixed), where they must not cost what they buy on chat.
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ def pressure(fleet: Fleet, name: str, matched_tokens: int) -> float:
 
 
 # -- part 1 --------------------------------------------------------------------------------------------------
-def prediction_by_pressure(seed: int, requests: int) -> None:
-    sim = Simulation(settings(seed, requests), make_workload("chat", seed=seed, **CHAT), "cache_aware")
+def prediction_by_pressure(seed: int, requests: int, variant: str) -> None:
+    sim = Simulation(settings(seed, requests), make_workload("chat", seed=seed, **CHAT), variant)
     choose, seen = sim.strategy.choose, []
 
     def observed(key, fleet):  # the decision and its instance's pressure, at routing time
@@ -70,7 +73,7 @@ def prediction_by_pressure(seed: int, requests: int) -> None:
             continue
         b = max([0.0, *[t for t in BUCKETS if x >= t]])
         rows.setdefault(b, []).append((d.matched_tokens, rec.cached_tokens, (rec.first_token - rec.arrival) * 1000))
-    print(f"Part 1: cache_aware, seed {seed}, {requests} requests; continuations (predicted match > 400 tokens)")
+    print(f"\nPart 1: {variant}, seed {seed}, {requests} requests; continuations (predicted match > 400 tokens)")
     print(f"{'pressure':>10} {'requests':>8} {'predicted':>9} {'found':>7} {'found %':>7} {'TTFT p50':>8} "
           f"{'TTFT p90':>8}")
     for b in sorted(rows):
@@ -89,19 +92,38 @@ class _Tuned(CacheAwareStrategy):
         super().__init__(replace(settings or StrategySettings(), **self.overrides), seed)
 
 
+ALWAYS = dict(sticky_kv_limit=1000.0)
+
+
+class AlwaysSticky(_Tuned):
+    name = "always sticky (limit 1000)"
+    overrides = ALWAYS
+
+
+class Limit2(_Tuned):
+    name = "sticky_kv_limit 2.0"
+    overrides = dict(sticky_kv_limit=2.0)
+
+
+class Limit15(_Tuned):
+    name = "sticky_kv_limit 1.5"
+    overrides = dict(sticky_kv_limit=1.5)
+
+
 class TightGuard(_Tuned):
     name = "tight guard (ε 0.5, slack 0)"
-    overrides = dict(balance_factor=0.5, balance_slack=0)
+    overrides = dict(balance_factor=0.5, balance_slack=0, **ALWAYS)
 
 
 class LowMissWeight(_Tuned):
     name = "miss weight 4 (private)"
-    overrides = dict(miss_weight=4.0)
+    overrides = dict(miss_weight=4.0, **ALWAYS)
 
 
-class SurvivalDiscount(CacheAwareStrategy):
+class SurvivalDiscount(_Tuned):
     """Discounts the unshared part of each holder's match by the holder's KV pressure."""
     name = "survival discount"
+    overrides = ALWAYS
     LOW, HIGH = 1.25, 1.75
 
     def match_depths(self, blocks, fleet):
@@ -122,12 +144,12 @@ class SurvivalDiscount(CacheAwareStrategy):
         return Decision(d.instance, d.reason, min(raw, d.prompt_tokens), d.prompt_tokens, d.blocks)
 
 
-VARIANTS = ["cache_aware", TightGuard.name, LowMissWeight.name, SurvivalDiscount.name, "least_loaded",
-            "sglang_like", "oracle"]
+VARIANTS = ["cache_aware", AlwaysSticky.name, Limit2.name, Limit15.name, TightGuard.name, LowMissWeight.name,
+            SurvivalDiscount.name, "least_loaded", "sglang_like", "oracle"]
 
 
 def register() -> None:
-    for cls in (TightGuard, LowMissWeight, SurvivalDiscount):
+    for cls in (AlwaysSticky, Limit2, Limit15, TightGuard, LowMissWeight, SurvivalDiscount):
         STRATEGIES[cls.name] = cls
 
 
@@ -156,7 +178,7 @@ def other_workloads(seeds: int) -> None:
     print(f"\nPart 3: {seeds} seeds, means")
     print(f"{'case':<18} {'variant':<30} {'hit rate':>8} {'TTFT p50':>8} {'TTFT p99':>8} {'req/s':>6}")
     for label, workload, sim_settings, params in OTHERS:
-        for variant in ("cache_aware", TightGuard.name):
+        for variant in ("cache_aware", AlwaysSticky.name, TightGuard.name):
             rows = []
             for seed in range(seeds):
                 sim = Simulation(SimSettings(instances=4, seed=seed, **sim_settings),
@@ -173,7 +195,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3000)
     args = ap.parse_args()
     register()
-    prediction_by_pressure(0, args.requests)
+    for variant in (AlwaysSticky.name, "cache_aware"):
+        prediction_by_pressure(0, args.requests, variant)
     trade_off(args.seeds, args.requests)
     other_workloads(args.seeds)
 

@@ -39,6 +39,12 @@ def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet
     costs: list[tuple[float, Instance]] = []
     deepest = max(depths.values(), default=0)
     private = deepest > 0 and sum(1 for d in depths.values() if d == deepest) == 1
+    holder = fleet.instances.get(next(n for n, d in depths.items() if d == deepest)) if private else None
+    if holder is not None:  # sticky only while the prompts in flight there fit sticky_kv_limit x its KV cache
+        demand = holder.inflight_prompt_tokens
+        if holder.engine is not None and holder.inflight:  # other routers' requests, each the size of ours
+            demand += foreign_requests(holder.engine) * holder.inflight_prompt_tokens / holder.inflight
+        private = demand / holder.kv_capacity_tokens <= s.sticky_kv_limit
     alpha = s.miss_weight if private else s.shared_miss_weight
     # A hot prefix (its longest match's last block on >= 1/N of recent requests) skips instances sent more than
     # (1+δ) x the mean of recent requests + slack, unless every candidate was.
@@ -105,6 +111,7 @@ engine_loads = st.one_of(st.none(), st.builds(
 ))
 instances = st.fixed_dictionaries({
     "inflight": st.integers(0, 12),
+    "prompt_tokens": st.sampled_from([0, 500, 1_750, 2_000, 200_000]),  # in flight (with kv 1,000: 1.75 x)
     "queued": tokens,
     "rate": st.sampled_from([10_000.0, 10_000, 20_000.0, 2_500.5]),
     "kv": st.sampled_from([1_000, 100_000, 10**8]),
@@ -123,6 +130,7 @@ strategy_settings = st.builds(
     cold_to_least_loaded=st.booleans(),
     miss_weight=st.sampled_from([0.0, 1.0, 2.0, 2, 3.5, 16.0]),
     shared_miss_weight=st.sampled_from([0.0, 1.0, 2.0]),
+    sticky_kv_limit=st.sampled_from([0.0, 1.75, 1000.0]),
     block_bytes=st.sampled_from([64, 128]),
     hot_balance_factor=st.sampled_from([0.0, 0.2, 1.0]),
     hot_balance_slack=st.sampled_from([0.0, 2.0]),
@@ -137,6 +145,7 @@ def make_fleet(drawn: list[dict], mean_uncached: float) -> tuple[Fleet, dict[str
         inst.inflight, inst.queued_prefill_tokens = d["inflight"], d["queued"]
         inst.healthy, inst.draining, inst.engine = d["healthy"], d["draining"], d["engine"]
         inst.recent = d["recent"]
+        inst.inflight_prompt_tokens = d["prompt_tokens"] if d["inflight"] else 0
         if d["depth"]:
             depths[inst.name] = d["depth"]
     f.mean_uncached_tokens = mean_uncached

@@ -147,3 +147,19 @@ def test_miss_weights_reach_the_strategy_and_change_its_choice():
         choices[weight] = router.decide(key).instance
         assert router.strategy.settings.shared_miss_weight == 1.0
     assert choices == {None: "a", 2.0: "b"}
+
+
+def test_sticky_kv_limit_reaches_the_strategy_and_changes_its_choice():
+    """The same private prefix on `a`, whose in-flight prompts need 2x its KV cache: by default (1.75) the request
+    goes to the idle `b`; with the limit raised to 1000 it stays on `a`."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "tell me about caches " * 60}]})
+    choices = {}
+    for limit in (None, 1000.0):
+        router = make_router(**({"sticky_kv_limit": limit} if limit is not None else {}))
+        key = router.key_of("/v1/chat/completions", body.encode(), None)
+        router.fleet.index.record("a", key.blocks())
+        a = router.fleet.instances["a"]
+        a.queued_prefill_tokens, a.inflight = 4 * key.tokens, 4
+        a.inflight_prompt_tokens = 2 * a.kv_capacity_tokens
+        choices[limit] = router.decide(key).instance
+    assert choices == {None: "b", 1000.0: "a"}

@@ -37,6 +37,7 @@ def test_defaults_and_backend_names():
     ("balance_factor", "-1", "from 0 to 10"),
     ("miss_weight", "-1", "from 0 to 1000"),
     ("shared_miss_weight", "lots", "from 0 to 1000"),
+    ("sticky_kv_limit", "-0.5", "from 0 to 1000"),
     ("block_bytes", "60", "multiple of 8"),
     ("max_body_bytes", "2GiB", "from 1KiB to 1GiB"),
     ("index_memory_bytes", "lots", "from 1MiB to 64GiB"),

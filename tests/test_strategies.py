@@ -111,6 +111,32 @@ def test_cache_aware_sticks_to_a_private_prefix_but_copies_a_shared_one():
     assert d.instance == c and d.reason == OVERLOAD_SPILL and d.matched_tokens == 0
 
 
+def test_cache_aware_lets_a_private_prefix_go_when_its_holder_is_swamped():
+    """A conversation stays on the one instance holding its history despite a queue there, until the prompts in
+    flight there need more than sticky_kv_limit x its KV cache: then the engine would evict the history before
+    its turn, and the turn goes where it starts soonest. Other routers' requests (engine-reported) count too."""
+    from warmroute.core.engine_load import EngineLoad
+
+    f = fleet(2, capacity=10_000)
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))
+    a, b = sorted(f.instances)
+    k = key(SYSTEM, "q1")
+    f.index.record(a, k.blocks())
+    holder = f.instances[a]
+    holder.inflight, holder.queued_prefill_tokens = 4, 4 * k.tokens  # between 1 and 16 x the prompt
+    holder.inflight_prompt_tokens = 17_500  # 1.75 x its KV cache: still sticky
+    assert s.choose(k, f).instance == a
+    holder.inflight_prompt_tokens = 17_501
+    d = s.choose(k, f)
+    assert d.instance == b and d.reason == OVERLOAD_SPILL and d.matched_tokens == 0
+    holder.inflight_prompt_tokens = 10_000  # 1.0 x from this router's books...
+    assert s.choose(k, f).instance == a
+    holder.engine = EngineLoad(waiting=4, running=4, foreign_requests=4.0)  # ...2.0 x with another router's
+    assert s.choose(k, f).instance == b
+    never = make_strategy("cache_aware", StrategySettings(balance_factor=100.0, sticky_kv_limit=1000.0))
+    assert never.choose(k, f).instance == a
+
+
 @pytest.mark.parametrize("slack", [0, 2])
 def test_cache_aware_bounded_load_guard(slack):
     f = fleet(4)

@@ -85,6 +85,10 @@ class StrategySettings:
     # α: cost of an uncached token relative to a queued one, by who holds the prefix (see CacheAwareStrategy)
     miss_weight: float = 16.0  # one instance holds its deepest match: a private prefix (a conversation)
     shared_miss_weight: float = 1.0  # several do (a popular prefix), or none does
+    # ...but only while the holder's in-flight prompts need at most this many times its KV cache (else α = 1):
+    # a swamped engine evicts queued histories anyway. 1.75: chat TTFT p99 -15% for -3 points of hit rate in
+    # the simulator, no change on the hot and mixed workloads (benchmarks/chat_tail.py).
+    sticky_kv_limit: float = 1.75
     block_bytes: int = 64
 
 
@@ -96,6 +100,15 @@ def _guard_loads(up: list[Instance]) -> list[float]:
     """In-flight requests per instance as the load guard counts them: other routers' requests too, where the
     engine reports them."""
     return [i.inflight if i.engine is None else i.inflight + foreign_requests(i.engine) for i in up]
+
+
+def kv_pressure(inst: Instance) -> float:
+    """The KV cache the requests in flight at an instance need, over its capacity: this router's books, plus
+    other routers' requests where the engine reports them (each the size of this router's there)."""
+    tokens = inst.inflight_prompt_tokens
+    if inst.engine is not None and inst.inflight:
+        tokens += foreign_requests(inst.engine) * tokens / inst.inflight
+    return tokens / inst.kv_capacity_tokens if inst.kv_capacity_tokens > 0 else 0.0
 
 
 def _under_cap(up: list[Instance], loads: list[float], cap: int) -> list[Instance]:
@@ -281,7 +294,10 @@ class CacheAwareStrategy(Strategy):
         α = 16. Sending the request elsewhere recomputes all of it and strands the only warm copy, and
         every later turn pays again; kept on its instance, a conversation's blocks are the freshest there
         and survive until its next turn. (With α = 2 for everything, long multi-turn chats moved between
-        instances and hit 31-42% where sticky routing hits 55-65%; docs/benchmarks.md.)
+        instances and hit 31-42% where sticky routing hits 55-65%; docs/benchmarks.md.) Unless that
+        instance is swamped: where the prompts in flight there need more than `sticky_kv_limit` (1.75) x
+        its KV cache, the engine evicts a queued conversation's history before its turn comes (9% of it
+        left above 1.25 x, benchmarks/chat_tail.py), so staying buys nothing: α = 1, as for a shared one.
       * several instances hold it (a popular system prompt), or none: α = 1, this request's own time to
         first token. One more copy of a prefix already proven popular is an investment that spreads its
         load; α = 2 here pinned a hot prompt to a few instances (request counts 1.6x the mean).
@@ -316,7 +332,7 @@ class CacheAwareStrategy(Strategy):
         depths = self.match_depths(blocks, fleet) if blocks else {}
         block_tokens = s.block_bytes // 4
         prompt = key.tokens
-        alpha = self.miss_weight_for(depths)
+        alpha = self.miss_weight_for(depths, fleet)
         # Popularity is counted per end of the longest match (a hot system prompt's last cached block).
         prefix = blocks[min(max(depths.values()), len(blocks)) - 1] if depths and blocks else None
         hot = prefix is not None and self.popularity.share(prefix) * len(up) >= 1.0
@@ -337,11 +353,15 @@ class CacheAwareStrategy(Strategy):
             reason = HOT_SPREAD
         return self._decision(inst, reason, depths, block_tokens, prompt, blocks)
 
-    def miss_weight_for(self, depths: dict[str, int]) -> float:
-        """α for this request: private (one instance holds its deepest match) or shared (several, or none)."""
+    def miss_weight_for(self, depths: dict[str, int], fleet: Fleet) -> float:
+        """α for this request: private (one instance holds its deepest match, and is not swamped) or shared
+        (several, or none)."""
         deepest = max(depths.values(), default=0)
-        if deepest > 0 and sum(1 for d in depths.values() if d == deepest) == 1:
-            return self.settings.miss_weight
+        if deepest > 0:
+            holders = [name for name, d in depths.items() if d == deepest]
+            holder = fleet.instances.get(holders[0]) if len(holders) == 1 else None
+            if len(holders) == 1 and (holder is None or kv_pressure(holder) <= self.settings.sticky_kv_limit):
+                return self.settings.miss_weight
         return self.settings.shared_miss_weight
 
     def match_depths(self, blocks: Sequence[int], fleet: Fleet) -> dict[str, int]:

@@ -43,7 +43,8 @@ class Router:
             prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
             balance_factor=settings.balance_factor, hot_balance_factor=settings.hot_balance_factor,
             miss_weight=settings.miss_weight,
-            shared_miss_weight=settings.shared_miss_weight, block_bytes=settings.block_bytes))
+            shared_miss_weight=settings.shared_miss_weight, sticky_kv_limit=settings.sticky_kv_limit,
+            block_bytes=settings.block_bytes))
         self._any = make_strategy("least_loaded")
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
 

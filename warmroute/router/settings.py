@@ -153,6 +153,12 @@ class RouterSettings(BaseSettings):
         StrategySettings.shared_miss_weight, ge=0.0, le=1000.0,
         description="The same when several instances hold it (a popular prefix) or none: lower copies a "
                     "popular prefix to more instances sooner.")
+    sticky_kv_limit: float = Field(
+        StrategySettings.sticky_kv_limit, ge=0.0, le=1000.0,
+        description="cache_aware keeps a prompt on the one instance holding its prefix (miss_weight) only while "
+                    "the prompts in flight there need at most this many times its KV cache; beyond, the engine "
+                    "evicts queued histories anyway, and the prompt weighs its miss like a shared one. "
+                    "1000: always sticky.")
     block_bytes: int = Field(64, ge=16, le=4096, description="Block size of the prefix index in bytes "
                                                              "(multiple of 8; 64 bytes is about 16 tokens).")
     index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = Field(
