@@ -152,6 +152,7 @@ class WorkloadPlan:
     trace: str = ""  # file under the Mooncake folder
     trace_start: int = 0
     trace_limit: int = 0
+    window_factor: float = 1.0  # measured window = --duration x this (closed and open loops)
     description: str = ""
 
     def build(self, seed: int, max_tokens: int) -> Workload:
@@ -190,8 +191,11 @@ def plans(quick: bool) -> list[WorkloadPlan]:
         # throughput on `hot` in earlier runs (smg: 57/s at 07:44 UTC, docs/peers.md of that run).
         WorkloadPlan("hot-open", "hot", {"hot": 0.6}, concurrency=None, rate=50.0,
                      description="the hot workload as an open loop (Poisson arrivals) at a fixed rate"),
+        # A conversation lives 6-12 turns, several seconds: 15 s hold about two generations of them, and which
+        # instances end up overcommitted is settled by the first; 15-s runs of one router swung 50-65% in hit
+        # rate and 2.2-3.1 s in p99 (the 6th-slowest of ~600 requests). 60 s: +-1 point, +-100 ms.
         WorkloadPlan("chat", "chat", {"min_turns": 6, "max_turns": 12, "reply_tokens": 300},
-                     concurrency=32, cache_fraction=0.9,
+                     concurrency=32, cache_fraction=0.9, window_factor=4.0,
                      description="long multi-turn chats: 6-12 turns, 300-token replies kept in the history"),
         WorkloadPlan("conversation", "trace", {"max_input_tokens": 32768}, concurrency=None, speedup=8.0,
                      time_scale=0.0375, max_running=16, cache_fraction=0.5, trace="conversation_trace.jsonl",
@@ -443,12 +447,13 @@ async def run_one(contender: Contender, plan: WorkloadPlan, workload: Workload, 
 
 def bench_settings(plan: WorkloadPlan, args: argparse.Namespace, model: str, urls: list[str],
                    label: str) -> BenchSettings:
+    window = args.duration * plan.window_factor
     if plan.closed_loop:
-        return BenchSettings(concurrency=plan.concurrency, duration_s=args.duration, warmup_s=args.warmup,
+        return BenchSettings(concurrency=plan.concurrency, duration_s=window, warmup_s=args.warmup,
                              seed=args.seed, model=model, engine_metrics=[u + "/metrics" for u in urls],
                              label=label, drain_s=5.0)
     if plan.rate:
-        return BenchSettings(rate=plan.rate, duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
+        return BenchSettings(rate=plan.rate, duration_s=window, warmup_s=args.warmup, seed=args.seed,
                              model=model, engine_metrics=[u + "/metrics" for u in urls], label=label, drain_s=10.0)
     return BenchSettings(duration_s=3600.0, warmup_s=args.warmup, seed=args.seed, speedup=plan.speedup, model=model,
                          engine_metrics=[u + "/metrics" for u in urls], label=label, drain_s=10.0)
@@ -790,7 +795,9 @@ async def compare(args: argparse.Namespace, argv: list[str]) -> int:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other work",
         "config": ("reduced configuration (--quick)" if args.quick else "full configuration")
-                  + f", {args.warmup:g} s warm-up + {args.duration:g} s measured per closed-loop run",
+                  + f", {args.warmup:g} s warm-up + {args.duration:g} s measured per closed-loop run"
+                  + "".join(f" ({p.label}: {args.duration * p.window_factor:g} s)" for p in chosen
+                            if p.window_factor != 1.0),
         "peer_versions": ", ".join(f"{k} {v.version}" if v.ok else f"{k} unavailable" for k, v in peers.items())
                          or "not run",
         "seed": args.seed,
@@ -818,10 +825,11 @@ async def compare(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def load_text(plan: WorkloadPlan, sz: Sizing) -> str:
+    window = f", {plan.window_factor:g}x the window" if plan.window_factor != 1.0 else ""
     if plan.closed_loop:
-        return f"closed loop, {plan.concurrency} sessions"
+        return f"closed loop, {plan.concurrency} sessions{window}"
     if plan.rate:
-        return f"open loop, {plan.rate:g} requests/s"
+        return f"open loop, {plan.rate:g} requests/s{window}"
     cut = plan.params.get("max_input_tokens", 0) // 1024
     clipped = f", {sz.clipped} prompts cut to {cut}k tokens" if sz.clipped else ""
     start = f" from #{plan.trace_start}" if plan.trace_start else ""

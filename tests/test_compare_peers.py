@@ -163,3 +163,15 @@ def test_report_has_command_tables_and_targets():
     assert "| **cache_aware** | 100 ms (0.50x) |" in text
     assert "| hot | hot TTFT p50 <= half the best peer's | 20 ms | 40 ms | yes |" in text
     assert "- hot / vllm-router cache_aware: router exited" in text and "- vllm-router: x" in text
+
+
+def test_chat_is_measured_over_a_longer_window_than_the_other_loops():
+    import argparse
+
+    args = argparse.Namespace(duration=15.0, warmup=5.0, seed=0)
+    by_label = {p.label: p for p in cp.plans(quick=False)}
+    urls = ["http://127.0.0.1:1"]
+    windows = {label: cp.bench_settings(by_label[label], args, "m", urls, label).duration_s
+               for label in ("mixed", "hot", "hot-open", "chat")}
+    assert windows == {"mixed": 15.0, "hot": 15.0, "hot-open": 15.0, "chat": 60.0}
+    assert "4x the window" in cp.load_text(by_label["chat"], None)
