@@ -134,32 +134,29 @@ def test_strategies_without_an_index_record_nothing(strategy):
     assert router.fleet.index.entries() == 0
 
 
-def test_miss_weights_reach_the_strategy_and_change_its_choice():
-    """A prefix only `a` holds, with a queue there worth 4 prompts: the default private miss weight (16) keeps
-    the request on `a`; configured down to 2, the router sends it to the idle `b`."""
+def _choice_for_a_prefix_only_a_holds(swamped: bool = False, **settings) -> str:
+    """Where the router sends a prompt whose prefix only `a` holds, with a queue there worth 4 prompts (and, if
+    `swamped`, prompts in flight there needing 2x its KV cache), `b` idle."""
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "tell me about caches " * 60}]})
-    choices = {}
-    for weight in (None, 2.0):
-        router = make_router(**({"miss_weight": weight} if weight is not None else {}))
-        key = router.key_of("/v1/chat/completions", body.encode(), None)
-        router.fleet.index.record("a", key.blocks())
-        router.fleet.instances["a"].queued_prefill_tokens = 4 * key.tokens
-        choices[weight] = router.decide(key).instance
-        assert router.strategy.settings.shared_miss_weight == 1.0
-    assert choices == {None: "a", 2.0: "b"}
+    router = make_router(**settings)
+    key = router.key_of("/v1/chat/completions", body.encode(), None)
+    router.fleet.index.record("a", key.blocks())
+    a = router.fleet.instances["a"]
+    a.queued_prefill_tokens, a.inflight = 4 * key.tokens, 4
+    if swamped:
+        a.inflight_prompt_tokens = 2 * a.kv_capacity_tokens
+    assert router.strategy.settings.shared_miss_weight == 1.0
+    return router.decide(key).instance
+
+
+def test_miss_weights_reach_the_strategy_and_change_its_choice():
+    """The default private miss weight (16) keeps the request on `a`; configured down to 2, it goes to `b`."""
+    assert _choice_for_a_prefix_only_a_holds() == "a"
+    assert _choice_for_a_prefix_only_a_holds(miss_weight=2.0) == "b"
 
 
 def test_sticky_kv_limit_reaches_the_strategy_and_changes_its_choice():
-    """The same private prefix on `a`, whose in-flight prompts need 2x its KV cache: by default (1.75) the request
-    goes to the idle `b`; with the limit raised to 1000 it stays on `a`."""
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "tell me about caches " * 60}]})
-    choices = {}
-    for limit in (None, 1000.0):
-        router = make_router(**({"sticky_kv_limit": limit} if limit is not None else {}))
-        key = router.key_of("/v1/chat/completions", body.encode(), None)
-        router.fleet.index.record("a", key.blocks())
-        a = router.fleet.instances["a"]
-        a.queued_prefill_tokens, a.inflight = 4 * key.tokens, 4
-        a.inflight_prompt_tokens = 2 * a.kv_capacity_tokens
-        choices[limit] = router.decide(key).instance
-    assert choices == {None: "b", 1000.0: "a"}
+    """`a` swamped (2x its KV cache in flight): by default (1.75) the request goes to `b`; with the limit raised
+    to 1000 it stays on `a`."""
+    assert _choice_for_a_prefix_only_a_holds(swamped=True) == "b"
+    assert _choice_for_a_prefix_only_a_holds(swamped=True, sticky_kv_limit=1000.0) == "a"
