@@ -18,8 +18,8 @@ from warmroute.core.engine_load import EngineLoad, backlog_tokens, foreign_reque
 from warmroute.core import strategies
 from warmroute.core.fleet import RECENT_WINDOW, Fleet, FleetSettings, Instance
 from warmroute.core.routing_key import RoutingKey, key_for_json
-from warmroute.core.strategies import (HOT_SPREAD, CacheAwareStrategy, Decision, NoInstanceAvailable, OVERLOAD_SPILL,
-                                       StrategySettings)
+from warmroute.core.strategies import (HOT_SPREAD, KV_SPILL, CacheAwareStrategy, Decision, NoInstanceAvailable,
+                                       OVERLOAD_SPILL, StrategySettings)
 
 
 def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet) -> Decision:
@@ -40,11 +40,13 @@ def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet
     deepest = max(depths.values(), default=0)
     private = deepest > 0 and sum(1 for d in depths.values() if d == deepest) == 1
     holder = fleet.instances.get(next(n for n, d in depths.items() if d == deepest)) if private else None
+    swamped = False
     if holder is not None:  # sticky only while the prompts in flight there fit sticky_kv_limit x its KV cache
         demand = holder.inflight_prompt_tokens
         if holder.engine is not None and holder.inflight:  # other routers' requests, each the size of ours
             demand += foreign_requests(holder.engine) * holder.inflight_prompt_tokens / holder.inflight
-        private = demand / holder.kv_capacity_tokens <= s.sticky_kv_limit
+        swamped = demand / holder.kv_capacity_tokens > s.sticky_kv_limit
+        private = not swamped
     alpha = s.miss_weight if private else s.shared_miss_weight
     # A hot prefix (its longest match's last block on >= 1/N of recent requests) skips instances sent more than
     # (1+δ) x the mean of recent requests + slack, unless every candidate was.
@@ -82,7 +84,9 @@ def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet
         name = max((i.name for i in tied), key=lambda n: rendezvous.weight(hash_key, n))
     inst = fleet.instances[name]
     reason = strategy._reason(inst, depths)
-    if hot and reason == OVERLOAD_SPILL and any(i.recent > share_cap for i in up if depths.get(i.name) == deepest):
+    if swamped and reason == OVERLOAD_SPILL:
+        reason = KV_SPILL  # the one holder was swamped, so the prompt weighed its miss as a shared one
+    elif hot and reason == OVERLOAD_SPILL and any(i.recent > share_cap for i in up if depths.get(i.name) == deepest):
         reason = HOT_SPREAD  # the hot-prefix guard, not the queue, kept a holder of the deepest match out
     return strategy._decision(inst, reason, depths, block_tokens, prompt, blocks)
 

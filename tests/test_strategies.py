@@ -7,8 +7,8 @@ import pytest
 from warmroute.core import rendezvous
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import key_for_json
-from warmroute.core.strategies import (CACHE_HIT, COLD, OVERLOAD_SPILL, UNHEALTHY_FALLBACK, NoInstanceAvailable,
-                                       StrategySettings, make_strategy)
+from warmroute.core.strategies import (CACHE_HIT, COLD, KV_SPILL, OVERLOAD_SPILL, UNHEALTHY_FALLBACK,
+                                       NoInstanceAvailable, StrategySettings, make_strategy)
 
 
 def fleet(n: int = 4, capacity: int = 200_000) -> Fleet:
@@ -128,7 +128,7 @@ def test_cache_aware_lets_a_private_prefix_go_when_its_holder_is_swamped():
     assert s.choose(k, f).instance == a
     holder.inflight_prompt_tokens = 17_501
     d = s.choose(k, f)
-    assert d.instance == b and d.reason == OVERLOAD_SPILL and d.matched_tokens == 0
+    assert d.instance == b and d.reason == KV_SPILL and d.matched_tokens == 0
     holder.inflight_prompt_tokens = 10_000  # 1.0 x from this router's books...
     assert s.choose(k, f).instance == a
     holder.engine = EngineLoad(waiting=4, running=4, foreign_requests=4.0)  # ...2.0 x with another router's

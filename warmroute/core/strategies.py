@@ -30,10 +30,11 @@ CACHE_HIT = "cache_hit"  # chosen for the prefix it already holds
 COLD = "cold"  # nobody holds the prefix: placed by rendezvous hashing
 OVERLOAD_SPILL = "overload_spill"  # the preferred instance was too busy: sent elsewhere
 HOT_SPREAD = "hot_spread"  # a hot prefix copied to one more instance: its holders already had their share
+KV_SPILL = "kv_spill"  # the one instance holding the prefix is swamped (sticky_kv_limit): sent elsewhere
 UNHEALTHY_FALLBACK = "unhealthy_fallback"  # the preferred instance is down or draining
 LOAD_BALANCE = "load_balance"  # a load-only strategy chose (least_loaded, round_robin, random)
 AFFINITY = "affinity"  # the prefix's or session's own instance (prefix, session)
-REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
+REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, KV_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
 
 
 class NoInstanceAvailable(Exception):
@@ -332,7 +333,7 @@ class CacheAwareStrategy(Strategy):
         depths = self.match_depths(blocks, fleet) if blocks else {}
         block_tokens = s.block_bytes // 4
         prompt = key.tokens
-        alpha = self.miss_weight_for(depths, fleet)
+        alpha, swamped = self.miss_weight_for(depths, fleet)
         # Popularity is counted per end of the longest match (a hot system prompt's last cached block).
         prefix = blocks[min(max(depths.values()), len(blocks)) - 1] if depths and blocks else None
         hot = prefix is not None and self.popularity.share(prefix) * len(up) >= 1.0
@@ -349,20 +350,24 @@ class CacheAwareStrategy(Strategy):
             return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
         inst = found if isinstance(found, Instance) else top(key.prefix_hash(s.prefix_length), found)
         reason = self._reason(inst, depths)
-        if reason == OVERLOAD_SPILL and hot and self._holders_had_their_share(up, depths, fleet):
+        if reason == OVERLOAD_SPILL and swamped:
+            reason = KV_SPILL
+        elif reason == OVERLOAD_SPILL and hot and self._holders_had_their_share(up, depths, fleet):
             reason = HOT_SPREAD
         return self._decision(inst, reason, depths, block_tokens, prompt, blocks)
 
-    def miss_weight_for(self, depths: dict[str, int], fleet: Fleet) -> float:
-        """α for this request: private (one instance holds its deepest match, and is not swamped) or shared
-        (several, or none)."""
+    def miss_weight_for(self, depths: dict[str, int], fleet: Fleet) -> tuple[float, bool]:
+        """α for this request: private (one instance holds its deepest match) or shared (several, or none, or
+        the one holder is swamped); and whether it was swamped."""
         deepest = max(depths.values(), default=0)
         if deepest > 0:
             holders = [name for name, d in depths.items() if d == deepest]
             holder = fleet.instances.get(holders[0]) if len(holders) == 1 else None
-            if len(holders) == 1 and (holder is None or kv_pressure(holder) <= self.settings.sticky_kv_limit):
-                return self.settings.miss_weight
-        return self.settings.shared_miss_weight
+            if holder is not None and kv_pressure(holder) > self.settings.sticky_kv_limit:
+                return self.settings.shared_miss_weight, True
+            if len(holders) == 1:
+                return self.settings.miss_weight, False
+        return self.settings.shared_miss_weight, False
 
     def match_depths(self, blocks: Sequence[int], fleet: Fleet) -> dict[str, int]:
         """Cached prefix length (blocks) per instance: the router's estimate (the simulator's oracle overrides)."""

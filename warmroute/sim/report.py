@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from warmroute.bench.stats import load_spread, percentile
-from warmroute.core.strategies import OVERLOAD_SPILL
+from warmroute.core.strategies import KV_SPILL, OVERLOAD_SPILL
 from warmroute.sim.simulator import SimResult
 
 
@@ -21,7 +21,7 @@ class Summary:
     output_tokens_per_s: float
     hit_rate: float
     load_spread: float | None  # busiest instance's requests / mean
-    spilled: float  # fraction of decisions that were overload spills
+    spilled: float  # fraction of decisions sent away from the preferred instance for load (overload or KV spills)
     rejected: int
     prefixes_moved: list[tuple[float, float]]
     hit_rate_dips: list[dict]  # per scale event: before, lowest after, recovery seconds
@@ -38,7 +38,7 @@ def summarize(r: SimResult) -> Summary:
         ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99), e2e_p50_s=percentile(e2e, 50),
         throughput_rps=len(e2e) / span, output_tokens_per_s=sum(x.output_tokens for x in r.records) / span,
         hit_rate=r.hit_rate, load_spread=load_spread(r.requests_per_instance),
-        spilled=sum(x.reason == OVERLOAD_SPILL for x in r.records) / max(1, len(r.records)),
+        spilled=sum(x.reason in (OVERLOAD_SPILL, KV_SPILL) for x in r.records) / max(1, len(r.records)),
         rejected=r.rejected, prefixes_moved=r.prefixes_moved,
         hit_rate_dips=[_dip(r, t) for t, _ in r.prefixes_moved],
         ttft_p50_ms_by_class={tag: percentile([(x.first_token - x.arrival) * 1000 for x in done if x.tag == tag], 50)
