@@ -86,9 +86,9 @@ class StrategySettings:
     # α: cost of an uncached token relative to a queued one, by who holds the prefix (see CacheAwareStrategy)
     miss_weight: float = 16.0  # one instance holds its deepest match: a private prefix (a conversation)
     shared_miss_weight: float = 1.0  # several do (a popular prefix), or none does
-    # ...but only while the holder's in-flight prompts need at most this many times its KV cache (else α = 1):
-    # a swamped engine evicts queued histories anyway. 1.75: chat TTFT p99 -15% for -3 points of hit rate in
-    # the simulator, no change on the hot and mixed workloads (benchmarks/chat_tail.py).
+    # ...but only while the holder's in-flight prompts need at most this many times its KV cache (else the
+    # shared weight): a swamped engine evicts queued histories anyway. 1.75: chat TTFT p99 -15% for -2.8 points
+    # of hit rate in the simulator, no change on the hot and mixed workloads (benchmarks/chat_tail.py).
     sticky_kv_limit: float = 1.75
     block_bytes: int = 64
 
