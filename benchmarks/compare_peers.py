@@ -192,8 +192,9 @@ def plans(quick: bool) -> list[WorkloadPlan]:
         WorkloadPlan("hot-open", "hot", {"hot": 0.6}, concurrency=None, rate=50.0,
                      description="the hot workload as an open loop (Poisson arrivals) at a fixed rate"),
         # A conversation lives 6-12 turns, several seconds: 15 s hold about two generations of them, and which
-        # instances end up overcommitted is settled by the first; 15-s runs of one router swung 50-65% in hit
-        # rate and 2.2-3.1 s in p99 (the 6th-slowest of ~600 requests). 60 s: +-1 point, +-100 ms.
+        # instances end up overcommitted is settled by the first; 15-s runs of one setting of ours spread over
+        # 7-20 points in hit rate (44-64% for the default) and up to 750 ms in p99 (the 6th-slowest of ~600
+        # requests); 60-s runs within 2.4 points and 180 ms (docs/benchmarks.md, the chat tail).
         WorkloadPlan("chat", "chat", {"min_turns": 6, "max_turns": 12, "reply_tokens": 300},
                      concurrency=32, cache_fraction=0.9, window_factor=4.0,
                      description="long multi-turn chats: 6-12 turns, 300-token replies kept in the history"),

@@ -146,7 +146,7 @@ def test_state_adds_the_other_workers_snapshots():
     assert [i["inflight"] for i in merged["instances"]] == [5, 3]
     # prompt tokens in flight: worker a sent 100, 200, 300 (a, b, a); worker b 100..500 (a, b, a, b, a)
     assert [i["inflight_prompt_tokens"] for i in merged["instances"]] == [100 + 300 + 100 + 300 + 500, 200 + 200 + 400]
-    cap = a[0].estimated_capacity_tokens("a")
+    cap = a[0].instances["a"].kv_capacity_tokens
     assert [i["kv_demand"] for i in merged["instances"]] == [round(1300 / cap, 4), round(800 / cap, 4)]
     assert len(merged["recent_decisions"]) == 8 and merged["hit_rate"]["predicted"] == 0.5
     assert [p["share"] for p in merged["hot_prefixes"]] == [0.5, 0.5]  # hot 4 of 8, cold 4 of 8

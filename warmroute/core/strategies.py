@@ -360,14 +360,13 @@ class CacheAwareStrategy(Strategy):
         """α for this request: private (one instance holds its deepest match) or shared (several, or none, or
         the one holder is swamped); and whether it was swamped."""
         deepest = max(depths.values(), default=0)
-        if deepest > 0:
-            holders = [name for name, d in depths.items() if d == deepest]
-            holder = fleet.instances.get(holders[0]) if len(holders) == 1 else None
-            if holder is not None and kv_pressure(holder) > self.settings.sticky_kv_limit:
-                return self.settings.shared_miss_weight, True
-            if len(holders) == 1:
-                return self.settings.miss_weight, False
-        return self.settings.shared_miss_weight, False
+        holders = [name for name, d in depths.items() if d == deepest] if deepest > 0 else []
+        if len(holders) != 1:
+            return self.settings.shared_miss_weight, False
+        holder = fleet.instances.get(holders[0])
+        if holder is not None and kv_pressure(holder) > self.settings.sticky_kv_limit:
+            return self.settings.shared_miss_weight, True
+        return self.settings.miss_weight, False
 
     def match_depths(self, blocks: Sequence[int], fleet: Fleet) -> dict[str, int]:
         """Cached prefix length (blocks) per instance: the router's estimate (the simulator's oracle overrides)."""
