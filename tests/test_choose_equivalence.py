@@ -285,6 +285,25 @@ def test_the_compiled_scan_reads_other_objects_as_python_does(drawn, mean, hot):
     assert strategies._scan.scan(*args) == strategies.scan_python(*args)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([True, False, 1, 0]), st.sampled_from([True, False, 1, 0]),
+                          st.booleans()), min_size=0, max_size=12),
+       st.one_of(st.none(), st.frozensets(st.sampled_from([f"i{n}" for n in range(14)]))))
+def test_the_compiled_routable_filter_matches_python(drawn, serving):
+    from warmroute.core import fleet as fleet_module
+
+    if fleet_module.routable_of is fleet_module.routable_python:
+        pytest.skip("the compiled scan was not built here")
+    instances = {}
+    for n, (healthy, draining, other) in enumerate(drawn):
+        inst = (OtherInstance if other else Instance)(f"i{n}", 1000)
+        inst.healthy, inst.draining = healthy, draining
+        instances[inst.name] = inst
+    got = fleet_module.routable_of(instances, serving)
+    want = fleet_module.routable_python(instances, serving)
+    assert [id(i) for i in got] == [id(i) for i in want]
+
+
 def _configure_scan(address: int) -> None:
     strategies._scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes, rendezvous.encoded, address)
 

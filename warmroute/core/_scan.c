@@ -17,15 +17,16 @@
 #include <stdint.h>
 #include <string.h>
 
-static PyObject *s_inflight, *s_engine, *s_queued, *s_rate, *s_name, *s_recent, *s_capacity;
+static PyObject *s_inflight, *s_engine, *s_queued, *s_rate, *s_name, *s_recent, *s_capacity, *s_healthy,
+    *s_draining;
 static PyObject *s_foreign_requests, *s_foreign_waiting, *s_kv_usage;
 
 /* The Instance class and its fields' slot offsets (configure); NULL / -1: read with getattr. */
 static PyTypeObject *inst_type = NULL;
-enum { F_INFLIGHT, F_ENGINE, F_QUEUED, F_RATE, F_NAME, F_RECENT, F_CAPACITY, F_COUNT };
-static Py_ssize_t offsets[F_COUNT] = {-1, -1, -1, -1, -1, -1, -1};
+enum { F_INFLIGHT, F_ENGINE, F_QUEUED, F_RATE, F_NAME, F_RECENT, F_CAPACITY, F_HEALTHY, F_DRAINING, F_COUNT };
+static Py_ssize_t offsets[F_COUNT] = {-1, -1, -1, -1, -1, -1, -1, -1, -1};
 static PyObject **field_names[F_COUNT] = {&s_inflight, &s_engine, &s_queued, &s_rate, &s_name, &s_recent,
-                                          &s_capacity};
+                                          &s_capacity, &s_healthy, &s_draining};
 
 /* A new reference to obj's field (or NULL with an exception set, as getattr). */
 static inline PyObject *field(PyObject *obj, int f) {
@@ -304,6 +305,51 @@ static PyObject *top(PyObject *self, PyObject *args) {
     return Py_NewRef(best != NULL ? best : Py_None);
 }
 
+/* Truth of obj's field f: 1, 0, or -1 with an exception set. */
+static int field_true(PyObject *obj, int f) {
+    PyObject *v = field(obj, f);
+    if (v == NULL) return -1;
+    int t = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* routable(instances, serving) -> list: Fleet.routable's filter, the instances (a dict's values, in order) that
+ * are healthy and not draining and, unless `serving` is None, whose name is in it (a frozenset). */
+static PyObject *routable(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *instances, *serving;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &instances, &serving)) return NULL;
+    if (serving != Py_None && !PyAnySet_Check(serving)) {
+        PyErr_SetString(PyExc_TypeError, "serving must be a set or None");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *key, *inst;
+    while (PyDict_Next(instances, &pos, &key, &inst)) {  /* borrowed references */
+        Py_INCREF(inst);  /* a getattr below may run Python code that changes the dict */
+        int ok = field_true(inst, F_HEALTHY);
+        if (ok == 1) {
+            int draining = field_true(inst, F_DRAINING);
+            ok = draining < 0 ? -1 : !draining;
+        }
+        if (ok == 1 && serving != Py_None) {
+            PyObject *name = field(inst, F_NAME);
+            ok = name == NULL ? -1 : PySet_Contains(serving, name);
+            Py_XDECREF(name);
+        }
+        int failed = ok < 0 || (ok == 1 && PyList_Append(out, inst) < 0);
+        Py_DECREF(inst);
+        if (failed) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
 /* configure(Instance, hash_fn, name_bytes, encode, xxh3_address=0): remember where Instance's fields live, if
  * they are slots holding objects, and rendezvous's weight function (and the address of the library function
  * behind it, used only if it gives hash_fn's values on a few probes); returns how many fields are read at
@@ -367,6 +413,7 @@ static PyObject *native_weights(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "cache_aware's per-instance scan (see strategies.scan_python)."},
     {"top", top, METH_VARARGS, "The instance rendezvous.top(seed, their names) picks (see rendezvous.py)."},
+    {"routable", routable, METH_VARARGS, "Fleet.routable's filter over a dict of instances."},
     {"configure", configure, METH_VARARGS, "Instance's slot offsets and rendezvous's weight function."},
     {"native_weights", native_weights, METH_NOARGS, "Whether top() calls xxh3 directly."},
     {NULL, NULL, 0, NULL},
@@ -378,7 +425,8 @@ PyMODINIT_FUNC PyInit__scan(void) {
     struct { PyObject **slot; const char *name; } names[] = {
         {&s_inflight, "inflight"}, {&s_engine, "engine"}, {&s_queued, "queued_prefill_tokens"},
         {&s_rate, "prefill_tokens_per_s"}, {&s_name, "name"}, {&s_recent, "recent"},
-        {&s_capacity, "kv_capacity_tokens"}, {&s_foreign_requests, "foreign_requests"},
+        {&s_capacity, "kv_capacity_tokens"}, {&s_healthy, "healthy"}, {&s_draining, "draining"},
+        {&s_foreign_requests, "foreign_requests"},
         {&s_foreign_waiting, "foreign_waiting"}, {&s_kv_usage, "kv_usage"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {

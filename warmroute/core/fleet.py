@@ -7,6 +7,7 @@ the load-balancing policy). The I/O shell and the simulator report what happens 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +45,24 @@ class Instance:
     @property
     def routable(self) -> bool:  # Fleet.routable() spells this out for speed: change both together
         return self.healthy and not self.draining
+
+
+def routable_python(instances: dict[str, Instance], serving: frozenset[str] | None) -> list[Instance]:
+    """The instances that take requests: healthy, not draining, and in `serving` unless it is None."""
+    if serving is None:  # the usual case: every instance may serve it (no lists, or a homogeneous fleet)
+        # Instance.routable spelt out: 1.5 instead of 4.1 us at 64 instances (0.25 instead of 0.5 at 4).
+        return [i for i in instances.values() if i.healthy and not i.draining]
+    return [i for i in instances.values() if i.healthy and not i.draining and i.name in serving]
+
+
+# Compiled where a C compiler was found (core/_scan.c; reads the fields at their slots: 0.4 instead of 1.5 µs
+# at 64 instances, on every decision). The same list, in the same order (tests/test_fleet.py).
+try:
+    if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
+        raise ImportError("WARMROUTE_PURE_PYTHON=1")
+    from warmroute.core._scan import routable as routable_of
+except ImportError:
+    routable_of = routable_python
 
 
 @dataclass
@@ -96,10 +115,7 @@ class Fleet:
     def routable(self, model: str | None = None) -> list[Instance]:
         """Healthy, not draining, and (for a request naming a model) among the instances that may serve it."""
         serving = self.serving(model) if model is not None else None
-        if serving is None:  # the usual case: every instance may serve it (no lists, or a homogeneous fleet)
-            # Instance.routable spelt out: 1.5 instead of 4.1 us at 64 instances (0.25 instead of 0.5 at 4).
-            return [i for i in self.instances.values() if i.healthy and not i.draining]
-        return [i for i in self.instances.values() if i.healthy and not i.draining and i.name in serving]
+        return routable_of(self.instances, serving)
 
     # -- which instance serves which model ------------------------------------------------------------------
     def set_models(self, name: str, models: frozenset[str] | None) -> None:

@@ -49,7 +49,7 @@ class ModelNotServed(NoInstanceAvailable):
         self.model = model
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 0.5 µs more, on every decision
 class Decision:
     instance: str
     reason: str
@@ -359,11 +359,16 @@ class CacheAwareStrategy(Strategy):
     def miss_weight_for(self, depths: dict[str, int], fleet: Fleet) -> tuple[float, bool]:
         """α for this request: private (one instance holds its deepest match) or shared (several, or none, or
         the one holder is swamped); and whether it was swamped."""
-        deepest = max(depths.values(), default=0)
-        holders = [name for name, d in depths.items() if d == deepest] if deepest > 0 else []
-        if len(holders) != 1:
+        if not depths:  # a cold prompt
             return self.settings.shared_miss_weight, False
-        holder = fleet.instances.get(holders[0])
+        if len(depths) == 1:  # the usual private case (a conversation's history), without a max and a list
+            holder = fleet.instances.get(next(iter(depths)))
+        else:
+            deepest = max(depths.values(), default=0)
+            holders = [name for name, d in depths.items() if d == deepest] if deepest > 0 else []
+            if len(holders) != 1:
+                return self.settings.shared_miss_weight, False
+            holder = fleet.instances.get(holders[0])
         if holder is not None and kv_pressure(holder) > self.settings.sticky_kv_limit:
             return self.settings.shared_miss_weight, True
         return self.settings.miss_weight, False
