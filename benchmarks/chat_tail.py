@@ -23,6 +23,9 @@ change of the rule as it was before sticky_kv_limit (always sticky):
   * survival discount: at an instance under pressure x (as in part 1), the part of its match that no other
     instance holds counts as cached only by a factor falling linearly from 1 at x = 1.25 to 0 at x = 1.75;
   * least_loaded, the SGLang-like reference and the oracle (cache_aware fed the engines' true caches), for scale.
+and one change of the shipped rule:
+  * count release: a conversation is also let go when its instance has at least k x the fleet's mean requests
+    in flight (k 1.5 and 1.25), a signal from the request counts instead of the KV pressure.
 
 Part 3: sticky_kv_limit and the tighter guard on the other closed loops of the peer comparison (hot prompt,
 mixed), where they must not cost what they buy on chat.
@@ -144,12 +147,34 @@ class SurvivalDiscount(_Tuned):
         return Decision(d.instance, d.reason, min(raw, d.prompt_tokens), d.prompt_tokens, d.blocks)
 
 
+class CountRelease(CacheAwareStrategy):
+    """The shipped rule, and a conversation also let go where its instance has >= K x the mean in flight."""
+    name = "count release 1.5x mean"
+    K = 1.5
+
+    def miss_weight_for(self, depths, fleet):
+        alpha, swamped = super().miss_weight_for(depths, fleet)
+        if alpha != self.settings.miss_weight:  # not private, or already released
+            return alpha, swamped
+        holder = fleet.instances[max(depths, key=depths.__getitem__)]
+        up = fleet.routable()
+        if holder.inflight >= self.K * sum(i.inflight for i in up) / len(up):
+            return self.settings.shared_miss_weight, True
+        return alpha, swamped
+
+
+class CountRelease125(CountRelease):
+    name = "count release 1.25x mean"
+    K = 1.25
+
+
 VARIANTS = ["cache_aware", AlwaysSticky.name, Limit2.name, Limit15.name, TightGuard.name, LowMissWeight.name,
-            SurvivalDiscount.name, "least_loaded", "sglang_like", "oracle"]
+            SurvivalDiscount.name, CountRelease.name, CountRelease125.name, "least_loaded", "sglang_like", "oracle"]
 
 
 def register() -> None:
-    for cls in (AlwaysSticky, Limit2, Limit15, TightGuard, LowMissWeight, SurvivalDiscount):
+    for cls in (AlwaysSticky, Limit2, Limit15, TightGuard, LowMissWeight, SurvivalDiscount, CountRelease,
+                CountRelease125):
         STRATEGIES[cls.name] = cls
 
 

@@ -119,8 +119,8 @@ static inline uint64_t block_value(const unsigned char *b, Py_ssize_t width) {
 
 /* The hashing loop is compiled twice where GCC can (x86-64, GCC 11+): for CPUs with AVX-512 (x86-64-v4),
  * whose 64-bit vector multiply computes a block's eight lane products at once, and for any x86-64; the loader
- * picks one when the module is imported. Same values either way (integer arithmetic mod 2^64); 32,000 bytes
- * hash in ≈ 1.0 instead of 3.4 µs on the development machine (AMD EPYC; benchmarks/decision_latency.py). */
+ * picks one when the module is imported. Same values either way (integer arithmetic mod 2^64); a 32,000-byte
+ * key hashes in 1.5 instead of 4.2 µs on the development machine (AMD EPYC; docs/benchmarks.md). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__linux__)
 #define WR_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "default")))
 #else

@@ -364,7 +364,7 @@ class CacheAwareStrategy(Strategy):
         if len(depths) == 1:  # the usual private case (a conversation's history), without a max and a list
             holder = fleet.instances.get(next(iter(depths)))
         else:
-            deepest = max(depths.values(), default=0)
+            deepest = max(depths.values())
             holders = [name for name, d in depths.items() if d == deepest] if deepest > 0 else []
             if len(holders) != 1:
                 return self.settings.shared_miss_weight, False
