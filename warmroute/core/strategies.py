@@ -359,16 +359,17 @@ class CacheAwareStrategy(Strategy):
     def miss_weight_for(self, depths: dict[str, int], fleet: Fleet) -> tuple[float, bool]:
         """α for this request: private (one instance holds its deepest match) or shared (several, or none, or
         the one holder is swamped); and whether it was swamped."""
-        if not depths:  # a cold prompt
+        if not depths:  # a cold prompt (depths lists holders only, each with at least one block)
             return self.settings.shared_miss_weight, False
         if len(depths) == 1:  # the usual private case (a conversation's history), without a max and a list
-            holder = fleet.instances.get(next(iter(depths)))
+            name = next(iter(depths))
         else:
             deepest = max(depths.values())
-            holders = [name for name, d in depths.items() if d == deepest] if deepest > 0 else []
+            holders = [n for n, d in depths.items() if d == deepest]
             if len(holders) != 1:
                 return self.settings.shared_miss_weight, False
-            holder = fleet.instances.get(holders[0])
+            name = holders[0]
+        holder = fleet.instances.get(name)
         if holder is not None and kv_pressure(holder) > self.settings.sticky_kv_limit:
             return self.settings.shared_miss_weight, True
         return self.settings.miss_weight, False
