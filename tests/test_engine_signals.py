@@ -13,7 +13,7 @@ from warmroute.core.routing_key import key_for_json
 from warmroute.core.strategies import StrategySettings, make_strategy
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
-from warmroute.router.app import ROUTER, SCRAPER
+from warmroute.router.app import PROXY, ROUTER, SCRAPER
 from warmroute.router.engine_metrics import EngineSignals, MalformedMetrics, parse_engine_metrics
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -155,7 +155,7 @@ def test_other_routers_queue_on_the_warm_instance_sends_a_request_elsewhere():
 
 # -- the scraper -------------------------------------------------------------------------------------------------
 class Broken:
-    """Stand-in engines: one answers 404 on /metrics, one malformed text."""
+    """Stand-in engines: one answers 404 on /metrics, one malformed text, one its load but no KV capacity."""
 
     def __init__(self) -> None:
         self.runner: web.AppRunner | None = None
@@ -169,21 +169,24 @@ class Broken:
         app = web.Application()
         app.router.add_get("/404/metrics", answer(404))
         app.router.add_get("/bad/metrics", answer(text="vllm:num_requests_waiting x y z\n"))
+        app.router.add_get("/nocap/metrics", answer(text="vllm:num_requests_waiting 0\nvllm:num_requests_running 1\n"))
         app.router.add_get("/404/health", answer())
         app.router.add_get("/bad/health", answer())
+        app.router.add_get("/nocap/health", answer())
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        return {"notfound": url + "/404", "malformed": url + "/bad"}
+        return {"notfound": url + "/404", "malformed": url + "/bad", "nocap": url + "/nocap"}
 
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
 
 
-async def test_scraper_reads_an_emulated_engine_and_counts_broken_ones():
+async def test_scraper_reads_an_emulated_engine_and_counts_broken_ones(caplog):
+    caplog.set_level("INFO", logger="warmroute.router")
     engines = await start_fleet(1, config=EngineConfig.from_profile("8b", kv_capacity_tokens=48_000),
                                 time_scale=0.02)
     broken = Broken()
@@ -205,6 +208,14 @@ async def test_scraper_reads_an_emulated_engine_and_counts_broken_ones():
         for instance, kind in (("notfound", "status"), ("malformed", "malformed"), ("refused", "fetch")):
             assert f'warmroute_engine_scrape_errors_total{{backend="{instance}",kind="{kind}"}} 1.0' in text
         assert 'backend="e0"' not in text.split("warmroute_engine_scrape_errors_total")[-1]
+        # What the router assumes is said once per instance: the capacity learnt, or that none was found.
+        await router.app[SCRAPER].scrape_all(router.app[PROXY].session)
+        said = [r.getMessage() for r in caplog.records if "KV capacity" in r.getMessage()]
+        assert said.count("instance e0: KV capacity 48,000 tokens, from its /metrics") == 1
+        missing = [m for m in said if m.startswith("instance nocap: no KV capacity")]
+        assert len(missing) == 1 and "assuming 1,000,000 tokens" in missing[0]
+        assert not any(m.startswith(("instance notfound", "instance malformed", "instance refused")) for m in said)
+        assert fleet.instances["nocap"].engine is not None  # its load was read all the same
     finally:
         await router.stop()
         await broken.stop()

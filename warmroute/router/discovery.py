@@ -142,7 +142,7 @@ class Membership:
             self.catalog.configure(backend.name, backend.models)
         self.metrics.add_backend(backend.name, healthy=False)
         if not configured:
-            self.scraper._learn_capacity.add(backend.name)
+            self.scraper.learn_capacity(backend.name)
         log.warning("instance %s joins (%s)", backend.name, source)
         self._check_soon(backend.name)
         return True
@@ -165,7 +165,7 @@ class Membership:
         self.members.pop(name, None)
         self.urls.pop(name, None)
         self.metrics.remove_backend(name)
-        self.scraper._learn_capacity.discard(name)
+        self.scraper.forget(name)
         if self.catalog is not None:
             self.catalog.fixed.discard(name)
         log.warning("instance %s removed", name)

@@ -14,6 +14,7 @@ back to the router's own books; it never ejects the instance (that is health.py'
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import aiohttp
@@ -22,6 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from warmroute.core.fleet import Fleet
 from warmroute.router.metrics import Metrics
 from warmroute.router.settings import RouterSettings
+
+log = logging.getLogger("warmroute.router")
 
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
@@ -102,6 +105,16 @@ class EngineScraper:
         self.metrics = metrics
         # Instances whose KV capacity the user did not give: the engine's own figure replaces the default.
         self._learn_capacity = {b.name for b in settings.backends if not settings.capacity_configured(b)}
+        self._told: set[str] = set()  # of those, the ones whose capacity (or its absence) was logged
+
+    def learn_capacity(self, name: str) -> None:
+        """An instance joined without a configured capacity: take the one its engine reports."""
+        self._learn_capacity.add(name)
+        self._told.discard(name)
+
+    def forget(self, name: str) -> None:
+        self._learn_capacity.discard(name)
+        self._told.discard(name)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
@@ -121,8 +134,19 @@ class EngineScraper:
         self.fleet.engine_load(name, signals.waiting, signals.running, signals.kv_usage)
         capacity = signals.capacity_tokens
         inst = self.fleet.instances.get(name)
-        if capacity and name in self._learn_capacity and inst is not None and inst.kv_capacity_tokens != capacity:
+        if name not in self._learn_capacity or inst is None:
+            return
+        if capacity and inst.kv_capacity_tokens != capacity:
             self.fleet.add(name, capacity)
+        if name not in self._told:  # once per instance: what the index and sticky_kv_limit will assume
+            self._told.add(name)
+            if capacity:
+                log.info("instance %s: KV capacity %s tokens, from its /metrics", name, f"{capacity:,}")
+            else:
+                log.warning("instance %s: no KV capacity configured and none in its /metrics (vLLM's "
+                            "cache_config_info, SGLang's max_total_num_tokens): assuming %s tokens, which sizes its "
+                            "share of the prefix index and when a conversation is let go (sticky_kv_limit); set "
+                            "kv_capacity_tokens for it", name, f"{inst.kv_capacity_tokens:,}")
 
     async def _fetch(self, session: aiohttp.ClientSession, name: str) -> EngineSignals | None:
         timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
