@@ -38,7 +38,7 @@ import statistics
 from dataclasses import replace
 
 from warmroute.core.fleet import Fleet
-from warmroute.core.strategies import STRATEGIES, CacheAwareStrategy, Decision, StrategySettings
+from warmroute.core.strategies import STRATEGIES, CacheAwareStrategy, Decision, StrategySettings, kv_pressure
 from warmroute.sim.report import summarize
 from warmroute.sim.simulator import SimSettings, Simulation
 from warmroute.workloads.registry import make_workload
@@ -53,9 +53,10 @@ def settings(seed: int, requests: int) -> SimSettings:
 
 
 def pressure(fleet: Fleet, name: str, matched_tokens: int) -> float:
-    """(prompt tokens in flight there, from the router's books, + this match) / the instance's KV capacity."""
+    """cache_aware's KV pressure at the instance (prompt tokens in flight there / its KV capacity; the simulator
+    has no engine reports, so the router's books alone), plus this request's predicted match."""
     inst = fleet.instances[name]
-    return (inst.inflight_prompt_tokens + matched_tokens) / inst.kv_capacity_tokens
+    return kv_pressure(inst) + matched_tokens / inst.kv_capacity_tokens
 
 
 # -- part 1 --------------------------------------------------------------------------------------------------
