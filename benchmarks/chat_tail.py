@@ -8,16 +8,20 @@ The case is the peer comparison's chat workload (docs/peers.md): 4 instances of 
 is about the fleet's whole cache, so some conversations must lose their history.
 
 Part 1, cache_aware alone, with every conversation sticky (sticky_kv_limit 1000, the rule before it existed) and
-as shipped (1.75): each request's predicted cached tokens (the router's index, at routing time) against
+with sticky_kv_limit 1.75, both without holding in the router (hold_kv_limit 1000): each request's predicted cached tokens (the router's index, at routing time) against
 what the engine found when it admitted the request, bucketed by the chosen instance's KV pressure at routing time:
 (prompt tokens of the requests in flight there + this request's predicted match) / its KV capacity. Under
 pressure the engine evicts a waiting conversation's history to admit the requests ahead of it, so the index's
 prediction fails and the request both waits and recomputes: those requests are the tail. The shipped rule lets
 such a conversation go (its miss weighs as a shared prefix's) where the pressure exceeds sticky_kv_limit.
 
-Part 2, the trade-off: sticky_kv_limit at several values, and variants that act on that pressure differently,
-over several seeds. The variants are experiments, not product code (they live only in this script), each a
-change of the rule as it was before sticky_kv_limit (always sticky):
+Part 2, the trade-off: the shipped rule (sticky_kv_limit 1.75 and hold_kv_limit 1.4: a conversation kept on its
+instance waits in the router while the prompts in flight there, with it, would need more than 1.4 x its KV cache,
+and is decided again when a request finishes), the same without holding and with other hold limits,
+sticky_kv_limit at several values, and variants that act on that pressure differently, over several seeds.
+Except the hold rows, every variant runs without holding (hold_kv_limit 1000), as the rule was when it was tried.
+The variants are experiments, not product code (they live only in this script), each a change of the rule as it
+was before sticky_kv_limit (always sticky):
   * tighter load guard: ε 0.5, slack 0 instead of 1.0 and 4 (fewer conversations may pile onto one instance);
   * miss weight 4 for a private prefix instead of 16 (a conversation moves more readily);
   * survival discount: at an instance under pressure x (as in part 1), the part of its match that no other
@@ -27,7 +31,7 @@ and one change of the shipped rule:
   * count release: a conversation is also let go when its instance has at least k x the fleet's mean requests
     in flight (k 1.5 and 1.25), a signal from the request counts instead of the KV pressure.
 
-Part 3: sticky_kv_limit and the tighter guard on the other closed loops of the peer comparison (hot prompt,
+Part 3: holding, sticky_kv_limit and the tighter guard on the other closed loops of the peer comparison (hot prompt,
 mixed), where they must not cost what they buy on chat.
 """
 
@@ -38,7 +42,8 @@ import statistics
 from dataclasses import replace
 
 from warmroute.core.fleet import Fleet
-from warmroute.core.strategies import STRATEGIES, CacheAwareStrategy, Decision, StrategySettings, kv_pressure
+from warmroute.core.strategies import (PRIVATE, STRATEGIES, SWAMPED, CacheAwareStrategy, Decision, StrategySettings,
+                                       kv_pressure)
 from warmroute.sim.report import summarize
 from warmroute.sim.simulator import SimSettings, Simulation
 from warmroute.workloads.registry import make_workload
@@ -96,7 +101,23 @@ class _Tuned(CacheAwareStrategy):
         super().__init__(replace(settings or StrategySettings(), **self.overrides), seed)
 
 
-ALWAYS = dict(sticky_kv_limit=1000.0)
+NO_HOLD = dict(hold_kv_limit=1000.0)
+ALWAYS = dict(sticky_kv_limit=1000.0, **NO_HOLD)
+
+
+class NoHold(_Tuned):
+    name = "no holding (hold_kv_limit 1000)"
+    overrides = NO_HOLD
+
+
+class Hold13(_Tuned):
+    name = "hold_kv_limit 1.3"
+    overrides = dict(hold_kv_limit=1.3)
+
+
+class Hold15(_Tuned):
+    name = "hold_kv_limit 1.5"
+    overrides = dict(hold_kv_limit=1.5)
 
 
 class AlwaysSticky(_Tuned):
@@ -106,12 +127,12 @@ class AlwaysSticky(_Tuned):
 
 class Limit2(_Tuned):
     name = "sticky_kv_limit 2.0"
-    overrides = dict(sticky_kv_limit=2.0)
+    overrides = dict(sticky_kv_limit=2.0, **NO_HOLD)
 
 
 class Limit15(_Tuned):
     name = "sticky_kv_limit 1.5"
-    overrides = dict(sticky_kv_limit=1.5)
+    overrides = dict(sticky_kv_limit=1.5, **NO_HOLD)
 
 
 class TightGuard(_Tuned):
@@ -148,20 +169,21 @@ class SurvivalDiscount(_Tuned):
         return Decision(d.instance, d.reason, min(raw, d.prompt_tokens), d.prompt_tokens, d.blocks)
 
 
-class CountRelease(CacheAwareStrategy):
-    """The shipped rule, and a conversation also let go where its instance has >= K x the mean in flight."""
+class CountRelease(_Tuned):
+    """sticky_kv_limit 1.75, and a conversation also let go where its instance has >= K x the mean in flight."""
     name = "count release 1.5x mean"
+    overrides = NO_HOLD
     K = 1.5
 
     def miss_weight_for(self, depths, fleet):
-        alpha, swamped = super().miss_weight_for(depths, fleet)
-        if alpha != self.settings.miss_weight:  # not private, or already released
-            return alpha, swamped
+        alpha, held_by = super().miss_weight_for(depths, fleet)
+        if held_by != PRIVATE:  # not private, or already released
+            return alpha, held_by
         holder = fleet.instances[max(depths, key=depths.__getitem__)]
         up = fleet.routable()
         if holder.inflight >= self.K * sum(i.inflight for i in up) / len(up):
-            return self.settings.shared_miss_weight, True
-        return alpha, swamped
+            return self.settings.shared_miss_weight, SWAMPED
+        return alpha, held_by
 
 
 class CountRelease125(CountRelease):
@@ -169,12 +191,12 @@ class CountRelease125(CountRelease):
     K = 1.25
 
 
-VARIANTS = ["cache_aware", AlwaysSticky.name, Limit2.name, Limit15.name, TightGuard.name, LowMissWeight.name,
+VARIANTS = ["cache_aware", NoHold.name, Hold13.name, Hold15.name, AlwaysSticky.name, Limit2.name, Limit15.name, TightGuard.name, LowMissWeight.name,
             SurvivalDiscount.name, CountRelease.name, CountRelease125.name, "least_loaded", "sglang_like", "oracle"]
 
 
 def register() -> None:
-    for cls in (AlwaysSticky, Limit2, Limit15, TightGuard, LowMissWeight, SurvivalDiscount, CountRelease,
+    for cls in (NoHold, Hold13, Hold15, AlwaysSticky, Limit2, Limit15, TightGuard, LowMissWeight, SurvivalDiscount, CountRelease,
                 CountRelease125):
         STRATEGIES[cls.name] = cls
 
@@ -204,7 +226,7 @@ def other_workloads(seeds: int) -> None:
     print(f"\nPart 3: {seeds} seeds, means")
     print(f"{'case':<18} {'variant':<30} {'hit rate':>8} {'TTFT p50':>8} {'TTFT p99':>8} {'req/s':>6}")
     for label, workload, sim_settings, params in OTHERS:
-        for variant in ("cache_aware", AlwaysSticky.name, TightGuard.name):
+        for variant in ("cache_aware", NoHold.name, AlwaysSticky.name, TightGuard.name):
             rows = []
             for seed in range(seeds):
                 sim = Simulation(SimSettings(instances=4, seed=seed, **sim_settings),
@@ -221,7 +243,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3000)
     args = ap.parse_args()
     register()
-    for variant in (AlwaysSticky.name, "cache_aware"):
+    for variant in (AlwaysSticky.name, NoHold.name):  # without holding: each choice is one dispatch
         prediction_by_pressure(0, args.requests, variant)
     trade_off(args.seeds, args.requests)
     other_workloads(args.seeds)

@@ -18,7 +18,7 @@ from warmroute.core.engine_load import EngineLoad, backlog_tokens, foreign_reque
 from warmroute.core import strategies
 from warmroute.core.fleet import RECENT_WINDOW, Fleet, FleetSettings, Instance
 from warmroute.core.routing_key import RoutingKey, key_for_json
-from warmroute.core.strategies import (HOT_SPREAD, KV_SPILL, CacheAwareStrategy, Decision, NoInstanceAvailable,
+from warmroute.core.strategies import (CACHE_HIT, HOT_SPREAD, KV_SPILL, CacheAwareStrategy, Decision, NoInstanceAvailable,
                                        OVERLOAD_SPILL, StrategySettings)
 
 
@@ -88,7 +88,8 @@ def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet
         reason = KV_SPILL  # the one holder was swamped, so the prompt weighed its miss as a shared one
     elif hot and reason == OVERLOAD_SPILL and any(i.recent > share_cap for i in up if depths.get(i.name) == deepest):
         reason = HOT_SPREAD  # the hot-prefix guard, not the queue, kept a holder of the deepest match out
-    return strategy._decision(inst, reason, depths, block_tokens, prompt, blocks)
+    # Kept on the one holder of its prefix at the private weight: it may be held back (must_wait).
+    return strategy._decision(inst, reason, depths, block_tokens, prompt, blocks, private and reason == CACHE_HIT)
 
 
 class GivenDepths(CacheAwareStrategy):

@@ -96,3 +96,34 @@ async def test_random_routing_misses_more_than_cache_aware(engines):
         return total
 
     assert await hit_tokens("cache_aware", "ca") > await hit_tokens("random", "rnd")
+
+
+@pytest.mark.parametrize("hold_kv_limit", [1.4, 1000.0])
+async def test_a_conversation_waits_in_the_router_while_its_instance_is_full(hold_kv_limit):
+    """Three turns of one conversation at once, with the router told each instance's KV cache holds two such
+    prompts: the third would take its instance past hold_kv_limit (1.4) x its cache, so it waits in the router
+    and goes to the same instance once one of the first two has finished; all three hit the cache. With the
+    limit at 1000 nothing waits."""
+    from warmroute.core.routing_key import key_for_json
+
+    prompt = key_for_json("/v1/chat/completions", _chat(9, 1)).tokens
+    fleet = await start_fleet(2, config=EngineConfig.from_profile("8b", kv_capacity_tokens=KV_TOKENS),
+                              time_scale=0.5)  # ~0.2 s a request: the three overlap
+    router = await start_router(load_settings({
+        "backends": [f"e{i}={u}" for i, u in enumerate(fleet.urls)], "port": 0, "kv_capacity_tokens": 2 * prompt,
+        "hold_kv_limit": hold_kv_limit, "engine_metrics": False, "health_interval": 3600}, env={}))
+    try:
+        async with aiohttp.ClientSession() as client:
+            home, *_ = await ask(client, router.url, _chat(9, 0))
+            answers = await asyncio.gather(*(ask(client, router.url, _chat(9, q)) for q in (1, 2, 3)))
+        assert all(a.instance == home and a.reason == "cache_hit" and a.cached_tokens > 0.8 * a.prompt_tokens
+                   for a in answers)
+        metrics = router.app[ROUTER].metrics.registry
+        held = metrics.get_sample_value("warmroute_hold_seconds_count", {"outcome": "same"}) or 0.0
+        assert held == (1.0 if hold_kv_limit == 1.4 else 0.0)
+        assert metrics.get_sample_value("warmroute_held_requests") == 0
+        books = router.app[ROUTER].fleet.instances[home]
+        assert books.inflight == 0 and books.inflight_prompt_tokens == 0
+    finally:
+        await router.stop()
+        await fleet.close()

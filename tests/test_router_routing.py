@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from warmroute.core.routing_key import ROUTED_PATHS
+from warmroute.core.strategies import CACHE_HIT, Decision
 from warmroute.router.errors import ApiError
 from warmroute.router.metrics import Metrics
 from warmroute.router.routing import Router
@@ -160,3 +161,63 @@ def test_sticky_kv_limit_reaches_the_strategy_and_changes_its_choice():
     to 1000 it stays on `a`."""
     assert _choice_for_a_prefix_only_a_holds(swamped=True) == "b"
     assert _choice_for_a_prefix_only_a_holds(swamped=True, sticky_kv_limit=1000.0) == "a"
+
+
+def _swamped_router(**settings):
+    """A router whose `a` holds a conversation (a prompt of ~300 tokens) and has three fully cached prompts of
+    4,600 tokens in flight, 1.38x its KV cache: the conversation's next turn, kept on `a`, would take it past
+    hold_kv_limit (1.4)."""
+    router = make_router(kv_capacity_tokens=10_000, **settings)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "tell me about caches " * 60}]})
+    key = router.key_of("/v1/chat/completions", body.encode(), None)
+    router.fleet.index.record("a", key.blocks())
+    tickets = [router.dispatch(Decision("a", CACHE_HIT, 4_600, 4_600, (), True)) for _ in range(3)]
+    return router, key, tickets
+
+
+def _metric(router, name: str, **labels) -> float:
+    return router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_held_request_waits_for_room_and_goes_when_a_request_finishes():
+    router, key, tickets = _swamped_router()
+    decision = router.decide(key)
+    assert decision.instance == "a" and router.strategy.must_wait(decision, router.fleet)
+    held = asyncio.create_task(router.hold(key, decision))
+    await asyncio.sleep(0.05)
+    assert not held.done() and _metric(router, "warmroute_held_requests") == 1
+    tickets[0].finish()  # 0.87x + the prompt: room now
+    sent = await asyncio.wait_for(held, 1.0)
+    assert sent.instance == "a" and sent.private
+    assert _metric(router, "warmroute_held_requests") == 0
+    assert _metric(router, "warmroute_hold_seconds_count", outcome="same") == 1
+
+
+async def test_a_held_request_goes_anyway_after_hold_timeout():
+    router, key, _ = _swamped_router(hold_timeout=0.3)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    sent = await asyncio.wait_for(router.hold(key, router.decide(key)), 2.0)
+    assert sent.instance == "a" and 0.29 <= loop.time() - start < 1.0
+    assert _metric(router, "warmroute_hold_seconds_count", outcome="timeout") == 1
+
+
+async def test_a_client_that_leaves_while_held_leaves_nothing_behind():
+    router, key, tickets = _swamped_router()
+    held = asyncio.create_task(router.hold(key, router.decide(key)))
+    await asyncio.sleep(0.05)
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert _metric(router, "warmroute_held_requests") == 0
+    for t in tickets:
+        t.finish()
+    a = router.fleet.instances["a"]
+    assert a.inflight == 0 and a.inflight_prompt_tokens == 0  # the held request was never counted in flight
+
+
+async def test_hold_kv_limit_1000_or_hold_timeout_0_never_holds():
+    for settings in ({"hold_kv_limit": 1000.0}, {"hold_timeout": 0.0}):
+        router, key, _ = _swamped_router(**settings)
+        decision = router.decide(key)
+        assert await asyncio.wait_for(router.hold(key, decision), 0.1) is decision

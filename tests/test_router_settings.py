@@ -38,6 +38,8 @@ def test_defaults_and_backend_names():
     ("miss_weight", "-1", "from 0 to 1000"),
     ("shared_miss_weight", "lots", "from 0 to 1000"),
     ("sticky_kv_limit", "-0.5", "from 0 to 1000"),
+    ("hold_kv_limit", "1001", "from 0 to 1000"),
+    ("hold_timeout", "-1", "from 0 to 3,600"),
     ("block_bytes", "60", "multiple of 8"),
     ("max_body_bytes", "2GiB", "from 1KiB to 1GiB"),
     ("index_memory_bytes", "lots", "from 1MiB to 64GiB"),

@@ -63,7 +63,10 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     """Every proxied path: read the body, decide, forward."""
     app = request.app
     body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
-    key, decision = app[ROUTER].route(request.path, body, request.headers.get(SESSION_HEADER))
+    router = app[ROUTER]
+    key, decision = router.route(request.path, body, request.headers.get(SESSION_HEADER))
+    if decision.private:  # its instance may be too full to take it now: wait in the router (Router.hold)
+        decision = await router.hold(key, decision)
     app[ACTIVITY].note(key, decision)
     return await app[PROXY].forward(request, body, key, decision)
 

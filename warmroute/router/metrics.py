@@ -25,6 +25,7 @@ NO_INSTANCE = "none"  # backend label of requests answered before any instance w
 
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
 
 
@@ -88,6 +89,15 @@ class Metrics:
                                             "(fetch, status, malformed, missing)", ["backend", "kind"],
                                             registry=r)
 
+        self.held_now = Gauge("warmroute_held_requests",
+                              "Requests waiting in the router for room at their instance (hold_kv_limit)",
+                              registry=r, multiprocess_mode="livesum")
+        self.holds = Histogram("warmroute_hold_seconds",
+                               "Seconds a request waited in the router for room at its instance, by outcome: "
+                               "same (sent to the instance first chosen), moved (decided elsewhere meanwhile), "
+                               "timeout (hold_timeout passed: sent anyway)", ["outcome"],
+                               buckets=_HOLD_BUCKETS, registry=r)
+
         self._strategy = strategy
         self._decision = {reason: self.decisions.labels(strategy, reason) for reason in REASONS}
         self._inflight: dict = {}
@@ -126,6 +136,12 @@ class Metrics:
         counter.inc()
         self.matched_ratio.observe(matched_ratio)
         self.decision_seconds.observe(seconds)
+
+    def holding(self, delta: int) -> None:
+        self.held_now.inc(delta)
+
+    def held(self, outcome: str, seconds: float) -> None:
+        self.holds.labels(outcome).observe(seconds)
 
     def set_inflight(self, name: str, requests: int, prompt_tokens: int = 0) -> None:
         gauges = self._inflight.get(name)

@@ -23,6 +23,7 @@ from warmroute.router.usage import EngineUsage
 
 SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
+HOLD_POLL = 0.25  # seconds: a held request looks again at least this often
 
 
 def is_routed(path: str) -> bool:
@@ -44,9 +45,10 @@ class Router:
             balance_factor=settings.balance_factor, hot_balance_factor=settings.hot_balance_factor,
             miss_weight=settings.miss_weight,
             shared_miss_weight=settings.shared_miss_weight, sticky_kv_limit=settings.sticky_kv_limit,
-            block_bytes=settings.block_bytes))
+            hold_kv_limit=settings.hold_kv_limit, block_bytes=settings.block_bytes))
         self._any = make_strategy("least_loaded")
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
+        self._finished: asyncio.Future[None] | None = None  # resolved when a request finishes: held ones retry
 
     # -- deciding ------------------------------------------------------------------------------------------
     def key_of(self, path: str, body: bytes, session: str | None) -> RoutingKey:
@@ -89,6 +91,39 @@ class Router:
         decision = self.decide(key)
         self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
         return key, decision
+
+    async def hold(self, key: RoutingKey | None, decision: Decision) -> Decision:
+        """Wait while the strategy says the request must (Strategy.must_wait: its instance is swamped), deciding
+        again each time a request finishes, and at least every HOLD_POLL seconds (other workers' requests
+        finish unseen); at most hold_timeout seconds, then the latest decision stands. Returns the decision to
+        send. Nothing is sent while it waits; a client that leaves cancels the wait."""
+        if key is None or self.settings.hold_timeout <= 0 or not self.strategy.must_wait(decision, self.fleet):
+            return decision
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        first, outcome = decision.instance, "timeout"
+        self.metrics.holding(+1)
+        try:
+            while (left := start + self.settings.hold_timeout - loop.time()) > 0:
+                if self._finished is None or self._finished.done():
+                    self._finished = loop.create_future()
+                await asyncio.wait((self._finished,), timeout=min(left, HOLD_POLL))
+                decision = self.decide(key)
+                if not self.strategy.must_wait(decision, self.fleet):
+                    outcome = "same" if decision.instance == first else "moved"
+                    break
+        finally:
+            self.metrics.holding(-1)
+        self.metrics.held(outcome, loop.time() - start)
+        return decision
+
+    def _wake_held(self) -> None:
+        """A request finished: room may have been made for a held one."""
+        f = self._finished
+        if f is not None:
+            self._finished = None
+            if not f.done():
+                f.set_result(None)
 
     # -- the books -----------------------------------------------------------------------------------------
     def dispatch(self, decision: Decision, defer_record: bool = False) -> Ticket:
@@ -165,6 +200,7 @@ class Ticket:
         self._done = True
         router = self._router
         router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks, self._prompt)
+        router._wake_held()
         if self._got_first and self._blocks and router.shared is not None:
             # The refresh at finish (core/fleet.py) too: otherwise the other replicas / workers age this chain
             # from when it was sent, and a long answer's history can drop out of their models before its turn.

@@ -159,6 +159,14 @@ class RouterSettings(BaseSettings):
                     "the prompts in flight there need at most this many times its KV cache; beyond, the engine "
                     "evicts queued histories anyway, and the prompt weighs its miss like a shared one. "
                     "1000: always sticky.")
+    hold_kv_limit: float = Field(
+        StrategySettings.hold_kv_limit, ge=0.0, le=1000.0,
+        description="cache_aware holds such a prompt in the router while the prompts in flight at its instance, "
+                    "with it, would need more than this many times its KV cache (there the engine would evict its "
+                    "history while it queues), and decides again whenever a request finishes. 1000: never holds.")
+    hold_timeout: float = Field(
+        5.0, ge=0.0, le=3600,
+        description="Seconds a request may be held (hold_kv_limit) before it goes to its instance anyway.")
     block_bytes: int = Field(64, ge=16, le=4096, description="Block size of the prefix index in bytes "
                                                              "(multiple of 8; 64 bytes is about 16 tokens).")
     index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = Field(

@@ -43,6 +43,8 @@ class SimSettings:
     speedup: float = 1.0  # trace timestamps are divided by this
     scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
     window_s: float = 10.0  # time-series bucket
+    hold_kv_limit: float = StrategySettings.hold_kv_limit
+    hold_timeout_s: float = 5.0  # the router's hold_timeout: a held request goes anyway once it has waited this long
     seed: int = 0
 
     def engine_config(self, scale: int = 1) -> EngineConfig:
@@ -62,7 +64,7 @@ class SimSettings:
     def strategy_settings(self, block_bytes: int) -> StrategySettings:
         return StrategySettings(prefix_length=self.prefix_length, concurrency_threshold=self.concurrency_threshold,
                                 balance_factor=self.balance_factor, hot_balance_factor=self.hot_balance_factor,
-                                block_bytes=block_bytes)
+                                hold_kv_limit=self.hold_kv_limit, block_bytes=block_bytes)
 
 
 @dataclass
@@ -133,6 +135,7 @@ class Simulation:
         self._seq = itertools.count()
         self._rejected = 0
         self._last_instance_by_prefix: dict[int, str] = {}
+        self._held: list[tuple[float, WorkloadRequest, Iterator[WorkloadRequest] | None]] = []  # in the router
         self._moved: list[tuple[float, float]] = []
 
     # -- fleet membership ----------------------------------------------------------------------------------
@@ -254,18 +257,23 @@ class Simulation:
         self._push(t, self.ARRIVE, (first, turns, budget))
 
     def _on_arrival(self, now: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
-                    budget: list[int]) -> None:
+                    budget: list[int] | None, arrival: float | None = None) -> None:
+        """Route a request (`arrival`: when it first arrived, if it was held in the router since)."""
         key = key_for_json(req.path, req.body)
         try:
             d = self.strategy.choose(key, self.fleet)
         except NoInstanceAvailable:
             self._rejected += 1
             return
+        arrival = now if arrival is None else arrival
+        if now - arrival < self.s.hold_timeout_s and self.strategy.must_wait(d, self.fleet):
+            self._held.append((arrival, req, turns))  # decided again when a request finishes (_on_step_done)
+            return
         self._last_instance_by_prefix[key.prefix_hash(self.s.prefix_length)] = d.instance
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None,
                                              d.prompt_tokens)
-        rec = RequestRecord(now, d.instance, key.tokens, d.reason, tag=req.tag)
+        rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag)
         self.records.append(rec)
         seq = next(self._seq)
         self._inflight[seq] = (rec, req, turns, d, queued_ahead)
@@ -316,6 +324,10 @@ class Simulation:
             elif self._closed_loop is not None:
                 self._begin_session(now, *self._closed_loop)
         self._start_step(now, inst)
+        if self._held and result.finished:  # type: ignore[attr-defined]
+            held, self._held = self._held, []
+            for arrival, req, turns in held:  # in arrival order, as the router's waiters wake
+                self._on_arrival(now, req, turns, None, arrival)
 
 
 def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim: Simulation) -> Strategy:
