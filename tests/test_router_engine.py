@@ -99,19 +99,27 @@ async def test_random_routing_misses_more_than_cache_aware(engines):
 
 
 @pytest.mark.parametrize("hold_kv_limit", [1.4, 1000.0])
-async def test_a_conversation_waits_in_the_router_while_its_instance_is_full(hold_kv_limit):
+async def test_a_conversation_waits_in_the_router_while_its_instance_is_full(hold_kv_limit, caplog):
     """Three turns of one conversation at once, with the router told each instance's KV cache holds two such
     prompts: the third would take its instance past hold_kv_limit (1.4) x its cache, so it waits in the router
-    and goes to the same instance once one of the first two has finished; all three hit the cache. With the
-    limit at 1000 nothing waits."""
+    and goes to the same instance once one of the first two has finished; all three hit the cache, and the access
+    log says how long the third waited. With the limit at 1000 nothing waits."""
+    import json
+    import logging
+
     from warmroute.core.routing_key import key_for_json
+    from warmroute.router.access_log import LOGGER
+
+    access = logging.getLogger(LOGGER)  # it does not propagate: listen on it
+    access.addHandler(caplog.handler)
 
     prompt = key_for_json("/v1/chat/completions", _chat(9, 1)).tokens
     fleet = await start_fleet(2, config=EngineConfig.from_profile("8b", kv_capacity_tokens=KV_TOKENS),
                               time_scale=0.5)  # ~0.2 s a request: the three overlap
     router = await start_router(load_settings({
         "backends": [f"e{i}={u}" for i, u in enumerate(fleet.urls)], "port": 0, "kv_capacity_tokens": 2 * prompt,
-        "hold_kv_limit": hold_kv_limit, "engine_metrics": False, "health_interval": 3600}, env={}))
+        "hold_kv_limit": hold_kv_limit, "engine_metrics": False, "health_interval": 3600, "access_log": True},
+        env={}))
     try:
         async with aiohttp.ClientSession() as client:
             home, *_ = await ask(client, router.url, _chat(9, 0))
@@ -124,6 +132,10 @@ async def test_a_conversation_waits_in_the_router_while_its_instance_is_full(hol
         assert metrics.get_sample_value("warmroute_held_requests") == 0
         books = router.app[ROUTER].fleet.instances[home]
         assert books.inflight == 0 and books.inflight_prompt_tokens == 0
+        logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER]
+        waited = [x for x in logged if "held_ms" in x]
+        assert len(logged) == 4 and len(waited) == held and all(0 < x["held_ms"] < x["ms"] for x in waited)
     finally:
+        access.removeHandler(caplog.handler)
         await router.stop()
         await fleet.close()

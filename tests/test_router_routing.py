@@ -187,8 +187,8 @@ async def test_a_held_request_waits_for_room_and_goes_when_a_request_finishes():
     await asyncio.sleep(0.05)
     assert not held.done() and _metric(router, "warmroute_held_requests") == 1
     tickets[0].finish()  # 0.87x + the prompt: room now
-    sent = await asyncio.wait_for(held, 1.0)
-    assert sent.instance == "a" and sent.private
+    sent, waited = await asyncio.wait_for(held, 1.0)
+    assert sent.instance == "a" and sent.private and 0.05 <= waited < 1.0
     assert _metric(router, "warmroute_held_requests") == 0
     assert _metric(router, "warmroute_hold_seconds_count", outcome="same") == 1
 
@@ -197,8 +197,8 @@ async def test_a_held_request_goes_anyway_after_hold_timeout():
     router, key, _ = _swamped_router(hold_timeout=0.3)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    sent = await asyncio.wait_for(router.hold(key, router.decide(key)), 2.0)
-    assert sent.instance == "a" and 0.29 <= loop.time() - start < 1.0
+    sent, waited = await asyncio.wait_for(router.hold(key, router.decide(key)), 2.0)
+    assert sent.instance == "a" and 0.29 <= waited <= loop.time() - start < 1.0
     assert _metric(router, "warmroute_hold_seconds_count", outcome="timeout") == 1
 
 
@@ -220,4 +220,4 @@ async def test_hold_kv_limit_1000_or_hold_timeout_0_never_holds():
     for settings in ({"hold_kv_limit": 1000.0}, {"hold_timeout": 0.0}):
         router, key, _ = _swamped_router(**settings)
         decision = router.decide(key)
-        assert await asyncio.wait_for(router.hold(key, decision), 0.1) is decision
+        assert await asyncio.wait_for(router.hold(key, decision), 0.1) == (decision, 0.0)

@@ -33,20 +33,26 @@ def test_every_request_is_served_once():
 
 
 def test_the_books_follow_the_kv_demand_in_flight_and_balance_at_the_end():
-    """The fleet's in-flight prompt tokens per instance are, at every arrival, the prompt tokens of the requests
-    sent there that are not done yet (from the simulator's own records), and all of them leave the books."""
+    """The fleet's in-flight prompt tokens per instance are, at every arrival, the KV tokens (Decision.kv_tokens:
+    the whole prompt of a private continuation, the uncached part of any other) of the requests sent there that
+    are not done yet (from the simulator's own records), and all of them leave the books."""
     sim = Simulation(small(requests=600), make_workload("mixed", seed=1), "cache_aware")
     choose, checked = sim.strategy.choose, []
 
     def checking(key, fleet):
         for name, inst in fleet.instances.items():
-            live = sum(r.prompt_tokens for r in sim.records if r.instance == name and r.done is None)
+            live = sum(d.kv_tokens for rec, _, _, d, _ in sim._inflight.values()
+                       if rec.instance == name and rec.done is None)
             checked.append((inst.inflight_prompt_tokens, live))
-        return choose(key, fleet)
+        seen.append(choose(key, fleet))
+        return seen[-1]
 
+    seen: list = []
     sim.strategy.choose = checking
     sim.run()
     assert len(checked) == 600 * 4 and all(books == live for books, live in checked)
+    assert any(d.private and d.kv_tokens == d.prompt_tokens for d in seen)  # both kinds were counted
+    assert any(not d.private and 0 < d.kv_tokens < d.prompt_tokens for d in seen)
     assert sum(live > 0 for _, live in checked) > 100  # requests were in flight at many arrivals
     assert all(i.inflight_prompt_tokens == 0 and i.inflight == 0 for i in sim.fleet.instances.values())
 

@@ -34,8 +34,9 @@ class Instance:
     inflight: int = 0
     queued_prefill_tokens: float = 0.0  # uncached prompt tokens sent here that have not had a first token
     pending: int = 0  # requests sent here that have not had a first token
-    # Prompt tokens of the requests in flight here: the KV cache they will need. Above the instance's capacity,
-    # histories of requests still queued get evicted before their turn (benchmarks/chat_tail.py).
+    # Prompt tokens of the requests in flight here: the KV cache they will need (Decision.kv_tokens: a prefix
+    # they share counted once, as cached). Above the instance's capacity, histories of requests still queued
+    # get evicted before their turn (benchmarks/chat_tail.py).
     inflight_prompt_tokens: int = 0
     requests_total: int = 0
     recent: float = 0.0  # requests sent here lately, fading (in units of Fleet.recent_unit.value)

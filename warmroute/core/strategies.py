@@ -69,6 +69,14 @@ class Decision:
         return max(0, self.prompt_tokens - self.matched_tokens)
 
     @property
+    def kv_tokens(self) -> int:
+        """The KV cache this request needs at its instance beyond what other requests there share: all of its
+        prompt when its match is its own (private: a conversation's history), else only its uncached tokens
+        (a shared prefix is held once, however many requests in flight use it). Counted in flight per instance
+        (Instance.inflight_prompt_tokens) for kv_pressure."""
+        return self.prompt_tokens if self.private else max(0, self.prompt_tokens - self.matched_tokens)
+
+    @property
     def matched_ratio(self) -> float:
         return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 

@@ -66,7 +66,9 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     router = app[ROUTER]
     key, decision = router.route(request.path, body, request.headers.get(SESSION_HEADER))
     if decision.private:  # its instance may be too full to take it now: wait in the router (Router.hold)
-        decision = await router.hold(key, decision)
+        decision, waited = await router.hold(key, decision)
+        if waited:
+            request[access.HELD] = waited
     app[ACTIVITY].note(key, decision)
     return await app[PROXY].forward(request, body, key, decision)
 

@@ -164,8 +164,8 @@ def state(fleet: Fleet, activity: Activity, metrics: Metrics, strategy: str,
                 load[name][2] += prompt_tokens
     total = sum(r for _, r, _ in load.values()) or 1
     # KV demand: prompt tokens in flight over the instance's KV capacity, the ratio cache_aware compares with
-    # sticky_kv_limit (core/strategies.py kv_pressure); above 1, its engine evicts cached prefixes of queued
-    # requests before their turn.
+    # hold_kv_limit and sticky_kv_limit (core/strategies.py kv_pressure); above 1, its engine evicts cached
+    # prefixes of queued requests before their turn.
     instances = [{"name": i.name, "healthy": i.healthy, "draining": i.draining, "inflight": load[i.name][0],
                   "requests": load[i.name][1], "share": round(load[i.name][1] / total, 4),
                   "inflight_prompt_tokens": load[i.name][2],

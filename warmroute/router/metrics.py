@@ -38,8 +38,9 @@ class Metrics:
                               multiprocess_mode="livesum")
         self.inflight_prompt_tokens = Gauge(
             "warmroute_inflight_prompt_tokens",
-            "Prompt tokens of the requests in flight per instance: the KV cache they need. Above the instance's "
-            "KV capacity, the engine evicts cached prefixes of queued requests before their turn",
+            "Prompt tokens of the requests in flight per instance: the KV cache they need (a cached prefix they "
+            "share with other requests not counted). Above the instance's KV capacity, the engine evicts cached "
+            "prefixes of queued requests before their turn",
             ["backend"], registry=r, multiprocess_mode="livesum")
         self.decisions = Counter("warmroute_decisions", "Routing decisions by strategy and reason",
                                  ["strategy", "reason"], registry=r)

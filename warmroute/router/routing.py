@@ -92,13 +92,14 @@ class Router:
         self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
         return key, decision
 
-    async def hold(self, key: RoutingKey | None, decision: Decision) -> Decision:
+    async def hold(self, key: RoutingKey | None, decision: Decision) -> tuple[Decision, float]:
         """Wait while the strategy says the request must (Strategy.must_wait: its instance is swamped), deciding
         again each time a request finishes, and at least every HOLD_POLL seconds (other workers' requests
         finish unseen); at most hold_timeout seconds, then the latest decision stands. Returns the decision to
-        send. Nothing is sent while it waits; a client that leaves cancels the wait."""
+        send and the seconds waited (0.0: it did not wait). Nothing is sent while it waits; a client that
+        leaves cancels the wait."""
         if key is None or self.settings.hold_timeout <= 0 or not self.strategy.must_wait(decision, self.fleet):
-            return decision
+            return decision, 0.0
         loop = asyncio.get_running_loop()
         start = loop.time()
         first, outcome = decision.instance, "timeout"
@@ -114,8 +115,9 @@ class Router:
                     break
         finally:
             self.metrics.holding(-1)
-        self.metrics.held(outcome, loop.time() - start)
-        return decision
+        waited = loop.time() - start
+        self.metrics.held(outcome, waited)
+        return decision, waited
 
     def _wake_held(self) -> None:
         """A request finished: room may have been made for a held one."""
@@ -165,7 +167,7 @@ class Ticket:
         self._router = router
         self.instance = decision.instance
         self._uncached = decision.uncached_tokens
-        self._prompt = decision.prompt_tokens
+        self._prompt = decision.kv_tokens  # the KV cache it needs there (kv_pressure)
         self._got_first = self._done = False
         blocks = decision.blocks if router.strategy.records_prefixes else None
         self._blocks = blocks

@@ -22,8 +22,8 @@ REFERENCES = ("oracle", "pooled", "sglang_like")
 # Settings a --sweep may vary, with their type.
 SWEEPABLE = {f.name: f.type for f in dataclasses.fields(SimSettings)
              if f.name in ("instances", "kv_capacity_tokens", "router_kv_capacity_tokens", "prefix_length",
-                           "concurrency_threshold", "balance_factor", "hot_balance_factor", "max_running", "rate",
-                           "concurrency", "speedup")}
+                           "concurrency_threshold", "balance_factor", "hot_balance_factor", "hold_kv_limit",
+                           "max_running", "rate", "concurrency", "speedup")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--balance-factor", type=float, default=StrategySettings.balance_factor)
     r.add_argument("--hot-balance-factor", type=float, default=StrategySettings.hot_balance_factor,
                    help="cache_aware's guard for hot prefixes (1000: off); see `warmroute serve --help`")
+    r.add_argument("--hold-kv-limit", type=float, default=StrategySettings.hold_kv_limit,
+                   help="cache_aware holds a conversation in the router while its instance is this full (1000: "
+                        "never); see `warmroute serve --help`")
     r.add_argument("--router-kv-capacity-tokens", type=int, metavar="N",
                    help="the router's idea of each instance's KV capacity, to study misconfiguration "
                         "(default: the engines' real capacity)")
@@ -75,7 +78,7 @@ def _validated(name: str, value: object, flag: str | None = None) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSettings:
-    for name in ("prefix_length", "concurrency_threshold", "balance_factor", "hot_balance_factor"):
+    for name in ("prefix_length", "concurrency_threshold", "balance_factor", "hot_balance_factor", "hold_kv_limit"):
         _validated(name, getattr(args, name))
     if args.router_kv_capacity_tokens is not None:
         _validated("kv_capacity_tokens", args.router_kv_capacity_tokens, "--router-kv-capacity-tokens")
@@ -90,8 +93,8 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
         max_running=args.max_running, router_kv_capacity_tokens=args.router_kv_capacity_tokens,
         feedback=args.feedback, prefix_length=args.prefix_length,
         concurrency_threshold=args.concurrency_threshold, balance_factor=args.balance_factor,
-        hot_balance_factor=args.hot_balance_factor, requests=args.requests, rate=args.rate, concurrency=closed,
-        speedup=args.speedup,
+        hot_balance_factor=args.hot_balance_factor, hold_kv_limit=args.hold_kv_limit, requests=args.requests,
+        rate=args.rate, concurrency=closed, speedup=args.speedup,
         scale_events=[_scale_event(s) for s in args.scale_at], seed=args.seed)
 
 

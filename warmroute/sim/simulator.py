@@ -272,7 +272,7 @@ class Simulation:
         self._last_instance_by_prefix[key.prefix_hash(self.s.prefix_length)] = d.instance
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None,
-                                             d.prompt_tokens)
+                                             d.kv_tokens)
         rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag)
         self.records.append(rec)
         seq = next(self._seq)
@@ -317,7 +317,7 @@ class Simulation:
             rec, req, turns, d, _ = self._inflight.pop(seq)
             rec.done = now
             blocks = d.blocks if self.strategy.records_prefixes else None
-            self.fleet.finished(inst.name, d.uncached_tokens, blocks=blocks, prompt_tokens=d.prompt_tokens)
+            self.fleet.finished(inst.name, d.uncached_tokens, blocks=blocks, prompt_tokens=d.kv_tokens)
             nxt = next(turns, None) if turns is not None else None
             if nxt is not None:
                 self._push(now, self.ARRIVE, (nxt, turns, None))
