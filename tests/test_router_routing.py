@@ -221,3 +221,39 @@ async def test_hold_kv_limit_1000_or_hold_timeout_0_never_holds():
         router, key, _ = _swamped_router(**settings)
         decision = router.decide(key)
         assert await asyncio.wait_for(router.hold(key, decision), 0.1) == (decision, 0.0)
+
+
+@pytest.mark.parametrize("hold_keep", [0.0, 10.0])
+async def test_a_held_request_keeps_its_instance_for_hold_keep_seconds(hold_keep):
+    """While held, the conversation's prefix moves (the index now says only `b` holds it, and `b` is idle).
+    Decided again at the next wake-up (hold_keep 0), it goes to `b` at once; keeping its first decision
+    (hold_keep 10 x the fleet's mean time to first token, 1 s), it waits for room on `a` and goes there when a
+    request finishes."""
+    router, key, tickets = _swamped_router(hold_keep=hold_keep)
+    router.fleet.mean_ttft_s = 1.0
+    held = asyncio.create_task(router.hold(key, router.decide(key)))
+    await asyncio.sleep(0.05)
+    router.fleet.index.forget("a", key.blocks())
+    router.fleet.index.record("b", key.blocks())
+    router._wake_held()  # as if a request had finished somewhere, without making room on `a`
+    await asyncio.sleep(0.05)
+    if hold_keep == 0.0:
+        sent, _ = await asyncio.wait_for(held, 1.0)
+        assert sent.instance == "b" and _metric(router, "warmroute_hold_seconds_count", outcome="moved") == 1
+    else:
+        assert not held.done()
+        tickets[0].finish()
+        sent, _ = await asyncio.wait_for(held, 1.0)
+        assert sent.instance == "a" and _metric(router, "warmroute_hold_seconds_count", outcome="same") == 1
+
+
+async def test_a_held_request_leaves_an_instance_that_stops_taking_requests():
+    """Even within hold_keep: its instance going unhealthy sends it where it is decided now."""
+    router, key, _ = _swamped_router(hold_keep=10.0)
+    router.fleet.mean_ttft_s = 1.0
+    held = asyncio.create_task(router.hold(key, router.decide(key)))
+    await asyncio.sleep(0.05)
+    router.fleet.instances["a"].healthy = False
+    router._wake_held()
+    sent, _ = await asyncio.wait_for(held, 1.0)
+    assert sent.instance == "b" and _metric(router, "warmroute_hold_seconds_count", outcome="moved") == 1

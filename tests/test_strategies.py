@@ -168,6 +168,28 @@ def test_cache_aware_holds_a_private_prefix_back_while_its_holder_is_full():
         assert not other_s.must_wait(other_s.choose(k, f), f)
 
 
+def test_a_held_request_keeps_its_decision_for_hold_keep_times_the_mean_ttft():
+    """The fleet's mean time to first token: a plain mean of the first 100 measurements, then a running one;
+    a held decision is kept while the wait is under hold_keep (1.5) x that mean and its instance takes requests."""
+    f = fleet(2)
+    s = make_strategy("cache_aware")
+    a = sorted(f.instances)[0]
+    d = s.choose(key(SYSTEM), f)
+    assert not s.keeps(d, f, 0.0)  # nothing measured yet: decided again at once
+    for seconds in (0.5, 1.5):
+        f.first_token(a, 0, seconds)
+    assert f.mean_ttft_s == pytest.approx(1.0)
+    f.first_token(a, 0)  # not measured: the mean stands
+    assert f.mean_ttft_s == pytest.approx(1.0)
+    assert s.keeps(d, f, 1.49) and not s.keeps(d, f, 1.5)
+    f.instances[d.instance].draining = True
+    assert not s.keeps(d, f, 0.0)
+    for _ in range(1000):
+        f.first_token(a, 0, 3.0)
+    assert f.mean_ttft_s == pytest.approx(3.0, rel=1e-3)
+    assert not make_strategy("least_loaded").keeps(d, f, 0.0)
+
+
 @pytest.mark.parametrize("slack", [0, 2])
 def test_cache_aware_bounded_load_guard(slack):
     f = fleet(4)

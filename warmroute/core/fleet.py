@@ -83,6 +83,10 @@ class Fleet:
     index: PrefixIndex = field(init=False)
     cache_scale: fb.CapacityScale = field(default_factory=fb.CapacityScale)  # learnt from engine feedback
     mean_uncached_tokens: float = 0.0  # per request sent, a running mean (sizes other routers' queued requests)
+    # Seconds from sending a request to its first token, a running mean over the fleet (how long cache_aware
+    # lets a held request keep its instance scales with it: StrategySettings.hold_keep); 0 until measured.
+    mean_ttft_s: float = 0.0
+    _ttft_seen: int = field(default=0, init=False, repr=False)
     recent_unit: FadingUnit = field(default_factory=FadingUnit, init=False)  # the unit of Instance.recent
     # model -> names of the instances that may serve it, or None where any may (see `serving`); rebuilt lazily
     _serving: dict[str, frozenset[str] | None] = field(default_factory=dict, init=False, repr=False)
@@ -172,12 +176,16 @@ class Fleet:
             self.index.record(name, blocks)
         return queued_ahead
 
-    def first_token(self, name: str, uncached_tokens: int) -> None:
-        """Its prefill is done: the work no longer queues ahead of later requests."""
+    def first_token(self, name: str, uncached_tokens: int, seconds: float | None = None) -> None:
+        """Its prefill is done: the work no longer queues ahead of later requests. `seconds`: since it was sent,
+        where the caller measured it (into mean_ttft_s)."""
         inst = self.instances.get(name)
         if inst is not None:
             inst.queued_prefill_tokens = max(0.0, inst.queued_prefill_tokens - uncached_tokens)
             inst.pending = max(0, inst.pending - 1)
+        if seconds is not None and seconds >= 0.0:
+            self._ttft_seen += 1  # a plain mean of the first 100, then a running one
+            self.mean_ttft_s += max(MEAN_DECAY, 1.0 / self._ttft_seen) * (seconds - self.mean_ttft_s)
 
     def finished(self, name: str, uncached_tokens: int = 0, got_first_token: bool = True,
                  blocks: Sequence[int] | None = None, prompt_tokens: int = 0) -> None:

@@ -45,7 +45,7 @@ class Router:
             balance_factor=settings.balance_factor, hot_balance_factor=settings.hot_balance_factor,
             miss_weight=settings.miss_weight,
             shared_miss_weight=settings.shared_miss_weight, sticky_kv_limit=settings.sticky_kv_limit,
-            hold_kv_limit=settings.hold_kv_limit, block_bytes=settings.block_bytes))
+            hold_kv_limit=settings.hold_kv_limit, hold_keep=settings.hold_keep, block_bytes=settings.block_bytes))
         self._any = make_strategy("least_loaded")
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
         self._finished: asyncio.Future[None] | None = None  # resolved when a request finishes: held ones retry
@@ -93,9 +93,10 @@ class Router:
         return key, decision
 
     async def hold(self, key: RoutingKey | None, decision: Decision) -> tuple[Decision, float]:
-        """Wait while the strategy says the request must (Strategy.must_wait: its instance is swamped), deciding
+        """Wait while the strategy says the request must (Strategy.must_wait: its instance is swamped), looking
         again each time a request finishes, and at least every HOLD_POLL seconds (other workers' requests
-        finish unseen); at most hold_timeout seconds, then the latest decision stands. Returns the decision to
+        finish unseen): at the instance first chosen while Strategy.keeps says so (hold_keep x the fleet's mean
+        time to first token, while it takes requests), then deciding again each time; at most hold_timeout seconds, then the latest decision stands. Returns the decision to
         send and the seconds waited (0.0: it did not wait). Nothing is sent while it waits; a client that
         leaves cancels the wait."""
         if key is None or self.settings.hold_timeout <= 0 or not self.strategy.must_wait(decision, self.fleet):
@@ -109,7 +110,8 @@ class Router:
                 if self._finished is None or self._finished.done():
                     self._finished = loop.create_future()
                 await asyncio.wait((self._finished,), timeout=min(left, HOLD_POLL))
-                decision = self.decide(key)
+                if not self.strategy.keeps(decision, self.fleet, loop.time() - start):
+                    decision = self.decide(key)
                 if not self.strategy.must_wait(decision, self.fleet):
                     outcome = "same" if decision.instance == first else "moved"
                     break
@@ -193,8 +195,9 @@ class Ticket:
         if self._got_first:
             return
         self._got_first = True
-        self._router.fleet.first_token(self.instance, self._uncached)
-        self._router.metrics.first_byte(self.instance, time.perf_counter() - self._sent_at)
+        seconds = time.perf_counter() - self._sent_at
+        self._router.fleet.first_token(self.instance, self._uncached, seconds)
+        self._router.metrics.first_byte(self.instance, seconds)
 
     def finish(self) -> None:
         if self._done:

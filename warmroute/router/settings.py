@@ -164,6 +164,11 @@ class RouterSettings(BaseSettings):
         description="cache_aware holds such a prompt in the router while the prompts in flight at its instance, "
                     "with it, would need more than this many times its KV cache (there the engine would evict its "
                     "history while it queues), and decides again whenever a request finishes. 1000: never holds.")
+    hold_keep: float = Field(
+        StrategySettings.hold_keep, ge=0.0, le=1000.0,
+        description="A held request keeps the instance first chosen for it until it has waited this many times "
+                    "the fleet's mean time to first token; then it is decided again (and may go elsewhere) "
+                    "whenever a request finishes. 0: decided again every time.")
     hold_timeout: float = Field(
         5.0, ge=0.0, le=3600,
         description="Seconds a request may be held (hold_kv_limit) before it goes to its instance anyway.")

@@ -23,7 +23,7 @@ REFERENCES = ("oracle", "pooled", "sglang_like")
 SWEEPABLE = {f.name: f.type for f in dataclasses.fields(SimSettings)
              if f.name in ("instances", "kv_capacity_tokens", "router_kv_capacity_tokens", "prefix_length",
                            "concurrency_threshold", "balance_factor", "hot_balance_factor", "hold_kv_limit",
-                           "max_running", "rate", "concurrency", "speedup")}
+                           "hold_keep", "max_running", "rate", "concurrency", "speedup")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--hold-kv-limit", type=float, default=StrategySettings.hold_kv_limit,
                    help="cache_aware holds a conversation in the router while its instance is this full (1000: "
                         "never); see `warmroute serve --help`")
+    r.add_argument("--hold-keep", type=float, default=StrategySettings.hold_keep,
+                   help="a held request keeps its instance until it has waited this many times the fleet's mean "
+                        "time to first token; see `warmroute serve --help`")
     r.add_argument("--router-kv-capacity-tokens", type=int, metavar="N",
                    help="the router's idea of each instance's KV capacity, to study misconfiguration "
                         "(default: the engines' real capacity)")
@@ -78,7 +81,8 @@ def _validated(name: str, value: object, flag: str | None = None) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSettings:
-    for name in ("prefix_length", "concurrency_threshold", "balance_factor", "hot_balance_factor", "hold_kv_limit"):
+    for name in ("prefix_length", "concurrency_threshold", "balance_factor", "hot_balance_factor", "hold_kv_limit",
+                 "hold_keep"):
         _validated(name, getattr(args, name))
     if args.router_kv_capacity_tokens is not None:
         _validated("kv_capacity_tokens", args.router_kv_capacity_tokens, "--router-kv-capacity-tokens")
@@ -93,7 +97,8 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
         max_running=args.max_running, router_kv_capacity_tokens=args.router_kv_capacity_tokens,
         feedback=args.feedback, prefix_length=args.prefix_length,
         concurrency_threshold=args.concurrency_threshold, balance_factor=args.balance_factor,
-        hot_balance_factor=args.hot_balance_factor, hold_kv_limit=args.hold_kv_limit, requests=args.requests,
+        hot_balance_factor=args.hot_balance_factor, hold_kv_limit=args.hold_kv_limit, hold_keep=args.hold_keep,
+        requests=args.requests,
         rate=args.rate, concurrency=closed, speedup=args.speedup,
         scale_events=[_scale_event(s) for s in args.scale_at], seed=args.seed)
 

@@ -45,6 +45,7 @@ class SimSettings:
     window_s: float = 10.0  # time-series bucket
     hold_kv_limit: float = StrategySettings.hold_kv_limit
     hold_timeout_s: float = 5.0  # the router's hold_timeout: a held request goes anyway once it has waited this long
+    hold_keep: float = StrategySettings.hold_keep
     seed: int = 0
 
     def engine_config(self, scale: int = 1) -> EngineConfig:
@@ -64,7 +65,8 @@ class SimSettings:
     def strategy_settings(self, block_bytes: int) -> StrategySettings:
         return StrategySettings(prefix_length=self.prefix_length, concurrency_threshold=self.concurrency_threshold,
                                 balance_factor=self.balance_factor, hot_balance_factor=self.hot_balance_factor,
-                                hold_kv_limit=self.hold_kv_limit, block_bytes=block_bytes)
+                                hold_kv_limit=self.hold_kv_limit, hold_keep=self.hold_keep,
+                                block_bytes=block_bytes)
 
 
 @dataclass
@@ -78,6 +80,7 @@ class RequestRecord:
     done: float | None = None
     output_tokens: int = 0
     tag: str = ""  # the workload's request class ("hot", "shared", "chat", ...)
+    sent: float = 0.0  # when it went to its instance (later than arrival if it was held in the router)
 
 
 @dataclass
@@ -135,7 +138,7 @@ class Simulation:
         self._seq = itertools.count()
         self._rejected = 0
         self._last_instance_by_prefix: dict[int, str] = {}
-        self._held: list[tuple[float, WorkloadRequest, Iterator[WorkloadRequest] | None]] = []  # in the router
+        self._held: list[tuple[float, WorkloadRequest, Iterator[WorkloadRequest] | None, Decision]] = []  # router
         self._moved: list[tuple[float, float]] = []
 
     # -- fleet membership ----------------------------------------------------------------------------------
@@ -257,23 +260,27 @@ class Simulation:
         self._push(t, self.ARRIVE, (first, turns, budget))
 
     def _on_arrival(self, now: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
-                    budget: list[int] | None, arrival: float | None = None) -> None:
-        """Route a request (`arrival`: when it first arrived, if it was held in the router since)."""
+                    budget: list[int] | None, arrival: float | None = None, kept: Decision | None = None) -> None:
+        """Route a request (`arrival`: when it first arrived, if it was held in the router since; `kept`: its
+        first decision, while Strategy.keeps lets it keep it)."""
         key = key_for_json(req.path, req.body)
-        try:
-            d = self.strategy.choose(key, self.fleet)
-        except NoInstanceAvailable:
-            self._rejected += 1
-            return
         arrival = now if arrival is None else arrival
+        if kept is None or not self.strategy.keeps(kept, self.fleet, now - arrival):
+            try:
+                d = self.strategy.choose(key, self.fleet)
+            except NoInstanceAvailable:
+                self._rejected += 1
+                return
+        else:
+            d = kept
         if now - arrival < self.s.hold_timeout_s and self.strategy.must_wait(d, self.fleet):
-            self._held.append((arrival, req, turns))  # decided again when a request finishes (_on_step_done)
+            self._held.append((arrival, req, turns, d))  # looked at again when a request finishes (_on_step_done)
             return
         self._last_instance_by_prefix[key.prefix_hash(self.s.prefix_length)] = d.instance
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None,
                                              d.kv_tokens)
-        rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag)
+        rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag, sent=now)
         self.records.append(rec)
         seq = next(self._seq)
         self._inflight[seq] = (rec, req, turns, d, queued_ahead)
@@ -308,7 +315,7 @@ class Simulation:
         for seq, cached in result.first_tokens.items():  # type: ignore[attr-defined]
             rec, _, _, d, queued_ahead = self._inflight[seq]
             rec.first_token, rec.cached_tokens = now, cached
-            self.fleet.first_token(inst.name, d.uncached_tokens)
+            self.fleet.first_token(inst.name, d.uncached_tokens, now - rec.sent)
             if self.strategy.records_prefixes:  # the engine reports cached tokens at first token
                 self.fleet.feedback(inst.name, d.blocks, d.matched_tokens, cached, queued_ahead=queued_ahead)
         for seq, n in result.tokens.items():  # type: ignore[attr-defined]
@@ -326,8 +333,8 @@ class Simulation:
         self._start_step(now, inst)
         if self._held and result.finished:  # type: ignore[attr-defined]
             held, self._held = self._held, []
-            for arrival, req, turns in held:  # in arrival order, as the router's waiters wake
-                self._on_arrival(now, req, turns, None, arrival)
+            for arrival, req, turns, d in held:  # in arrival order, as the router's waiters wake
+                self._on_arrival(now, req, turns, None, arrival, d)
 
 
 def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim: Simulation) -> Strategy:
