@@ -166,7 +166,7 @@ class SurvivalDiscount(_Tuned):
     def choose(self, key, fleet):  # the decision reports the index's own prediction, as cache_aware's does
         d = super().choose(key, fleet)
         raw = fleet.index.match_depths(d.blocks).get(d.instance, 0) * fleet.block_tokens if d.blocks else 0
-        return Decision(d.instance, d.reason, min(raw, d.prompt_tokens), d.prompt_tokens, d.blocks)
+        return Decision(d.instance, d.reason, min(raw, d.prompt_tokens), d.prompt_tokens, d.blocks, d.private)
 
 
 class CountRelease(_Tuned):
