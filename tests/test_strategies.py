@@ -111,19 +111,26 @@ def test_cache_aware_sticks_to_a_private_prefix_but_copies_a_shared_one():
     assert d.instance == c and d.reason == OVERLOAD_SPILL and d.matched_tokens == 0
 
 
-def test_cache_aware_lets_a_private_prefix_go_when_its_holder_is_swamped():
-    """A conversation stays on the one instance holding its history despite a queue there, until the prompts in
-    flight there need more than sticky_kv_limit x its KV cache: then the engine would evict the history before
-    its turn, and the turn goes where it starts soonest. Other routers' requests (engine-reported) count too."""
-    from warmroute.core.engine_load import EngineLoad
-
+def _conversation_on_the_first_of_two():
+    """Two instances of 10,000 KV tokens; only the first holds a conversation's prefix and has 4 requests in
+    flight there, a queue worth 4 of its prompts (between 1 and 16 x the prompt)."""
     f = fleet(2, capacity=10_000)
     s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))
     a, b = sorted(f.instances)
     k = key(SYSTEM, "q1")
     f.index.record(a, k.blocks())
     holder = f.instances[a]
-    holder.inflight, holder.queued_prefill_tokens = 4, 4 * k.tokens  # between 1 and 16 x the prompt
+    holder.inflight, holder.queued_prefill_tokens = 4, 4 * k.tokens
+    return f, s, a, b, k, holder
+
+
+def test_cache_aware_lets_a_private_prefix_go_when_its_holder_is_swamped():
+    """A conversation stays on the one instance holding its history despite a queue there, until the prompts in
+    flight there need more than sticky_kv_limit x its KV cache: then the engine would evict the history before
+    its turn, and the turn goes where it starts soonest. Other routers' requests (engine-reported) count too."""
+    from warmroute.core.engine_load import EngineLoad
+
+    f, s, a, b, k, holder = _conversation_on_the_first_of_two()
     holder.inflight_prompt_tokens = 17_500  # 1.75 x its KV cache: still sticky
     assert s.choose(k, f).instance == a
     holder.inflight_prompt_tokens = 17_501
@@ -141,13 +148,7 @@ def test_cache_aware_holds_a_private_prefix_back_while_its_holder_is_full():
     """A conversation kept on the one instance holding its history is marked private, and must wait (in the
     router) while the prompts in flight there, with it, would need more than hold_kv_limit x its KV cache;
     never when nothing is in flight there, never for a prompt others hold too or nobody holds."""
-    f = fleet(2, capacity=10_000)
-    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))
-    a, b = sorted(f.instances)
-    k = key(SYSTEM, "q1")
-    f.index.record(a, k.blocks())
-    holder = f.instances[a]
-    holder.inflight, holder.queued_prefill_tokens = 4, 4 * k.tokens
+    f, s, a, b, k, holder = _conversation_on_the_first_of_two()
     holder.inflight_prompt_tokens = 14_000 - k.tokens  # with it: exactly 1.4 x its KV cache
     d = s.choose(k, f)
     assert d.instance == a and d.reason == CACHE_HIT and d.private and not s.must_wait(d, f)

@@ -163,7 +163,8 @@ class RouterSettings(BaseSettings):
         StrategySettings.hold_kv_limit, ge=0.0, le=1000.0,
         description="cache_aware holds such a prompt in the router while the prompts in flight at its instance, "
                     "with it, would need more than this many times its KV cache (there the engine would evict its "
-                    "history while it queues), and decides again whenever a request finishes. 1000: never holds.")
+                    "history while it queues), and looks again whenever a request finishes (see hold_keep). "
+                    "1000: never holds.")
     hold_keep: float = Field(
         StrategySettings.hold_keep, ge=0.0, le=1000.0,
         description="A held request keeps the instance first chosen for it until it has waited this many times "
