@@ -8,8 +8,8 @@ The case is the peer comparison's chat workload (docs/peers.md): 4 instances of 
 is about the fleet's whole cache, so some conversations must lose their history.
 
 Part 1, cache_aware alone, with every conversation sticky (sticky_kv_limit 1000, the rule before it existed) and
-with sticky_kv_limit 1.75, both without holding in the router (hold_kv_limit 1000): each request's predicted cached tokens (the router's index, at routing time) against
-what the engine found when it admitted the request, bucketed by the chosen instance's KV pressure at routing time:
+with sticky_kv_limit 1.75, both without holding in the router (hold_kv_limit 1000): each request's predicted
+cached tokens (the router's index, at routing time) against what the engine found when it admitted the request, bucketed by the chosen instance's KV pressure at routing time:
 (prompt tokens of the requests in flight there + this request's predicted match) / its KV capacity. Under
 pressure the engine evicts a waiting conversation's history to admit the requests ahead of it, so the index's
 prediction fails and the request both waits and recomputes: those requests are the tail. The shipped rule lets
@@ -191,13 +191,13 @@ class CountRelease125(CountRelease):
     K = 1.25
 
 
-VARIANTS = ["cache_aware", NoHold.name, Hold13.name, Hold15.name, AlwaysSticky.name, Limit2.name, Limit15.name, TightGuard.name, LowMissWeight.name,
-            SurvivalDiscount.name, CountRelease.name, CountRelease125.name, "least_loaded", "sglang_like", "oracle"]
+VARIANTS = ["cache_aware", NoHold.name, Hold13.name, Hold15.name, AlwaysSticky.name, Limit2.name, Limit15.name,
+            TightGuard.name, LowMissWeight.name, SurvivalDiscount.name, CountRelease.name, CountRelease125.name, "least_loaded", "sglang_like", "oracle"]
 
 
 def register() -> None:
-    for cls in (NoHold, Hold13, Hold15, AlwaysSticky, Limit2, Limit15, TightGuard, LowMissWeight, SurvivalDiscount, CountRelease,
-                CountRelease125):
+    for cls in (NoHold, Hold13, Hold15, AlwaysSticky, Limit2, Limit15, TightGuard, LowMissWeight, SurvivalDiscount,
+                CountRelease, CountRelease125):
         STRATEGIES[cls.name] = cls
 
 

@@ -106,8 +106,9 @@ class StrategySettings:
     # of hit rate in the simulator, no change on the hot and mixed workloads (benchmarks/chat_tail.py).
     sticky_kv_limit: float = 1.75
     # Such a prompt waits in the router while the prompts in flight at its instance, with it, would need more
-    # than this many times its KV cache; decided again whenever a request finishes (see must_wait). 1.4: chat
-    # TTFT p99 -12% for -1.9 points of hit rate in the simulator (benchmarks/chat_tail.py). 1000: never waits.
+    # than this many times its KV cache; looked at again whenever a request finishes (see must_wait). 1.4 with
+    # hold_keep 1.5: chat TTFT p99 -11% and +1.3 points of hit rate in the simulator, 8 seeds (-11%, +0.3 over 16;
+    # benchmarks/chat_tail.py, docs/benchmarks.md); 1.3 cut more p99 for more hit rate. 1000: never waits.
     hold_kv_limit: float = 1.4
     # A held request keeps the instance first chosen for it (not decided again) while it has waited less than
     # this many times the fleet's mean time to first token: decided again at once, held conversations drifted
@@ -336,8 +337,9 @@ class CacheAwareStrategy(Strategy):
         load; α = 2 here pinned a hot prompt to a few instances (request counts 1.6x the mean).
     A prompt kept on the one instance holding its prefix at α = 16 (`Decision.private`) is held back, in the
     router, while the prompts in flight there, with it, would need more than `hold_kv_limit` (1.4) x its KV
-    cache, and decided again whenever a request finishes (`must_wait`): queued in the engine, it would lose its
-    history to the requests admitted ahead of it.
+    cache (`must_wait`): queued in the engine, it would lose its history to the requests admitted ahead of it.
+    It looks again whenever a request finishes, keeping its instance for `hold_keep` (1.5) x the fleet's mean
+    time to first token (`keeps`), then decided again each time.
     A hot prefix, one on at least 1/N of the recent requests (N routable instances; counted per end of the
     longest match, so a conversation's history never is), skips the instances that were sent more than
     (1+δ) x the mean of recent requests (+ a slack), unless all were: at a load where queues stay short the
@@ -399,8 +401,8 @@ class CacheAwareStrategy(Strategy):
         there. Sent now, it would queue in the engine behind more history than the cache holds, and the engine
         would evict its history (and that of the requests queued with it) to admit the ones ahead: it would
         wait and then recompute everything. Held back, the engine's queue stays within reach of its cache; when
-        a request finishes the held one is decided again, so it goes where it now starts soonest (usually
-        still its own instance). Simulator, long chats: TTFT p99 -12%, hit rate -1.9 points at 1.4."""
+        a request finishes the held one looks again: at its first instance for a while (`keeps`), then decided
+        again, so it goes where it now starts soonest. Simulator, long chats: TTFT p99 -11% at 1.4."""
         if not decision.private:
             return False
         inst = fleet.instances.get(decision.instance)

@@ -96,9 +96,9 @@ class Router:
         """Wait while the strategy says the request must (Strategy.must_wait: its instance is swamped), looking
         again each time a request finishes, and at least every HOLD_POLL seconds (other workers' requests
         finish unseen): at the instance first chosen while Strategy.keeps says so (hold_keep x the fleet's mean
-        time to first token, while it takes requests), then deciding again each time; at most hold_timeout seconds, then the latest decision stands. Returns the decision to
-        send and the seconds waited (0.0: it did not wait). Nothing is sent while it waits; a client that
-        leaves cancels the wait."""
+        time to first token, while it takes requests), then deciding again each time; at most hold_timeout
+        seconds, then the latest decision stands. Returns the decision to send and the seconds waited (0.0: it
+        did not wait). Nothing is sent while it waits; a client that leaves cancels the wait."""
         if key is None or self.settings.hold_timeout <= 0 or not self.strategy.must_wait(decision, self.fleet):
             return decision, 0.0
         loop = asyncio.get_running_loop()
