@@ -9,11 +9,12 @@ is about the fleet's whole cache, so some conversations must lose their history.
 
 Part 1, cache_aware alone, with every conversation sticky (sticky_kv_limit 1000, the rule before it existed) and
 with sticky_kv_limit 1.75, both without holding in the router (hold_kv_limit 1000): each request's predicted
-cached tokens (the router's index, at routing time) against what the engine found when it admitted the request, bucketed by the chosen instance's KV pressure at routing time:
-(prompt tokens of the requests in flight there + this request's predicted match) / its KV capacity. Under
-pressure the engine evicts a waiting conversation's history to admit the requests ahead of it, so the index's
-prediction fails and the request both waits and recomputes: those requests are the tail. The shipped rule lets
-such a conversation go (its miss weighs as a shared prefix's) where the pressure exceeds sticky_kv_limit.
+cached tokens (the router's index, at routing time) against what the engine found when it admitted the request,
+bucketed by the chosen instance's KV pressure at routing time: (prompt tokens of the requests in flight there +
+this request's predicted match) / its KV capacity. Under pressure the engine evicts a waiting conversation's
+history to admit the requests ahead of it, so the index's prediction fails and the request both waits and
+recomputes: those requests are the tail. sticky_kv_limit lets such a conversation go (its miss weighs as a shared
+prefix's) where the pressure exceeds it; hold_kv_limit holds it in the router before it gets there.
 
 Part 2, the trade-off: the shipped rule (sticky_kv_limit 1.75 and hold_kv_limit 1.4: a conversation kept on its
 instance waits in the router while the prompts in flight there, with it, would need more than 1.4 x its KV cache,
@@ -192,7 +193,8 @@ class CountRelease125(CountRelease):
 
 
 VARIANTS = ["cache_aware", NoHold.name, Hold13.name, Hold15.name, AlwaysSticky.name, Limit2.name, Limit15.name,
-            TightGuard.name, LowMissWeight.name, SurvivalDiscount.name, CountRelease.name, CountRelease125.name, "least_loaded", "sglang_like", "oracle"]
+            TightGuard.name, LowMissWeight.name, SurvivalDiscount.name, CountRelease.name, CountRelease125.name,
+            "least_loaded", "sglang_like", "oracle"]
 
 
 def register() -> None:
