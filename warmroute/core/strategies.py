@@ -41,6 +41,9 @@ PRIVATE, SHARED, SWAMPED = "private", "shared", "swamped"
 REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, KV_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
 
 
+HOLD_TIMEOUT_S = 5.0  # how long the shells (router, simulator) hold a request at most before it goes anyway
+
+
 class NoInstanceAvailable(Exception):
     """No healthy instance to route to (the shell answers 503)."""
 
@@ -74,7 +77,7 @@ class Decision:
         prompt when its match is its own (private: a conversation's history), else only its uncached tokens
         (a shared prefix is held once, however many requests in flight use it). Counted in flight per instance
         (Instance.inflight_prompt_tokens) for kv_pressure."""
-        return self.prompt_tokens if self.private else max(0, self.prompt_tokens - self.matched_tokens)
+        return self.prompt_tokens if self.private else self.uncached_tokens
 
     @property
     def matched_ratio(self) -> float:

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
-from warmroute.core.strategies import STRATEGIES, StrategySettings
+from warmroute.core.strategies import HOLD_TIMEOUT_S, STRATEGIES, StrategySettings
 from warmroute.errors import UsageError
 
 ENV_PREFIX = "WARMROUTE_"
@@ -171,7 +171,7 @@ class RouterSettings(BaseSettings):
                     "the fleet's mean time to first token; then it is decided again (and may go elsewhere) "
                     "whenever a request finishes. 0: decided again every time.")
     hold_timeout: float = Field(
-        5.0, ge=0.0, le=3600,
+        HOLD_TIMEOUT_S, ge=0.0, le=3600,
         description="Seconds a request may be held (hold_kv_limit) before it goes to its instance anyway.")
     block_bytes: int = Field(64, ge=16, le=4096, description="Block size of the prefix index in bytes "
                                                              "(multiple of 8; 64 bytes is about 16 tokens).")

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import RoutingKey, key_for_json
-from warmroute.core.strategies import Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy
+from warmroute.core.strategies import (HOLD_TIMEOUT_S, Decision, NoInstanceAvailable, Strategy, StrategySettings,
+                                       make_strategy)
 from warmroute.engine.model import EngineConfig, EngineModel
 from warmroute.workloads.base import Workload
 from warmroute.workloads.request import Session, WorkloadRequest
@@ -44,7 +45,7 @@ class SimSettings:
     scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
     window_s: float = 10.0  # time-series bucket
     hold_kv_limit: float = StrategySettings.hold_kv_limit
-    hold_timeout_s: float = 5.0  # the router's hold_timeout: a held request goes anyway once it has waited this long
+    hold_timeout_s: float = HOLD_TIMEOUT_S  # the router's hold_timeout: then a held request goes anyway
     hold_keep: float = StrategySettings.hold_keep
     seed: int = 0
 
