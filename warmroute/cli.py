@@ -15,6 +15,8 @@ from warmroute.errors import UsageError
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("warmroute.router.cli", "run the prefix-aware routing proxy"),
+    "epp": ("warmroute.gateway.cli", "run as the endpoint picker of an Envoy gateway (ext_proc, Gateway API "
+                                     "Inference Extension)"),
     "engine": ("warmroute.engine.cli", "run emulated OpenAI-compatible inference instances"),
     "bench": ("warmroute.bench.cli", "drive a workload through an endpoint and report TTFT, throughput, hit rate"),
     "demo": ("warmroute.bench.demo", "start a local emulated fleet and compare routing strategies on it"),

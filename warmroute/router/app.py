@@ -182,7 +182,10 @@ def _error(request: web.Request, exc: ApiError) -> web.Response:
 
 
 # -- assembly -------------------------------------------------------------------------------------------------
-def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Links | None = None) -> web.Application:
+def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Links | None = None,
+              proxying: bool = True) -> web.Application:
+    """The router's app; without `proxying`, only its control surface (metrics, health, dashboard, admin API):
+    `warmroute epp`, where a gateway carries the requests and the app keeps the fleet."""
     app = web.Application(middlewares=[json_errors], client_max_size=settings.max_body_bytes)
     names = [b.name for b in settings.backends]
     urls = {b.name: b.url for b in settings.backends}
@@ -212,9 +215,10 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
         add_admin_routes(app, settings.admin_token.get_secret_value())
     else:  # never forward the router's own admin paths to an engine
         app.router.add_route("*", "/admin/{tail:.*}", admin_off)
-    for path in sorted(ROUTED_PATHS):  # plain routes: found by a dict lookup, before the catch-all's regex
-        app.router.add_route("*", path, proxied)
-    app.router.add_route("*", "/{tail:.*}", proxied)  # everything else
+    if proxying:
+        for path in sorted(ROUTED_PATHS):  # plain routes: found by a dict lookup, before the catch-all's regex
+            app.router.add_route("*", path, proxied)
+        app.router.add_route("*", "/{tail:.*}", proxied)  # everything else
     return app
 
 

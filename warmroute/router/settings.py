@@ -125,6 +125,17 @@ class RouterSettings(BaseSettings):
                                               "never prompt text or addresses.")
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    epp_port: int = Field(
+        9002, ge=0, le=65535,
+        description="`warmroute epp` only: port of the Envoy ext_proc gRPC service (the endpoint picker) and of its "
+                    "gRPC health service, on `host`; `port` then serves /metrics, /health, /dashboard and the admin "
+                    "API (0: any free port).")
+    epp_fallbacks: int = Field(
+        0, ge=0, le=8,
+        description="`warmroute epp` only: fallback endpoints after the chosen one in x-gateway-destination-endpoint "
+                    "(the least loaded others, in order), tried by the gateway when the chosen one fails. 0 for an "
+                    "ORIGINAL_DST cluster, which reads one address; Envoy's override_host load-balancing policy reads "
+                    "the list (deploy/envoy/).")
     strategy: StrategyName = Field("cache_aware", description="Routing strategy.")
     prefix_length: int = Field(
         4096, ge=1024, le=65536,

