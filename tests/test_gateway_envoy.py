@@ -212,23 +212,41 @@ async def test_a_bad_body_is_a_400_with_serves_json(gateway, engines, picker, cl
     assert not any(_books(picker).values())
 
 
-async def test_a_refused_connection_falls_back_to_the_next_endpoint(gateway, engines, client):
-    running = await _picker(gateway, engines, fallbacks=2, spare=True)
+async def _homes(client: aiohttp.ClientSession, url: str, docs: range) -> dict[int, str]:
+    return {doc: (await _ask(client, url, _chat(doc, 0)))[0] for doc in docs}
+
+
+async def test_a_refused_connection_falls_back_or_ejects(gateway, engines, client):
+    """override_host with fallbacks: the next endpoint serves it. ORIGINAL_DST (one endpoint): Envoy's 503, and the
+    instance is ejected at once, so the next request for that prefix goes elsewhere."""
     spare = f"e{ENGINES}"
+    with_fallbacks = await _picker(gateway, engines, fallbacks=2, spare=True)
+    single = await _picker(gateway, engines, spare=True)
     try:
-        url = gateway.url(gateway.fallbacks)
-        homes = {doc: (await _ask(client, url, _chat(doc, 0)))[0] for doc in range(100, 112)}
-        doomed = [doc for doc, home in homes.items() if home == spare]
-        assert doomed, homes  # cold prefixes spread over all four
-        await engines.servers[ENGINES].close()  # it now refuses connections; the picker still thinks it healthy
-        instance, reason, usage = await _ask(client, url, _chat(doomed[0], 1))
+        docs = range(100, 112)
+        homes = await _homes(client, gateway.url(gateway.fallbacks), docs)
+        homes_single = await _homes(client, gateway.url(gateway.odst), docs)
+        doomed = [doc for doc in docs if homes[doc] == spare]
+        doomed_single = [doc for doc in docs if homes_single[doc] == spare]
+        assert doomed and doomed_single, (homes, homes_single)  # cold prefixes spread over all four
+        await engines.servers[ENGINES].close()  # it now refuses connections; the pickers still think it healthy
+
+        instance, reason, _ = await _ask(client, gateway.url(gateway.fallbacks), _chat(doomed[0], 1))
         assert instance != spare and reason == "unhealthy_fallback"
-        assert not running.picker.router.fleet.instances[spare].healthy  # ejected, as serve ejects it
-        samples = await _metrics(running, client)
+        assert not with_fallbacks.picker.router.fleet.instances[spare].healthy  # ejected, as serve ejects it
+        samples = await _metrics(with_fallbacks, client)
         assert _total(samples, "warmroute_retries_total", backend=spare) == 1
-        await wait_for(lambda: not any(_books(running).values()))
+
+        async with client.post(gateway.url(gateway.odst) + "/v1/chat/completions", json=_chat(doomed_single[0], 1)) as r:
+            assert r.status == 503 and r.headers["x-warmroute-instance"] == spare
+        assert not single.picker.router.fleet.instances[spare].healthy
+        instance, _, _ = await _ask(client, gateway.url(gateway.odst), _chat(doomed_single[0], 2))
+        assert instance != spare
+        for running in (with_fallbacks, single):
+            await wait_for(lambda: not any(_books(running).values()))
     finally:
-        await running.stop()
+        await with_fallbacks.stop()
+        await single.stop()
 
 
 async def test_fail_close_and_fail_open_when_the_picker_is_down(gateway, engines, client):

@@ -49,6 +49,7 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+ATTRIBUTES, CODE_DETAILS = "envoy.filters.http.ext_proc", "response.code_details"
 SERVICE_NAME = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 
 _Mode = modes.ProcessingMode
@@ -91,6 +92,16 @@ def _served(metadata: core.Metadata) -> str | None:
     if lb is None or SERVED not in lb.fields:
         return None
     return lb.fields[SERVED].string_value or None
+
+
+def _connect_failed(message: ep.ProcessingRequest) -> bool:
+    """Whether Envoy's own 503 says the connection to the instance failed (ext_proc's `response_attributes`
+    include response.code_details in deploy/envoy/)."""
+    attributes = message.attributes.get(ATTRIBUTES)
+    if attributes is None or CODE_DETAILS not in attributes.fields:
+        return False
+    details = attributes.fields[CODE_DETAILS].string_value
+    return details.startswith("upstream_reset_before_response_started") and "connection_failure" in details
 
 
 class Picker(ep_grpc.ExternalProcessorServicer):
@@ -260,7 +271,12 @@ class Exchange:
         decision, picker = self.decision, self.picker
         if decision is None or self.ticket is None:
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-        picker.health.upstream_answered(decision.instance, self.status)
+        if _connect_failed(message):  # Envoy answered for the instance: it refused the connection
+            picker.router.metrics.upstream_error(decision.instance, "connect")
+            picker.health.connection_failed(decision.instance)  # ejected at once, as serve does
+            picker.router.unrecord(decision)
+        else:
+            picker.health.upstream_answered(decision.instance, self.status)
         if self.status == 200 and "content-encoding" not in headers and is_routed(self.path):
             self.tap = UsageTap()
         if message.response_headers.end_of_stream or self.response_mode == _Mode.NONE:
