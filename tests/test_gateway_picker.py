@@ -226,3 +226,42 @@ async def test_grpc_health_answers_liveness_readiness_and_the_service(picker, ch
         answer = await stub.Check(health_pb2.HealthCheckRequest(service=service))
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
     assert SERVICE_NAME == "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+async def _pick(channel: grpc.aio.Channel, text: str, subset: list[str] | None = None) -> str:
+    s = Stream(channel)
+    extra = {"metadata_context": _subset_hint(subset)} if subset else {}
+    await s.send(request_headers=_headers("/v1/chat/completions"), **extra)
+    await s.reply()
+    await s.send(request_body=ep.HttpBody(body=_chat_body(text), end_of_stream=True))
+    reply = await s.reply()
+    s.call.cancel()
+    if reply.HasField("immediate_response"):
+        return str(reply.immediate_response.status.code)
+    return _set_headers(reply.request_body.response.header_mutation)[DESTINATION]
+
+
+async def test_endpoints_come_from_the_backends_file_and_the_admin_api(stubs, tmp_path):
+    import aiohttp
+
+    listed = tmp_path / "backends.yaml"
+    listed.write_text(f"backends: [file-0={stubs[0].url}]\n")
+    running = await start_picker(load_settings({
+        "backends_file": str(listed), "backends_file_interval": 0.05, "admin_token": "t" * 32, "port": 0,
+        "epp_port": 0, "health_interval": 3600, "engine_metrics": False, "models_interval": 0}, env={}))
+    try:
+        async with grpc.aio.insecure_channel(running.target) as ch:
+            assert await _pick(ch, "a") == endpoint_of(stubs[0].url)
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer " + "t" * 32}) as client:
+                async with client.post(running.url + "/admin/instances",
+                                       json={"name": "admin-1", "url": stubs[1].url}) as r:
+                    assert r.status == 201, await r.text()
+            only_new = [endpoint_of(stubs[1].url)]
+            assert await _pick(ch, "b", subset=only_new) == only_new[0]
+            listed.write_text(f"backends: [file-2={stubs[2].url}]\n")  # file-0 leaves, file-2 joins
+            await wait_for(lambda: set(running.picker.router.fleet.instances) == {"admin-1", "file-2"})
+            await wait_for(lambda: running.picker.router.fleet.instances["file-2"].healthy)
+            picked = {await _pick(ch, str(i)) for i in range(8)}
+            assert picked <= {endpoint_of(stubs[1].url), endpoint_of(stubs[2].url)}
+    finally:
+        await running.stop()
