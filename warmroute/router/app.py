@@ -244,6 +244,12 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
 
         k8s = KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port)
         await k8s.start()
+    inference_pool = None
+    if settings.inference_pool:
+        from warmroute.router.inference_pool import InferencePoolDiscovery
+
+        inference_pool = InferencePoolDiscovery(app[MEMBERSHIP], settings.inference_pool)
+        await inference_pool.start()
     shared: SharedIndex | WorkerLinks | None = None  # index updates to and from the other replicas / workers
     if settings.redis_url is not None:
         shared = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, app[ROUTER].fleet)
@@ -271,6 +277,8 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     await app[DISCOVERY].stop()
     if k8s is not None:
         await k8s.stop()
+    if inference_pool is not None:
+        await inference_pool.stop()
     if shared is not None:
         await shared.stop()
     if links is not None and links is not shared:

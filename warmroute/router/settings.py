@@ -111,6 +111,11 @@ class RouterSettings(BaseSettings):
                     "terminating ones are drained; needs kubernetes-asyncio and RBAC: deploy/kubernetes/rbac.yaml).")
     kubernetes_port: str | None = Field(None, description="The engines' port in the EndpointSlices, by name or "
                                                           "number (unset: the first port).")
+    inference_pool: str | None = Field(
+        None, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="[NAMESPACE/]NAME of an InferencePool (inference.networking.k8s.io/v1) whose selector and "
+                    "targetPorts list the engine pods: ready pods become instances, the others are drained (needs "
+                    "kubernetes-asyncio and RBAC: deploy/kubernetes/inference-pool/).")
     admin_token: SecretStr | None = Field(
         None, description="Bearer token of the admin API (/admin/instances: list, add, drain, remove). Unset: "
                           "the admin API does not exist.")
@@ -304,10 +309,11 @@ class RouterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _some_backend_source(self) -> RouterSettings:
-        if not self.backends and not self.backends_file and self.admin_token is None and not self.kubernetes_service:
+        if (not self.backends and not self.backends_file and self.admin_token is None and not self.kubernetes_service
+                and not self.inference_pool):
             raise ValueError(f"invalid setting backends ({flag_of('backends')}, {env_of('backends')}): at least one "
                              "backend is required (--backend URL or NAME=URL), or a source of them (--backends-file, "
-                             "--kubernetes-service, or --admin-token to add them through the admin API)")
+                             "--kubernetes-service, --inference-pool, or --admin-token to add them through the admin API)")
         return self
 
     def capacity_configured(self, backend: Backend) -> bool:
