@@ -265,3 +265,16 @@ async def test_endpoints_come_from_the_backends_file_and_the_admin_api(stubs, tm
             assert picked <= {endpoint_of(stubs[1].url), endpoint_of(stubs[2].url)}
     finally:
         await running.stop()
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--backend", "http://localhost:8000"], "host name"),
+    (["--backend", "http://127.0.0.1:8000", "--workers", "2"], "one process"),
+    (["--backend", "http://127.0.0.1:8000", "--epp-fallbacks", "99"], "epp_fallbacks"),
+])
+def test_what_the_picker_cannot_do_is_one_line_and_exit_2(argv, words, capsys):
+    from warmroute.cli import main
+
+    assert main(["epp", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and err.startswith("warmroute epp: error:")

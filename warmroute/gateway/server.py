@@ -63,9 +63,12 @@ class RunningPicker:
         await self.runner.cleanup()
 
 
-def check_addresses(settings: RouterSettings) -> None:
-    """The gateway connects to `ip:port`: an instance named by host name needs DNS re-resolution (one instance
-    per address) to have one."""
+def check_settings(settings: RouterSettings) -> None:
+    """What the picker cannot do, as one line before anything starts. The gateway connects to `ip:port`: an
+    instance named by host name needs DNS re-resolution (one instance per address) to have one."""
+    if settings.workers != 1:
+        raise UsageError("warmroute epp runs one process (workers 1); run more picker replicas with redis_url "
+                         "to share their index instead")
     names = unaddressed({b.name: b.url for b in settings.backends})
     if names and settings.dns_refresh_interval <= 0:
         raise UsageError(f"backend {names[0]} is given by host name, but a gateway needs an address (ip:port): "
@@ -75,7 +78,7 @@ def check_addresses(settings: RouterSettings) -> None:
 
 async def start_picker(settings: RouterSettings) -> RunningPicker:
     """Start the control app (its start-up: discovery, the first health round, scrapes), then the gRPC services."""
-    check_addresses(settings)
+    check_settings(settings)
     app = build_app(settings, proxying=False)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.shutdown_timeout)
     await runner.setup()
@@ -105,7 +108,7 @@ def _grpc_host(host: str) -> str:
 
 # -- the blocking entry point -------------------------------------------------------------------------------------
 def serve(settings: RouterSettings) -> int:
-    check_addresses(settings)  # errors are one line, before anything starts
+    check_settings(settings)  # errors are one line, before anything starts
     try:
         import uvloop
     except ImportError:  # Windows: the standard loop
