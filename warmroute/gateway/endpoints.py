@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import lru_cache
 from urllib.parse import urlsplit
 
 from warmroute.core.fleet import Fleet
@@ -12,6 +13,7 @@ from warmroute.router.discovery import is_address
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
+@lru_cache(maxsize=4096)  # one per instance URL; asked on every request
 def endpoint_of(url: str) -> str:
     """http://10.0.0.5:8000 -> 10.0.0.5:8000; http://[fd00::5]:8000 -> [fd00::5]:8000."""
     parts = urlsplit(url)

@@ -1,0 +1,345 @@
+#!/usr/bin/env python3
+"""warmroute behind Envoy as its endpoint picker, beside `warmroute serve`, Envoy alone, and no router at all.
+
+    .venv/bin/python benchmarks/gateway.py [--rounds N] [--duration S] [--phases saturation latency] [--no-doc]
+
+Issue #20's measurements, in one run on one machine, with benchmarks/saturation.py's load generator, fleets,
+windows and CPU accounting (imported from it):
+
+(a) Saturation throughput on 4 trivial instances (warmroute.bench.trivial): a closed loop of 128 keep-alive
+    connections sending small chat completions (every other one streamed, 8 tokens). Contenders:
+      direct            straight to the instances
+      serve             `warmroute serve --strategy cache_aware`
+      envoy             Envoy alone: round robin over the instances, no picker (what Envoy itself costs)
+      envoy+epp         deploy/envoy/envoy.yaml: Envoy (ORIGINAL_DST), `warmroute epp --strategy cache_aware`
+                        reading request headers and body and the response's headers and streamed body
+      envoy+epp hdrs    the same with response_body_mode NONE: the picker sees no response body (no usage
+                        feedback, first token taken at the response headers), one message less per chunk
+    Envoy runs with one worker thread (--concurrency 1). Each router's CPU is reported per request, the
+    picker's and Envoy's separately.
+(b) Added time to first token at 64 concurrent streams (paced trivial instances, tokens 20 ms apart, 32 tokens):
+    each of 64 sessions sends the same streamed request straight to an instance and through the router at
+    the same moment. Added = routed percentile - direct percentile.
+
+Writes out/gateway.json, and (unless --no-doc) the section "Envoy + warmroute epp (issue #20)" of
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_peers as cp  # noqa: E402
+import saturation as sat  # noqa: E402
+
+from warmroute.bench.processes import Child, free_ports  # noqa: E402
+from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION = "Envoy + warmroute epp (issue #20)"
+CONTENDERS = ["direct", "serve", "envoy", "envoy+epp", "envoy+epp hdrs"]
+KV_CAPACITY = sat.KV_CAPACITY
+
+
+@dataclass
+class Stack:
+    """A router under test: its processes (label -> Child, for the CPU meter) and the URL clients use."""
+
+    label: str
+    url: str
+    processes: dict[str, Child] = field(default_factory=dict)
+
+
+@dataclass
+class Running:
+    """The instances and every stack in front of them (saturation.py's Running, with several processes per
+    router)."""
+
+    fleet: sat.FleetSpec
+    children: list[Child]
+    urls: list[str]
+    stacks: dict[str, Stack]
+    model: str = ""
+    envoys: list[EnvoyProcess] = field(default_factory=list)
+
+    @property
+    def routers(self) -> dict[str, tuple[Child, str]]:  # what saturation.py's windows read
+        return {label: (next(iter(s.processes.values())), s.url) for label, s in self.stacks.items()}
+
+    def sids(self) -> dict[str, list[int]]:
+        groups = {"instances": [c.proc.pid for c in self.children]}
+        for stack in self.stacks.values():
+            for part, child in stack.processes.items():
+                groups[f"{stack.label}/{part}"] = [child.proc.pid]
+        return groups
+
+    def stop(self) -> None:
+        for stack in self.stacks.values():
+            for child in stack.processes.values():
+                child.stop()
+        for c in self.children:
+            c.stop()
+        for e in self.envoys:
+            e.stop()
+
+
+def _plain_envoy(name: str, port: int, engines: list[tuple[str, int]]) -> tuple[dict, list[dict]]:
+    """The fallbacks configuration without its picker and its override_host policy: Envoy alone, round robin."""
+    listener, clusters = local_listener(FALLBACKS, name, port, ("127.0.0.1", 1), engines)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.router"]
+    pool = [c for c in clusters if c["name"] == f"{name}-pool"]
+    pool[0].pop("load_balancing_policy")
+    return listener, pool
+
+
+def _response_body_none(listener: dict) -> None:
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for f in hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            f["typed_config"]["processing_mode"]["response_body_mode"] = "NONE"
+
+
+async def _start_envoy(running: Running, label: str, admin: int, listener: dict, clusters: list[dict],
+                       logs: Path) -> Child:
+    config = EnvoyConfig(admin)
+    config.add(listener, clusters)
+    envoy = EnvoyProcess(config)
+    running.envoys.append(envoy)
+    proc = cp.Proc(f"{label.replace(' ', '-').replace('+', '-')}-envoy", envoy.argv(), logs)
+    await envoy.wait_ready(proc.proc)
+    return proc
+
+
+async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str) -> Running:
+    port = free_ports(fleet.instances)
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(fleet.instances)]
+    children = fleet.children(port, logs, f"{tag}-instances")
+    running = Running(fleet, children, urls, {})
+    engines = [("127.0.0.1", port + i) for i in range(fleet.instances)]
+    next_port = port + fleet.instances
+    try:
+        for child, count in zip(children, fleet.counts()):
+            await child.wait_for_log("listening on", count, timeout_s=60)
+        running.model = await cp.wait_ready(children[0], urls[0])
+        for label in labels:
+            if label == "direct":
+                continue
+            listen = free_ports(4, next_port)  # listener, control, picker's gRPC, Envoy's admin
+            next_port = listen + 4
+            stack = running.stacks[label] = Stack(label, f"http://127.0.0.1:{listen}")
+            if label == "serve":
+                argv = cp.Contender(label, "warmroute", "cache_aware").argv(listen, listen + 1, urls, KV_CAPACITY,
+                                                                           Path("."))
+                stack.processes["router"] = cp.Proc(f"{tag}-serve", argv, logs)
+            elif label == "envoy":
+                stack.processes["envoy"] = await _start_envoy(running, label, listen + 3,
+                                                              *_plain_envoy("plain", listen, engines), logs)
+            else:
+                control, grpc_port = listen + 1, listen + 2
+                argv = [sys.executable, "-m", "warmroute", "epp", "--port", str(control), "--epp-port",
+                        str(grpc_port), "--strategy", "cache_aware", "--kv-capacity-tokens", str(KV_CAPACITY),
+                        "--log-level", "warning"] + [a for i, u in enumerate(urls) for a in ("--backend", f"e{i}={u}")]
+                stack.processes["picker"] = cp.Proc(f"{tag}-{label.replace(' ', '-').replace('+', '-')}", argv,
+                                                    logs)
+                listener, clusters = local_listener(ORIGINAL_DST, label.replace(" ", "-").replace("+", "-"), listen,
+                                                    ("127.0.0.1", grpc_port))
+                if label.endswith("hdrs"):
+                    _response_body_none(listener)
+                stack.processes["envoy"] = await _start_envoy(running, label, listen + 3, listener, clusters, logs)
+            first = next(iter(stack.processes.values()))
+            await cp.wait_ready(first, stack.url)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def _contender(label: str) -> sat.Contender:
+    return sat.Contender(label, None if label == "direct" else "warmroute")
+
+
+async def phase_saturation(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
+    fleet = sat.FleetSpec("stub")
+    sat.log(f"== (a) saturation, {fleet.describe()}")
+    running = await start(fleet, args.contenders, logs, "sat")
+
+    def line(c: sat.Contender, res: dict[str, Any]) -> str:
+        cpu = res["cpu_cores"]
+        parts = " ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in cpu.items() if k.startswith(c.label + "/"))
+        return (f"{res['rps']:>8,.0f} req/s  errors {sum(res['errors'].values())}  cores: {parts} instances "
+                f"{cpu['instances']:.2f} loadgen {cpu['load generator']:.2f} other {cpu['other processes']:.2f}")
+
+    try:
+        return await sat.run_rounds(running, [_contender(c) for c in args.contenders], args, sat.saturation_window,
+                                    line)
+    finally:
+        running.stop()
+
+
+async def phase_latency(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
+    fleet = sat.FleetSpec("stub", itl_ms=args.itl_ms)
+    routed = [c for c in args.contenders if c != "direct"]
+    sat.log(f"== (b) added latency, {args.streams} concurrent streams, {fleet.describe()}")
+    running = await start(fleet, routed, logs, "lat")
+
+    def line(c: sat.Contender, res: dict[str, Any]) -> str:
+        s = sat.latency_summary(res["pairs"])
+        return (f"{len(res['pairs']):>6} pairs  errors {sum(res['errors'].values())}  TTFT p50 {s['direct_p50']} -> "
+                f"{s['router_p50']} ms, p99 {s['direct_p99']} -> {s['router_p99']} ms")
+
+    try:
+        return await sat.run_rounds(running, [_contender(c) for c in routed], args, sat.latency_window, line)
+    finally:
+        running.stop()
+
+
+# -- summaries ------------------------------------------------------------------------------------------------------
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def saturation_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for label in CONTENDERS:
+        mine = [w for w in windows if w["contender"] == label]
+        if not mine:
+            continue
+        parts = sorted({k.split("/", 1)[1] for w in mine for k in w["cpu_cores"] if k.startswith(label + "/")})
+        cores = {p: _median([w["cpu_cores"].get(f"{label}/{p}", 0.0) for w in mine]) for p in parts}
+        rps = _median([w["rps"] for w in mine])
+        per_request = {p: _median([1e6 * w["cpu_cores"].get(f"{label}/{p}", 0.0) / w["rps"] for w in mine if w["rps"]])
+                       for p in parts}
+        rows.append({"label": label, "rps": rps, "rounds": [w["rps"] for w in mine],
+                     "errors": sum(sum(w["errors"].values()) for w in mine),
+                     "latency_p50": _median([w["latency_ms"]["p50"] for w in mine]),
+                     "latency_p99": _median([w["latency_ms"]["p99"] for w in mine]),
+                     "cores": cores, "cpu_us": per_request,
+                     "instances": _median([w["cpu_cores"]["instances"] for w in mine]),
+                     "loadgen": _median([w["cpu_cores"]["load generator"] for w in mine]),
+                     "other": _median([w["cpu_cores"]["other processes"] for w in mine])})
+    return rows
+
+
+def latency_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for label in CONTENDERS:
+        mine = [w for w in windows if w["contender"] == label]
+        if not mine:
+            continue
+        pairs = [p for w in mine for p in w["pairs"]]
+        s = sat.latency_summary(pairs)
+        per_round = [sat.latency_summary(w["pairs"]) for w in mine]
+        rows.append({"label": label, "pairs": len(pairs), "errors": sum(sum(w["errors"].values()) for w in mine),
+                     **s, "added_p50_rounds": [r["added_p50"] for r in per_round],
+                     "added_p99_rounds": [r["added_p99"] for r in per_round]})
+    return rows
+
+
+def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[dict[str, Any]]) -> str:
+    out = [f"## {SECTION}", "", "Regenerated by (do not edit by hand):", "", f"    {meta['command']}", "",
+           f"Run {meta['started']} on {meta['cores']} CPU cores shared with other work (load average before "
+           f"{meta['load_before']}, after {meta['load_after']}); Envoy {meta['envoy']} with one worker thread; "
+           f"{meta['rounds']} rounds, {meta['warmup']} s warm-up + {meta['duration']} s measured per window, ABBA "
+           f"order. Code: {meta['tree']}.", ""]
+    if sat_rows:
+        out += ["### (a) Saturation throughput: 4 trivial instances (warmroute.bench.trivial) in 1 process", "",
+                "Closed loop, 128 keep-alive connections, chat completions of ≈293 characters, max_tokens 8, every "
+                "other one streamed. req/s: median over the rounds (each round in brackets). CPU per request: the "
+                "process's cores ÷ req/s (medians over the rounds), for Envoy and the picker separately.", "",
+                "| contender | req/s (rounds) | errors | latency p50 / p99 | cores | CPU per request | instances / "
+                "load gen / other cores |", "| --- | ---: | ---: | ---: | --- | --- | ---: |"]
+        for r in sat_rows:
+            rounds = ", ".join(f"{x:,.0f}" for x in r["rounds"])
+            cores = ", ".join(f"{p} {v:.2f}" for p, v in r["cores"].items()) or "-"
+            cpu = ", ".join(f"{p} {v:.0f} µs" for p, v in r["cpu_us"].items() if v is not None) or "-"
+            out.append(f"| {r['label']} | {r['rps']:,.0f} ({rounds}) | {r['errors']} | {r['latency_p50']} / "
+                       f"{r['latency_p99']} ms | {cores} | {cpu} | {r['instances']:.2f} / {r['loadgen']:.2f} / "
+                       f"{r['other']:.2f} |")
+        out.append("")
+    if lat_rows:
+        out += ["### (b) Added time to first token at 64 concurrent streams", "",
+                "4 trivial instances, tokens 20 ms apart, 32 tokens; 64 sessions each sending the same streamed "
+                "request straight to an instance and through the router at the same moment. Added = routed "
+                "percentile − direct percentile (pairs pooled over the rounds).", "",
+                "| router | pairs | errors | direct TTFT p50 / p99 | routed TTFT p50 / p99 | **added p50 / p99** | "
+                "added p50 per round |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in lat_rows:
+            rounds = ", ".join(f"{x:.2f}" for x in r["added_p50_rounds"])
+            out.append(f"| {r['label']} | {r['pairs']:,} | {r['errors']} | {r['direct_p50']} / {r['direct_p99']} ms | "
+                       f"{r['router_p50']} / {r['router_p99']} ms | **{r['added_p50']} / {r['added_p99']} ms** | "
+                       f"{rounds} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def update_doc(doc: str, section: str) -> str:
+    """Replace the section (up to the next `## `) or append it."""
+    start = doc.find(f"## {SECTION}")
+    if start < 0:
+        return doc.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    end = doc.find("\n## ", start + 3)
+    return doc[:start] + section.rstrip("\n") + "\n" + (doc[end:] if end >= 0 else "")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=float, default=4.0)
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--connections", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--stream-tokens", type=int, default=32)
+    p.add_argument("--itl-ms", type=float, default=20.0)
+    p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    p.add_argument("--phases", nargs="+", default=["saturation", "latency"], choices=["saturation", "latency"])
+    p.add_argument("--no-doc", action="store_true")
+    return p.parse_args(argv)
+
+
+async def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    import os
+    import subprocess
+
+    from warmroute.gateway.envoy import envoy_binary
+
+    version = subprocess.run([envoy_binary() or "envoy", "--version"], capture_output=True, text=True).stdout
+    meta = {"command": "python benchmarks/gateway.py" + ("" if not argv else " " + " ".join(argv)),
+            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(),
+            "load_before": sat.load_average(), "envoy": version.split("/")[1] if "/" in version else "?",
+            "rounds": args.rounds, "warmup": args.warmup, "duration": args.duration, "tree": sat.tree_state()}
+    with tempfile.TemporaryDirectory(prefix="warmroute-gateway-bench-") as tmp:
+        logs = Path(tmp)
+        sat_windows = await phase_saturation(args, logs) if "saturation" in args.phases else []
+        lat_windows = await phase_latency(args, logs) if "latency" in args.phases else []
+    meta["load_after"] = sat.load_average()
+    return {"meta": meta, "saturation": sat_windows, "latency": lat_windows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    result = asyncio.run(measure(args, argv))
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    (out / "gateway.json").write_text(json.dumps(result, indent=1))
+    section = render(result["meta"], saturation_rows(result["saturation"]), latency_rows(result["latency"]))
+    print(section)
+    if not args.no_doc:
+        sat.DOC.write_text(update_doc(sat.DOC.read_text(), section))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
