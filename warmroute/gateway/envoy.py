@@ -7,6 +7,7 @@ Service. Several can run in one Envoy (`EnvoyConfig`), each with its own listene
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import os
@@ -151,3 +152,35 @@ class EnvoyProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._dir.cleanup()
+
+
+def _hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run Envoy in the foreground with a shipped configuration pointed at local addresses."""
+    parser = argparse.ArgumentParser(prog="python -m warmroute.gateway.envoy", description=main.__doc__)
+    parser.add_argument("--config", choices=["original-dst", "fallbacks"], default="original-dst")
+    parser.add_argument("--port", type=int, default=8080, help="Envoy's listener on 127.0.0.1")
+    parser.add_argument("--admin-port", type=int, default=9901)
+    parser.add_argument("--picker", type=_hostport, default=("127.0.0.1", 9002), help="warmroute epp's gRPC address")
+    parser.add_argument("--engine", type=_hostport, action="append", default=[],
+                        help="an engine's HOST:PORT (fallbacks: the cluster's endpoints; repeat)")
+    args = parser.parse_args(argv)
+    source = FALLBACKS if args.config == "fallbacks" else ORIGINAL_DST
+    if source is FALLBACKS and not args.engine:
+        parser.error("--config fallbacks needs the engines' addresses (--engine HOST:PORT, repeated)")
+    config = EnvoyConfig(args.admin_port)
+    config.add(*local_listener(source, "local", args.port, args.picker, args.engine))
+    envoy = EnvoyProcess(config, log_level="info")  # kept: its temporary directory holds the configuration
+    argv = envoy.argv()[:-2]  # without --log-path: logs to the terminal
+    os.execv(argv[0], argv)  # Envoy replaces this process (its configuration stays in a temporary directory)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
