@@ -278,3 +278,36 @@ def test_what_the_picker_cannot_do_is_one_line_and_exit_2(argv, words, capsys):
     assert main(["epp", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and err.startswith("warmroute epp: error:")
+
+
+from test_shared_index import redis_url  # noqa: E402,F401  (the fixture: a redis-server of its own)
+
+
+async def _decided(channel: grpc.aio.Channel, text: str) -> tuple[str, str]:
+    """(endpoint, reason) of one request, up to its response headers; then the stream ends."""
+    s = Stream(channel)
+    await s.send(request_headers=_headers("/v1/chat/completions"))
+    await s.reply()
+    await s.send(request_body=ep.HttpBody(body=_chat_body(text), end_of_stream=True))
+    endpoint = _set_headers((await s.reply()).request_body.response.header_mutation)[DESTINATION]
+    await s.send(response_headers=_headers("", **{":status": "200"}))
+    reason = _set_headers((await s.reply()).response_headers.response.header_mutation)["x-warmroute-reason"]
+    await s.send(response_body=ep.HttpBody(body=b"{}", end_of_stream=True))
+    await s.reply()
+    await s.call.done_writing()
+    return endpoint.split(",")[0], reason
+
+
+async def test_picker_replicas_share_their_index_through_redis(stubs, redis_url):  # noqa: F811
+    values = {"backends": [f"s{i}={e.url}" for i, e in enumerate(stubs)], "port": 0, "epp_port": 0,
+              "health_interval": 3600, "engine_metrics": False, "models_interval": 0, "redis_url": redis_url}
+    a, b = [await start_picker(load_settings(values, env={})) for _ in range(2)]
+    try:
+        async with grpc.aio.insecure_channel(a.target) as ch_a, grpc.aio.insecure_channel(b.target) as ch_b:
+            endpoint, reason = await _decided(ch_a, "shared")
+            assert reason == "cold"
+            await wait_for(lambda: b.picker.router.shared.received > 0)
+            assert await _decided(ch_b, "shared") == (endpoint, "cache_hit")  # b knows where a put it
+    finally:
+        await a.stop()
+        await b.stop()

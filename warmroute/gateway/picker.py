@@ -147,6 +147,7 @@ class Exchange:
         self.ticket: Ticket | None = None
         self.tap: UsageTap | None = None
         self.status = 0
+        self.decided = False  # answered with a destination or an immediate response
         self.done = False
 
     async def on(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
@@ -156,7 +157,7 @@ class Exchange:
         if kind == "request_body":
             return await self._request_body(message.request_body)
         if kind == "request_trailers":  # a body that ended with trailers: decided now if not yet
-            replies = [] if self.choices or self.ticket else await self._decide(body_end=True)
+            replies = [] if self.decided else await self._decide(body_end=True)
             return replies + [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
         if kind == "response_headers":
             return [self._response_headers(message)]
@@ -198,6 +199,7 @@ class Exchange:
         return [] if self.request_mode == _Mode.FULL_DUPLEX_STREAMED else [_CONTINUE_BODY]
 
     async def _decide(self, body_end: bool) -> list[ep.ProcessingResponse]:
+        self.decided = True
         picker = self.picker
         router = picker.router
         body = b"".join(self.chunks)
@@ -256,7 +258,7 @@ class Exchange:
         self.ticket = self.picker.router.dispatch(decision, defer_record=True)
 
     def _refuse(self, exc: ApiError) -> ep.ProcessingResponse:
-        self.done = True
+        self.decided = self.done = True
         self.picker.router.metrics.answered(NO_INSTANCE, exc.status)
         return immediate(exc)
 
