@@ -21,6 +21,11 @@ windows and CPU accounting (imported from it):
     each of 64 sessions sends the same streamed request straight to an instance and through the router at
     the same moment. Added = routed percentile - direct percentile.
 
+(c) Where the picker's time goes: the same ext_proc streams (request headers, buffered body, response headers,
+    one response body chunk) from a gRPC client in another process, answered by (1) a null ext_proc service
+    (an empty answer to each message: grpcio's own cost) and (2) `warmroute epp` in front of stub instances;
+    CPU of the serving process per stream.
+
 Writes out/gateway.json, and (unless --no-doc) the section "Envoy + warmroute epp (issue #20)" of
 docs/benchmarks.md.
 """
@@ -203,6 +208,117 @@ async def phase_latency(args: argparse.Namespace, logs: Path) -> list[dict[str, 
         running.stop()
 
 
+# -- (c) the picker's CPU per stream, against grpcio alone ----------------------------------------------------------
+STREAM_BODY = json.dumps({"model": "m", "messages": [{"role": "system", "content": sat.SYSTEM_PROMPTS[0]},
+                                                     {"role": "user", "content": "What is 2 + 2?"}]}).encode()
+
+
+def _stream_messages() -> list[Any]:
+    from envoy.config.core.v3 import base_pb2 as core
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    def headers(pairs: dict[str, str]) -> Any:
+        return ep.HttpHeaders(headers=core.HeaderMap(
+            headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]))
+
+    usage = b'{"usage": {"prompt_tokens": 80, "prompt_tokens_details": {"cached_tokens": 64}}}'
+    return [ep.ProcessingRequest(request_headers=headers({":path": "/v1/chat/completions", ":method": "POST",
+                                                          "content-length": str(len(STREAM_BODY))})),
+            ep.ProcessingRequest(request_body=ep.HttpBody(body=STREAM_BODY, end_of_stream=True)),
+            ep.ProcessingRequest(response_headers=headers({":status": "200", "content-type": "application/json"})),
+            ep.ProcessingRequest(response_body=ep.HttpBody(body=usage, end_of_stream=True))]
+
+
+def stream_client(target: str, streams: int, concurrency: int, out: Any) -> None:
+    """In a process of its own: `streams` ext_proc streams, `concurrency` at a time; puts the seconds taken."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    messages = _stream_messages()
+
+    async def run() -> float:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = ep_grpc.ExternalProcessorStub(channel)
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one() -> None:
+                async with gate:
+                    call = stub.Process()
+                    for m in messages:
+                        await call.write(m)
+                        await call.read()
+                    await call.done_writing()
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(streams)))
+            return time.perf_counter() - t0
+
+    out.put(asyncio.run(run()))
+
+
+async def _serve_streams(target: str, streams: int) -> tuple[float, float]:
+    """(server CPU seconds, wall seconds) while a client process runs `streams` streams against `target`."""
+    import multiprocessing
+    import resource
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    client = ctx.Process(target=stream_client, args=(target, streams, 32, out))
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    client.start()
+    while client.is_alive():
+        await asyncio.sleep(0.02)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), out.get()
+
+
+async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from warmroute.gateway.server import start_picker
+    from warmroute.router.settings import load_settings
+
+    class Null(ep_grpc.ExternalProcessorServicer):
+        async def Process(self, requests: Any, context: Any) -> None:
+            while await context.read() is not grpc.aio.EOF:
+                await context.write(ep.ProcessingResponse())
+
+    sat.log(f"== (c) picker CPU per ext_proc stream, {args.picker_streams} streams per window")
+    fleet = sat.FleetSpec("stub")
+    port = free_ports(fleet.instances)
+    with tempfile.TemporaryDirectory(prefix="warmroute-gateway-bench-") as tmp:
+        children = fleet.children(port, Path(tmp), "picker-instances")
+        try:
+            for child, count in zip(children, fleet.counts()):
+                await child.wait_for_log("listening on", count, timeout_s=60)
+            null = grpc.aio.server()
+            ep_grpc.add_ExternalProcessorServicer_to_server(Null(), null)
+            null_port = null.add_insecure_port("127.0.0.1:0")
+            await null.start()
+            picker = await start_picker(load_settings({
+                "backends": [f"e{i}=http://127.0.0.1:{port + i}" for i in range(fleet.instances)], "port": 0,
+                "epp_port": 0, "kv_capacity_tokens": KV_CAPACITY, "health_interval": 3600, "log_level": "warning"},
+                env={}))
+            out = []
+            try:
+                for r in range(args.rounds):
+                    for label, grpc_port in (("null ext_proc service", null_port), ("warmroute epp", picker.grpc_port)):
+                        cpu, wall = await _serve_streams(f"127.0.0.1:{grpc_port}", args.picker_streams)
+                        out.append({"contender": label, "round": r, "cpu_us": 1e6 * cpu / args.picker_streams,
+                                    "streams_per_s": args.picker_streams / wall})
+                        sat.log(f"   round {r} {label:<22} {out[-1]['cpu_us']:>6.0f} µs CPU per stream, "
+                                f"{out[-1]['streams_per_s']:,.0f} streams/s")
+            finally:
+                await picker.stop()
+                await null.stop(0)
+        finally:
+            for c in children:
+                c.stop()
+    return out
+
+
 # -- summaries ------------------------------------------------------------------------------------------------------
 def _median(xs: list[float]) -> float | None:
     xs = sorted(x for x in xs if x is not None)
@@ -246,7 +362,8 @@ def latency_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[dict[str, Any]]) -> str:
+def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[dict[str, Any]],
+           picker: list[dict[str, Any]]) -> str:
     out = [f"## {SECTION}", "", "Regenerated by (do not edit by hand):", "", f"    {meta['command']}", "",
            f"Run {meta['started']} on {meta['cores']} CPU cores shared with other work (load average before "
            f"{meta['load_before']}, after {meta['load_after']}); Envoy {meta['envoy'][0]} with one worker thread; "
@@ -280,6 +397,19 @@ def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[
                        f"{r['router_p50']} / {r['router_p99']} ms | **{r['added_p50']} / {r['added_p99']} ms** | "
                        f"{rounds} |")
         out.append("")
+    if picker:
+        out += ["### (c) Where the picker's time goes", "",
+                "The same ext_proc stream (request headers, buffered body of a chat completion, response headers, "
+                "one response body chunk with the usage: 4 messages each way) from a gRPC client in another process, "
+                "32 at a time, answered by a null ext_proc service (grpcio's own cost) and by `warmroute epp` "
+                "(4 stub instances); CPU of the serving process per stream, median of the rounds.", "",
+                "| service | CPU per stream (rounds) | streams/s |", "| --- | ---: | ---: |"]
+        for label in ("null ext_proc service", "warmroute epp"):
+            mine = [w for w in picker if w["contender"] == label]
+            rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
+            out.append(f"| {label} | {_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds}) | "
+                       f"{_median([w['streams_per_s'] for w in mine]):,.0f} |")
+        out.append("")
     return "\n".join(out)
 
 
@@ -303,7 +433,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stream-tokens", type=int, default=32)
     p.add_argument("--itl-ms", type=float, default=20.0)
     p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
-    p.add_argument("--phases", nargs="+", default=["saturation", "latency"], choices=["saturation", "latency"])
+    p.add_argument("--picker-streams", type=int, default=3000)
+    p.add_argument("--phases", nargs="+", default=["saturation", "latency", "picker"],
+                   choices=["saturation", "latency", "picker"])
     p.add_argument("--no-doc", action="store_true")
     return p.parse_args(argv)
 
@@ -323,8 +455,9 @@ async def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         logs = Path(tmp)
         sat_windows = await phase_saturation(args, logs) if "saturation" in args.phases else []
         lat_windows = await phase_latency(args, logs) if "latency" in args.phases else []
+    picker = await phase_picker(args) if "picker" in args.phases else []
     meta["load_after"] = sat.load_average()
-    return {"meta": meta, "saturation": sat_windows, "latency": lat_windows}
+    return {"meta": meta, "saturation": sat_windows, "latency": lat_windows, "picker": picker}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     out = ROOT / "out"
     out.mkdir(exist_ok=True)
     (out / "gateway.json").write_text(json.dumps(result, indent=1))
-    section = render(result["meta"], saturation_rows(result["saturation"]), latency_rows(result["latency"]))
+    section = render(result["meta"], saturation_rows(result["saturation"]), latency_rows(result["latency"]),
+                     result["picker"])
     print(section)
     if not args.no_doc:
         sat.DOC.write_text(update_doc(sat.DOC.read_text(), section))

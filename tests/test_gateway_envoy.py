@@ -46,8 +46,8 @@ def free_ports(n: int) -> list[int]:
 
 class Gateway:
     def __init__(self) -> None:
-        (self.odst, self.fallbacks, self.odst_down, self.fallbacks_down, self.admin,
-         self.picker0_port, self.picker2_port, self.dead_port) = free_ports(8)
+        (self.odst, self.fallbacks, self.odst_down, self.fallbacks_down, self.duplex, self.admin,
+         self.picker0_port, self.picker2_port, self.dead_port) = free_ports(9)
 
     def url(self, listener: int) -> str:
         return f"http://127.0.0.1:{listener}"
@@ -70,11 +70,23 @@ async def gateway(engines):
     config.add(*local_listener(ORIGINAL_DST, "odst", gw.odst, picker0))
     config.add(*local_listener(FALLBACKS, "fallbacks", gw.fallbacks, picker2, addresses))
     config.add(*local_listener(ORIGINAL_DST, "odst_down", gw.odst_down, dead))
+    duplex, clusters = local_listener(ORIGINAL_DST, "duplex", gw.duplex, picker0)
+    _full_duplex(duplex)
+    config.add(duplex, clusters)
     config.add(*local_listener(FALLBACKS, "fallbacks_down", gw.fallbacks_down, dead, addresses[:ENGINES]))
     envoy = await EnvoyProcess(config).start()
     gw.envoy = envoy
     yield gw
     envoy.stop()
+
+
+def _full_duplex(listener: dict) -> None:
+    """Bodies both ways in FULL_DUPLEX_STREAMED mode (the Inference Extension's reference setting)."""
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    ext_proc["typed_config"]["processing_mode"].update({
+        "request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
+        "response_body_mode": "FULL_DUPLEX_STREAMED", "response_trailer_mode": "SEND"})
 
 
 async def _picker(gateway: Gateway, engines, fallbacks: int = 0, spare: bool = False, **extra):
@@ -275,3 +287,16 @@ async def test_books_return_to_zero_after_aborted_streams(gateway, engines, pick
     samples = await _metrics(picker, client)
     assert _total(samples, "warmroute_requests_total", status="499") == 4
     await wait_for(lambda: sum(s.model.stats.requests_cancelled for s in engines.servers) == cancelled + 4)
+
+
+async def test_full_duplex_streamed_bodies_both_ways(gateway, engines, picker, client):
+    url = gateway.url(gateway.duplex)
+    home, reason, _ = await _ask(client, url, _chat(20, 0))
+    assert reason == "cold"
+    for question, stream in ((1, False), (2, True)):
+        instance, reason, usage = await _ask(client, url, _chat(20, question, stream=stream, max_tokens=16))
+        assert (instance, reason) == (home, "cache_hit")
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 0.8 * usage["prompt_tokens"]
+    await wait_for(lambda: not any(_books(picker).values()))
+    samples = await _metrics(picker, client)
+    assert _total(samples, "warmroute_engine_cached_tokens_total") > 0
