@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -73,6 +74,7 @@ async def gateway(engines):
     duplex, clusters = local_listener(ORIGINAL_DST, "duplex", gw.duplex, picker0)
     _full_duplex(duplex)
     config.add(duplex, clusters)
+
     config.add(*local_listener(FALLBACKS, "fallbacks_down", gw.fallbacks_down, dead, addresses[:ENGINES]))
     envoy = await EnvoyProcess(config).start()
     gw.envoy = envoy
@@ -111,6 +113,13 @@ async def client():
         yield session
 
 
+def _long(body: dict) -> dict:
+    """The same request with a system prompt of about 200 KB."""
+    system = body["messages"][0]["content"]
+    body["messages"][0]["content"] = system * (200_000 // len(system))
+    return body
+
+
 def _chat(doc: int, question: int, stream: bool = False, max_tokens: int = 4) -> dict:
     system = f"Document {doc}. " + "".join(f"Clause {doc}.{i}: the parties agree to term {i * 7 + doc}. "
                                            for i in range(120))
@@ -122,9 +131,20 @@ def _chat(doc: int, question: int, stream: bool = False, max_tokens: int = 4) ->
     return body
 
 
-async def _ask(client: aiohttp.ClientSession, url: str, body: dict) -> tuple[str, str, dict]:
-    """(instance, reason, usage) of one chat completion through the gateway."""
-    async with client.post(url + "/v1/chat/completions", json=body) as r:
+async def _pieces(data: bytes, count: int) -> AsyncIterator[bytes]:
+    """The body in `count` writes a little apart: Envoy passes each on as its own chunk."""
+    step = -(-len(data) // count)
+    for at in range(0, len(data), step):
+        yield data[at:at + step]
+        await asyncio.sleep(0.02)
+
+
+async def _ask(client: aiohttp.ClientSession, url: str, body: dict, pieces: int = 1) -> tuple[str, str, dict]:
+    """(instance, reason, usage) of one chat completion through the gateway (its body sent in `pieces` writes)."""
+    data = json.dumps(body).encode()
+    payload = {"data": _pieces(data, pieces), "headers": {"Content-Type": "application/json"}} if pieces > 1 \
+        else {"json": body}
+    async with client.post(url + "/v1/chat/completions", **payload) as r:
         assert r.status == 200, await r.text()
         instance, reason = r.headers["x-warmroute-instance"], r.headers["x-warmroute-reason"]
         if body.get("stream"):
@@ -290,11 +310,14 @@ async def test_books_return_to_zero_after_aborted_streams(gateway, engines, pick
 
 
 async def test_full_duplex_streamed_bodies_both_ways(gateway, engines, picker, client):
+    """FULL_DUPLEX_STREAMED both ways, with long prompts sent in several chunks."""
     url = gateway.url(gateway.duplex)
-    home, reason, _ = await _ask(client, url, _chat(20, 0))
+    doc = 20
+    home, reason, _ = await _ask(client, url, _long(_chat(doc, 0)), pieces=3)
     assert reason == "cold"
     for question, stream in ((1, False), (2, True)):
-        instance, reason, usage = await _ask(client, url, _chat(20, question, stream=stream, max_tokens=16))
+        instance, reason, usage = await _ask(client, url, _long(_chat(doc, question, stream=stream, max_tokens=16)),
+                                             pieces=3)
         assert (instance, reason) == (home, "cache_hit")
         assert usage["prompt_tokens_details"]["cached_tokens"] > 0.8 * usage["prompt_tokens"]
     await wait_for(lambda: not any(_books(picker).values()))

@@ -3,7 +3,7 @@
 Per stream (Gateway API Inference Extension, EPP protocol v1.0.0):
   request headers   the path, the session header, the length; a request without a body is decided here
   request body      BUFFERED: one message; FULL_DUPLEX_STREAMED: chunks until end_of_stream, echoed back
-                    once decided. The routing key and the decision come from the same Router as `serve`
+                    once decided (not STREAMED: Envoy routes on the headers before a body of several chunks ends). The routing key and the decision come from the same Router as `serve`
                     (router/routing.py); the answer sets the request header x-gateway-destination-endpoint to
                     `ip:port` (then `epp_fallbacks` others, comma-separated) and the same value in dynamic
                     metadata `envoy.lb`. A subset hint (`envoy.lb.subset_hint` /
@@ -141,7 +141,6 @@ class Exchange:
         self.subset: list[str] | None = None
         self.chunks: list[bytes] = []
         self.size = 0
-        self.key: RoutingKey | None = None
         self.choices: list[Decision] = []  # the chosen instance, then its fallbacks, in the gateway's order
         self.decision: Decision | None = None  # the one serving it (books)
         self.ticket: Ticket | None = None
@@ -212,7 +211,6 @@ class Exchange:
         except NoInstanceAvailable as exc:
             model = exc.model if isinstance(exc, ModelNotServed) else None
             return [self._refuse(no_instance(picker.settings.health_interval, model))]
-        self.key = key
         self.choices = [decision, *self._fallbacks(key, decision)]
         self._dispatch(decision)
         if picker.activity is not None:
