@@ -311,3 +311,13 @@ async def test_picker_replicas_share_their_index_through_redis(stubs, redis_url)
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_body_larger_than_grpcs_default_message_limit_is_read(picker, channel):
+    s = Stream(channel)  # grpc's default limit is 4 MiB a message; max_body_bytes is 32 MiB
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (6 << 20)}]}).encode()
+    await s.send(request_headers=_headers("/v1/chat/completions"))
+    await s.reply()
+    await s.send(request_body=ep.HttpBody(body=body, end_of_stream=True))
+    assert DESTINATION in _set_headers((await s.reply()).request_body.response.header_mutation)
+    s.call.cancel()

@@ -27,6 +27,7 @@ from warmroute.router.settings import RouterSettings
 log = logging.getLogger("warmroute.gateway")
 
 LIVENESS, READINESS = "liveness", "readiness"
+_MESSAGE_MARGIN = 1 << 20  # room for the headers and metadata around a body of max_body_bytes
 _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -86,7 +87,9 @@ async def start_picker(settings: RouterSettings) -> RunningPicker:
         sock = bind(settings)
         await web.SockSite(runner, sock).start()
         picker = Picker(app[ROUTER], app[HEALTH], app[PROXY].urls, settings, app[ACTIVITY])
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        size = settings.max_body_bytes + _MESSAGE_MARGIN  # a buffered body is one message (and echoed back)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", size),
+                                          ("grpc.max_send_message_length", size)])
         ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
         checker = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checker, server)
