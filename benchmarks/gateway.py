@@ -120,9 +120,39 @@ async def _start_envoy(running: Running, label: str, admin: int, listener: dict,
     config.add(listener, clusters)
     envoy = EnvoyProcess(config)
     running.envoys.append(envoy)
-    proc = cp.Proc(f"{label.replace(' ', '-').replace('+', '-')}-envoy", envoy.argv(), logs)
+    proc = cp.Proc(f"{_name(label)}-envoy", envoy.argv(), logs)
     await envoy.wait_ready(proc.proc)
     return proc
+
+
+def _name(label: str) -> str:
+    return label.replace(" ", "-").replace("+", "-")
+
+
+async def start_stack(running: Running, label: str, listen: int, kv_capacity: int, logs: Path, tag: str) -> Stack:
+    """One router in front of `running`'s instances, on ports listen..listen+3 (listener, control, picker's gRPC,
+    Envoy's admin); returns once it serves a completion."""
+    engines = [sat._hostport(u) for u in running.urls]
+    stack = running.stacks[label] = Stack(label, f"http://127.0.0.1:{listen}")
+    if label == "serve":
+        argv = cp.Contender(label, "warmroute", "cache_aware").argv(listen, listen + 1, running.urls, kv_capacity,
+                                                                   Path("."))
+        stack.processes["router"] = cp.Proc(f"{tag}-serve", argv, logs)
+    elif label == "envoy":
+        stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3,
+                                                      *_plain_envoy("plain", listen, engines), logs)
+    else:
+        control, grpc_port = listen + 1, listen + 2
+        argv = [sys.executable, "-m", "warmroute", "epp", "--port", str(control), "--epp-port", str(grpc_port),
+                "--strategy", "cache_aware", "--kv-capacity-tokens", str(kv_capacity), "--log-level", "warning"]
+        argv += [a for i, u in enumerate(running.urls) for a in ("--backend", f"e{i}={u}")]
+        stack.processes["picker"] = cp.Proc(f"{tag}-{_name(label)}", argv, logs)
+        listener, clusters = local_listener(ORIGINAL_DST, _name(label), listen, ("127.0.0.1", grpc_port))
+        if label.endswith("hdrs"):
+            _response_body_none(listener)
+        stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3, listener, clusters, logs)
+    await cp.wait_ready(next(iter(stack.processes.values())), stack.url)
+    return stack
 
 
 async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str) -> Running:
@@ -130,39 +160,16 @@ async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str) -
     urls = [f"http://127.0.0.1:{port + i}" for i in range(fleet.instances)]
     children = fleet.children(port, logs, f"{tag}-instances")
     running = Running(fleet, children, urls, {})
-    engines = [("127.0.0.1", port + i) for i in range(fleet.instances)]
     next_port = port + fleet.instances
     try:
         for child, count in zip(children, fleet.counts()):
             await child.wait_for_log("listening on", count, timeout_s=60)
         running.model = await cp.wait_ready(children[0], urls[0])
         for label in labels:
-            if label == "direct":
-                continue
-            listen = free_ports(4, next_port)  # listener, control, picker's gRPC, Envoy's admin
-            next_port = listen + 4
-            stack = running.stacks[label] = Stack(label, f"http://127.0.0.1:{listen}")
-            if label == "serve":
-                argv = cp.Contender(label, "warmroute", "cache_aware").argv(listen, listen + 1, urls, KV_CAPACITY,
-                                                                           Path("."))
-                stack.processes["router"] = cp.Proc(f"{tag}-serve", argv, logs)
-            elif label == "envoy":
-                stack.processes["envoy"] = await _start_envoy(running, label, listen + 3,
-                                                              *_plain_envoy("plain", listen, engines), logs)
-            else:
-                control, grpc_port = listen + 1, listen + 2
-                argv = [sys.executable, "-m", "warmroute", "epp", "--port", str(control), "--epp-port",
-                        str(grpc_port), "--strategy", "cache_aware", "--kv-capacity-tokens", str(KV_CAPACITY),
-                        "--log-level", "warning"] + [a for i, u in enumerate(urls) for a in ("--backend", f"e{i}={u}")]
-                stack.processes["picker"] = cp.Proc(f"{tag}-{label.replace(' ', '-').replace('+', '-')}", argv,
-                                                    logs)
-                listener, clusters = local_listener(ORIGINAL_DST, label.replace(" ", "-").replace("+", "-"), listen,
-                                                    ("127.0.0.1", grpc_port))
-                if label.endswith("hdrs"):
-                    _response_body_none(listener)
-                stack.processes["envoy"] = await _start_envoy(running, label, listen + 3, listener, clusters, logs)
-            first = next(iter(stack.processes.values()))
-            await cp.wait_ready(first, stack.url)
+            if label != "direct":
+                listen = free_ports(4, next_port)
+                next_port = listen + 4
+                await start_stack(running, label, listen, KV_CAPACITY, logs, tag)
     except BaseException:
         running.stop()
         raise
@@ -319,6 +326,51 @@ async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+# -- (d) hit rate on the mixed workload ------------------------------------------------------------------------------
+HIT_CONTENDERS = ["serve", "envoy+epp", "envoy"]
+
+
+async def hit_rate_run(label: str, plan: Any, workload: Any, sizing: Any, args: argparse.Namespace,
+                       logs: Path) -> dict[str, Any]:
+    """Fresh emulated engines (cold caches, compare_peers' sizing) and a fresh router; the workload through it."""
+    from warmroute.bench.loadgen import run_bench
+
+    port = free_ports(cp.INSTANCES)
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(cp.INSTANCES)]
+    engines = Child(f"hit-engines-{_name(label)}", cp.engine_argv(port, sizing.kv_capacity_tokens, plan.time_scale,
+                                                                  plan.max_running), logs)
+    running = Running(sat.FleetSpec("engine"), [engines], urls, {})
+    try:
+        await engines.wait_for_log("listening on", cp.INSTANCES, timeout_s=60)
+        stack = await start_stack(running, label, free_ports(4, port + cp.INSTANCES), sizing.kv_capacity_tokens,
+                                  logs, "hit")
+        model = await cp.wait_ready(engines, urls[0])
+        window = argparse.Namespace(**{**vars(args), "duration": args.hit_duration, "warmup": 5.0})
+        result = await run_bench(stack.url, workload, cp.bench_settings(plan, window, model, urls, label))
+        summary = result.summary()
+    finally:
+        running.stop()
+    return {"contender": label, "hit_rate": summary["hit_rate"], "ttft_ms": summary["ttft_ms"],
+            "requests": summary["requests"], "errors": summary["errors"],
+            "load_spread": summary["instances"]["load_spread"]}
+
+
+async def phase_hit_rate(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
+    plan = cp.plans(quick=True)[0]
+    assert plan.label == "mixed"
+    workload = plan.build(args.seed, cp.MAX_TOKENS)
+    sizing = cp.size(plan, workload)
+    sat.log(f"== (d) hit rate, the mixed workload ({plan.description}), {args.hit_duration:g} s per run")
+    out = []
+    for r in range(args.hit_rounds):
+        for label in (HIT_CONTENDERS if r % 2 == 0 else list(reversed(HIT_CONTENDERS))):
+            res = await hit_rate_run(label, plan, workload, sizing, args, logs)
+            res["round"] = r
+            out.append(res)
+            sat.log(f"   round {r} {label:<10} fleet hit rate {res['hit_rate']['fleet']}  requests {res['requests']}")
+    return out
+
+
 # -- summaries ------------------------------------------------------------------------------------------------------
 def _median(xs: list[float]) -> float | None:
     xs = sorted(x for x in xs if x is not None)
@@ -363,7 +415,7 @@ def latency_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[dict[str, Any]],
-           picker: list[dict[str, Any]]) -> str:
+           picker: list[dict[str, Any]], hits: list[dict[str, Any]]) -> str:
     out = [f"## {SECTION}", "", "Regenerated by (do not edit by hand):", "", f"    {meta['command']}", "",
            f"Run {meta['started']} on {meta['cores']} CPU cores shared with other work (load average before "
            f"{meta['load_before']}, after {meta['load_after']}); Envoy {meta['envoy'][0]} with one worker thread; "
@@ -410,6 +462,27 @@ def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[
             out.append(f"| {label} | {_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds}) | "
                        f"{_median([w['streams_per_s'] for w in mine]):,.0f} |")
         out.append("")
+    if hits:
+        out += ["### (d) Hit rate on the mixed workload", "",
+                "benchmarks/compare_peers.py's `mixed` plan (45% shared system prompts, 25% RAG, 25% multi-turn chats, "
+                "5% one hot prompt; 16 sessions in a closed loop, KV capacity 0.6 × the working set over 4 emulated "
+                "engines): fresh engines and a fresh router per run; fleet token hit rate from the engines' "
+                "/metrics over the measured window. `envoy` (round robin, no picker) is the prefix-blind baseline.", "",
+                "| router | fleet hit rate (runs) | client hit rate | TTFT p50 / p99 | requests | errors |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for label in HIT_CONTENDERS:
+            mine = [h for h in hits if h["contender"] == label]
+            if not mine:
+                continue
+            fleet = [h["hit_rate"]["fleet"] for h in mine]
+            runs = ", ".join(f"{100 * x:.1f}%" for x in fleet if x is not None)
+            client = _median([h["hit_rate"]["client"] for h in mine])
+            out.append(f"| {label} | {100 * (_median(fleet) or 0):.1f}% ({runs}) | "
+                       f"{'-' if client is None else f'{100 * client:.1f}%'} | "
+                       f"{_median([h['ttft_ms']['p50'] for h in mine])} / {_median([h['ttft_ms']['p99'] for h in mine])} "
+                       f"ms | {sum(h['requests'] for h in mine):,} | "
+                       f"{sum(sum(h['errors'].values()) if isinstance(h['errors'], dict) else h['errors'] for h in mine)} |")
+        out.append("")
     return "\n".join(out)
 
 
@@ -434,8 +507,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--itl-ms", type=float, default=20.0)
     p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     p.add_argument("--picker-streams", type=int, default=3000)
-    p.add_argument("--phases", nargs="+", default=["saturation", "latency", "picker"],
-                   choices=["saturation", "latency", "picker"])
+    p.add_argument("--hit-rounds", type=int, default=1, help="runs of each router on the mixed workload")
+    p.add_argument("--hit-duration", type=float, default=30.0, help="measured seconds of each hit-rate run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--phases", nargs="+", default=["saturation", "latency", "picker", "hits"],
+                   choices=["saturation", "latency", "picker", "hits"])
     p.add_argument("--no-doc", action="store_true")
     return p.parse_args(argv)
 
@@ -455,9 +531,10 @@ async def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         logs = Path(tmp)
         sat_windows = await phase_saturation(args, logs) if "saturation" in args.phases else []
         lat_windows = await phase_latency(args, logs) if "latency" in args.phases else []
-    picker = await phase_picker(args) if "picker" in args.phases else []
+        picker = await phase_picker(args) if "picker" in args.phases else []
+        hits = await phase_hit_rate(args, logs) if "hits" in args.phases else []
     meta["load_after"] = sat.load_average()
-    return {"meta": meta, "saturation": sat_windows, "latency": lat_windows, "picker": picker}
+    return {"meta": meta, "saturation": sat_windows, "latency": lat_windows, "picker": picker, "hits": hits}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -468,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(exist_ok=True)
     (out / "gateway.json").write_text(json.dumps(result, indent=1))
     section = render(result["meta"], saturation_rows(result["saturation"]), latency_rows(result["latency"]),
-                     result["picker"])
+                     result["picker"], result["hits"])
     print(section)
     if not args.no_doc:
         sat.DOC.write_text(update_doc(sat.DOC.read_text(), section))
