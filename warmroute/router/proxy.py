@@ -32,7 +32,8 @@ log = logging.getLogger("warmroute.router")
 # Hop-by-hop headers (RFC 9110 7.6.1) describe one connection, not the message: never forwarded.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                         "proxy-connection", "proxy-authenticate", "proxy-authorization"})
-_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect"}
+# Content-Encoding: aiohttp decompressed the body as it read it (app.py), so it goes up as plain bytes.
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
 _NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "x-warmroute-instance", "x-warmroute-reason"}
 CLIENT_CLOSED = 499  # status label of a request whose client went away (nginx's convention)
 
