@@ -308,3 +308,139 @@ async def test_a_large_body_is_keyed_off_the_loop_and_routed_alike(up_a, up_b, c
             assert r.status == 400 and "model" in (await r.json())["error"]["message"]  # checked in the thread
     finally:
         await router.stop()
+
+
+# -- 4: a retry after a first-byte timeout closes the first connection first, and is a setting ----------------------
+async def test_a_retry_after_no_answer_closes_the_first_request_first(up_a, up_b, client):
+    events: list[str] = []
+
+    async def hang(request: web.Request) -> web.Response:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            events.append("a aborted")  # what vLLM does when its client disconnects
+            raise
+        return web.Response(text="late")
+
+    async def answer(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.05)  # a's disconnect is seen by now if it was sent before this request
+        events.append("b answered")
+        return web.json_response({"upstream": "b"})
+
+    up_a.behaviour, up_b.behaviour = hang, answer
+    router = await router_for(up_a, up_b, first_byte_timeout=0.3)
+    router.app[ROUTER].fleet.instances["b"].inflight = 3  # so that the first choice is a
+    try:
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200 and r.headers["x-warmroute-instance"] == "b"
+        assert events == ["a aborted", "b answered"]
+        text = await (await client.get(router.url + "/metrics")).text()
+        assert 'warmroute_upstream_errors_total{backend="a",kind="timeout"} 1.0' in text
+        assert 'warmroute_retries_total{backend="a",kind="upstream_timeout"} 1.0' in text
+    finally:
+        await router.stop()
+
+
+@pytest.mark.parametrize("retry,status", [("connect", 504), ("off", 504)])
+async def test_retry_policy_connect_or_off_never_sends_twice_after_a_timeout(up_a, up_b, client, retry, status):
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.Response(text="late")
+
+    up_a.behaviour = up_b.behaviour = hang
+    router = await router_for(up_a, up_b, first_byte_timeout=0.2, retry=retry)
+    try:
+        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == status
+        assert len(_forwarded(up_a)) + len(_forwarded(up_b)) == 1
+    finally:
+        await router.stop()
+
+
+async def test_retry_off_does_not_retry_a_refused_connection(up_a, up_b, client):
+    router = await router_for(up_a, up_b, strategy="round_robin", retry="off")
+    try:
+        await up_a.stop()
+        statuses = []
+        for _ in range(2):
+            async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
+                statuses.append(r.status)
+        assert 502 in statuses and len(_forwarded(up_b)) <= 1
+    finally:
+        await router.stop()
+
+
+# -- 9: backend names ---------------------------------------------------------------------------------------------
+def test_backend_names_come_from_the_url_and_stay_put(tmp_path):
+    from warmroute.router.discovery import read_backends_file
+    from warmroute.router.settings import load_settings, name_from_url
+
+    assert name_from_url("http://10.0.0.5:8000") == "10.0.0.5-8000"
+    assert name_from_url("https://gpu-3.internal/v1/") == "gpu-3.internal-v1"
+    assert name_from_url("http://[::1]:7") == "1-7"
+    assert len(name_from_url("http://" + "h" * 60 + ".example:1/" + "p" * 80)) <= 63
+    f = tmp_path / "backends.yaml"
+    f.write_text("- http://10.0.0.1:8000\n- http://10.0.0.2:8000\n- http://10.0.0.3:8000\n")
+    before = {b.name: b.url for b in read_backends_file(f)}
+    f.write_text("- http://10.0.0.1:8000\n- http://10.0.0.3:8000\n")  # one line deleted
+    after = {b.name: b.url for b in read_backends_file(f)}
+    assert all(before[name] == url for name, url in after.items())  # nobody renamed onto another host
+    s = load_settings({"backends": ["http://10.0.0.1:8000"]}, env={})
+    with pytest.raises(ValueError, match="10.0.0.1-8000"):  # the same instance on the command line and in the file
+        read_backends_file(f, s.backends)
+
+
+def test_duplicate_backends_are_a_clear_error(tmp_path):
+    from warmroute.errors import UsageError
+    from warmroute.router.discovery import check_backends_file
+    from warmroute.router.settings import load_settings
+
+    with pytest.raises(UsageError, match="repeated: 10.0.0.1-8000"):
+        load_settings({"backends": ["http://10.0.0.1:8000", "http://10.0.0.1:8000"]}, env={})
+    f = tmp_path / "backends.yaml"
+    f.write_text("- gpu=http://10.0.0.9:8000\n")
+    s = load_settings({"backends": ["gpu=http://10.0.0.1:8000"], "backends_file": str(f)}, env={})
+    with pytest.raises(UsageError, match="repeated: gpu"):
+        check_backends_file(s)
+
+
+async def test_a_backends_file_clashing_with_a_static_name_is_refused_whole(up_a, up_b, tmp_path, client):
+    f = tmp_path / "backends.yaml"
+    f.write_text(f"- b={up_b.url}\n")
+    router = await router_for(up_a, backends=[f"a={up_a.url}"], backends_file=str(f), backends_file_interval=0.05)
+    try:
+        assert set(router.app[ROUTER].fleet.instances) == {"a", "b"}
+        f.write_text(f"- a={up_b.url}\n- c={up_b.url}\n")  # 'a' is static: the file is refused, not half-applied
+        await asyncio.sleep(0.4)
+        assert set(router.app[ROUTER].fleet.instances) == {"a", "b"}
+    finally:
+        await router.stop()
+
+
+# -- 10: a missing optional package is a one-line error before the port is bound -------------------------------------
+@pytest.mark.parametrize("setting,value,extra", [("redis_url", "redis://127.0.0.1:1", "redis"),
+                                                 ("kubernetes_service", "default/vllm", "kubernetes")])
+def test_a_missing_optional_package_is_one_line_and_exit_2(monkeypatch, capsys, setting, value, extra):
+    import importlib.util
+
+    from warmroute.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("redis", "kubernetes_asyncio") else real(name, *a))
+    flag = "--" + setting.replace("_", "-")
+    assert main(["serve", "--backend", "http://127.0.0.1:9", flag, value, "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"pip install 'warmroute[{extra}]'" in err and setting in err
+
+
+# -- 12: models_interval 0 means the model lists never narrow routing ------------------------------------------------
+async def test_models_listing_does_not_narrow_routing_when_models_interval_is_0(up_a, up_b, client):
+    up_a.models, up_b.models = ["m"], ["other"]
+    router = await router_for(up_a, up_b, models_interval=0)
+    try:
+        async with client.get(router.url + "/v1/models") as r:
+            assert {m["id"] for m in (await r.json())["data"]} == {"m", "other"}
+        assert all(i.models is None for i in router.app[ROUTER].fleet.instances.values())
+    finally:
+        await router.stop()

@@ -144,8 +144,10 @@ async def models(request: web.Request) -> web.Response:
     timeout = request.app[SETTINGS].health_timeout  # as light as a health check
     lists = await asyncio.gather(*(fetch_models(proxy.session, proxy.urls[n], auth, timeout) for n in names))
     seen: dict[str, dict] = {}
+    learn = request.app[SETTINGS].models_interval > 0  # 0: what instances serve is never read, so never narrows
     for name, entries in zip(names, lists):
-        request.app[CATALOG].learn(name, entries)
+        if learn:
+            request.app[CATALOG].learn(name, entries)
         for m in entries or ():
             if isinstance(m, dict) and isinstance(m.get("id"), str):
                 seen.setdefault(m["id"], m)

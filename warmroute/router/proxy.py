@@ -145,10 +145,13 @@ class Proxy:
 
     async def _forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
                        decision: Decision) -> web.StreamResponse:
-        """Send to the decision's instance; if it fails before any byte reached the client (no connection, no
-        first byte within first_byte_timeout, connection dropped before answering), once more to the next
-        choice, never the same instance twice in a row."""
+        """Send to the decision's instance; if it fails before any byte reached the client, once more to the next
+        choice (never the same instance twice in a row) as the `retry` setting allows: connect (no connection
+        could be opened), no_answer (also: no first byte within first_byte_timeout, or the connection dropped
+        before answering; that connection is closed before the retry, so the engine aborts the request), off."""
+        policy = self.settings.retry
         for attempt in (0, 1):
+            last = attempt == 1 or policy == "off"
             request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
             ticket = self.router.dispatch(decision, defer_record=True)
             try:
@@ -157,12 +160,12 @@ class Proxy:
                 self.router.metrics.upstream_error(decision.instance, "connect")
                 self.health.connection_failed(decision.instance)  # so the next choice avoids it
                 self.router.unrecord(decision)
-                if attempt == 1:
+                if last:
                     raise ApiError(502, f"could not connect to instance {decision.instance}", "upstream_error",
                                    instance=decision.instance) from None
                 error = None
-            except _NoAnswer as exc:
-                if attempt == 1:
+            except _NoAnswer as exc:  # its connection is closed already (_open)
+                if last or policy == "connect":
                     raise exc.error from None
                 error = exc.error
             except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler
