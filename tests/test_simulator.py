@@ -218,3 +218,17 @@ def test_long_chats_keep_their_history_warm_like_sticky_routing(seed):
     workload = make_workload("chat", seed=seed, max_tokens=2, min_turns=6, max_turns=12, reply_tokens=300)
     hit = {s: summarize(Simulation(settings, workload, s).run()).hit_rate for s in ("cache_aware", "sglang_like")}
     assert hit["cache_aware"] >= 0.5 and hit["cache_aware"] >= 0.85 * hit["sglang_like"]
+
+
+def test_a_scenario_row_with_no_finished_request_prints_a_dash():
+    """Issue #22 item 14: a missing TTFT p50 (nothing finished) used to raise TypeError in the row's format."""
+    import dataclasses
+
+    from warmroute.sim.cli import _scenario_row
+    from warmroute.sim.report import Summary
+
+    empty = Summary(strategy="random", requests=3, ttft_p50_ms=None, ttft_p99_ms=None, e2e_p50_s=None,
+                    throughput_rps=0.0, output_tokens_per_s=0.0, hit_rate=0.0, load_spread=None, spilled=0.0,
+                    rejected=0, prefixes_moved=[], hit_rate_dips=[], ttft_p50_ms_by_class={})
+    row = _scenario_row("c1", {"random": empty, "cache_aware": dataclasses.replace(empty, strategy="cache_aware")})
+    assert "random: hit 0% p50 -ms" in row and "cache_aware: hit 0% p50 -ms" in row

@@ -71,7 +71,8 @@ def _dip(r: SimResult, t: float) -> dict:
     return {"at_s": t, "before": level, "lowest": lowest, "recovery_s": recovered}
 
 
-def _fmt(v: float | None, spec: str) -> str:
+def fmt(v: float | None, spec: str) -> str:
+    """A figure that may be missing (no request finished): '-' then, never a TypeError."""
     return "-" if v is None else format(v, spec)
 
 
@@ -80,14 +81,14 @@ def table(summaries: list[Summary], title: str = "") -> str:
            f"{'spread':>6} {'spilled':>7}"
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for s in summaries:
-        lines.append(f"{s.strategy:<12} {_fmt(s.ttft_p50_ms, '8.0f')}ms {_fmt(s.ttft_p99_ms, '7.0f')}ms "
+        lines.append(f"{s.strategy:<12} {fmt(s.ttft_p50_ms, '8.0f')}ms {fmt(s.ttft_p99_ms, '7.0f')}ms "
                      f"{s.throughput_rps:7.2f} {s.output_tokens_per_s:8.0f} {s.hit_rate:8.1%} "
-                     f"{_fmt(s.load_spread, '6.2f')} {s.spilled:7.1%}")
+                     f"{fmt(s.load_spread, '6.2f')} {s.spilled:7.1%}")
     for s in summaries:
         for (t, moved), dip in zip(s.prefixes_moved, s.hit_rate_dips):
             rec = "not within the run" if dip["recovery_s"] is None else f"{dip['recovery_s']:.0f} s"
             lines.append(f"{s.strategy}: scale event at {t:.0f} s moved {moved:.1%} of prefixes; hit rate "
-                         f"{_fmt(dip['before'], '.1%')} -> lowest {_fmt(dip['lowest'], '.1%')}, recovered in {rec}")
+                         f"{fmt(dip['before'], '.1%')} -> lowest {fmt(dip['lowest'], '.1%')}, recovered in {rec}")
     return "\n".join(lines)
 
 
