@@ -50,6 +50,8 @@ class Backend(BaseModel):
     @field_validator("url")
     @classmethod
     def _check_url(cls, v: str) -> str:
+        if not v.isprintable() or " " in v:  # urlsplit silently drops CR, LF and tab: refuse them here
+            raise ValueError(f"backend URL {v!r} must not contain spaces or control characters")
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
             raise ValueError(f"backend URL {v!r} must look like http://HOST:PORT[/PATH]")
