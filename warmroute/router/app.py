@@ -58,6 +58,7 @@ DISCOVERY = web.AppKey("discovery", Discovery)
 ACTIVITY = web.AppKey("activity", dash.Activity)
 SIBLINGS = web.AppKey("siblings", dash.Siblings)  # the other workers' dashboard snapshots
 CATALOG = web.AppKey("catalog", ModelCatalog)  # which models each instance serves
+SERVER_NAMES = web.AppKey("server_names", dict)  # (address, port) -> host name of https:// instances (DNS)
 LINKS = web.AppKey("links", object)  # Links | None: this worker's sockets to its siblings (server.py)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -245,7 +246,8 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[SCRAPER] = scraper = EngineScraper(router.fleet, urls, settings, metrics_)
     app[CATALOG] = catalog = ModelCatalog(router.fleet, urls, settings)
     app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper, catalog)
-    app[DISCOVERY] = Discovery(membership, settings, resolver)
+    app[SERVER_NAMES] = server_names = {}
+    app[DISCOVERY] = Discovery(membership, settings, resolver, server_names)
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
     app[SIBLINGS] = dash.Siblings()
     app[LINKS] = links
@@ -281,8 +283,9 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     """The pooled client session, the health loop and the engine scrapes live exactly as long as the app
     (past in-flight requests)."""
     proxy = app[PROXY]
-    proxy.session = session = make_session(app[SETTINGS])
-    proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout, tls=upstream_tls(app[SETTINGS]))
+    proxy.session = session = make_session(app[SETTINGS], app[SERVER_NAMES])
+    proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout, tls=upstream_tls(app[SETTINGS]),
+                                     server_names=app[SERVER_NAMES])
     await app[DISCOVERY].start(session)  # the backends file and DNS names, before the first health round
     settings = app[SETTINGS]
     k8s = None

@@ -38,6 +38,7 @@ from warmroute.router.health import Health
 from warmroute.router.metrics import Metrics
 from warmroute.router.models import ModelCatalog
 from warmroute.router.settings import Backend, RouterSettings, parse_backends
+from warmroute.router.upstream import ServerNames
 from warmroute.router.background import cancel_all
 
 log = logging.getLogger("warmroute.router")
@@ -223,10 +224,12 @@ class Membership:
 class Discovery:
     """The config source: static backends + backends_file, expanded through DNS; its polling loops."""
 
-    def __init__(self, membership: Membership, settings: RouterSettings, resolver: Resolver = resolve) -> None:
+    def __init__(self, membership: Membership, settings: RouterSettings, resolver: Resolver = resolve,
+                 server_names: ServerNames | None = None) -> None:
         self.membership = membership
         self.settings = settings
         self.resolver = resolver
+        self.server_names = server_names if server_names is not None else {}  # read by the upstream clients
         self._file_mtime: float | None = None
         self._file_backends: list[Backend] = []
         self._dns: dict[str, list[str]] = {}  # configured name -> addresses last resolved
@@ -339,7 +342,10 @@ class Discovery:
                                 if n not in taken or self._owned_by(b.name, n))
                     current[addr] = self._slots[b.name, addr] = name
                     taken.add(name)
+            parts = urlsplit(b.url)
             for addr in addresses:
+                if parts.scheme == "https":  # TLS checks the certificate against the name, not the address
+                    self.server_names[addr, parts.port or 443] = parts.hostname or ""
                 out.append(b.model_copy(update={"name": current[addr], "url": with_host(b.url, addr)}))
         return out
 

@@ -24,7 +24,7 @@ from warmroute.router.errors import ApiError
 from warmroute.router.health import Health
 from warmroute.router.routing import Router, Ticket, is_routed
 from warmroute.router.settings import RouterSettings, upstream_tls
-from warmroute.router.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamResponse
+from warmroute.router.upstream import ConnectError, ServerNames, UpstreamError, UpstreamPool, UpstreamResponse
 from warmroute.router.usage import UsageTap
 
 log = logging.getLogger("warmroute.router")
@@ -98,9 +98,9 @@ def _target(request: web.Request) -> str:
     return raw if raw.startswith("/") else request.rel_url.raw_path_qs  # absolute-form: keep its path
 
 
-def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
+def make_session(settings: RouterSettings, server_names: ServerNames | None = None) -> aiohttp.ClientSession:
     """The control plane's client (health checks, engine scrapes, /v1/models); proxied requests go through
-    the leaner UpstreamPool (upstream.py)."""
+    the leaner UpstreamPool (upstream.py). `server_names`: as UpstreamPool's."""
     tls = upstream_tls(settings)
     connector = aiohttp.TCPConnector(
         limit=0, limit_per_host=0, ssl=True if tls is None else tls,
@@ -112,7 +112,22 @@ def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
         auto_decompress=False,  # relay the bytes as the engine sent them
         skip_auto_headers=("User-Agent", "Accept-Encoding"),  # send only what the client sent
         cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
+        middlewares=(_named_tls(server_names),) if server_names is not None else (),
     )
+
+
+def _named_tls(server_names: ServerNames) -> aiohttp.ClientMiddlewareType:
+    """An https:// instance reached by the address its host name resolved to: SNI, certificate check and Host
+    header use the name (as UpstreamPool does), not the address."""
+
+    async def middleware(req: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType) -> aiohttp.ClientResponse:
+        name = server_names.get((req.url.host or "", req.url.port or 443)) if req.url.scheme == "https" else None
+        if name is not None:
+            req.server_hostname = name
+            req.headers["Host"] = name if req.url.port in (None, 443) else f"{name}:{req.url.port}"
+        return await handler(req)
+
+    return middleware
 
 
 class Proxy:
