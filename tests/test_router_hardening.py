@@ -424,12 +424,14 @@ def test_a_missing_optional_package_is_one_line_and_exit_2(monkeypatch, capsys, 
     import importlib.util
 
     from warmroute.cli import main
+    from warmroute.router import server
 
+    monkeypatch.setattr(server, "serve", lambda settings: 99)  # got past validation: fail fast, never listen
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("redis", "kubernetes_asyncio") else real(name, *a))
     flag = "--" + setting.replace("_", "-")
-    assert main(["serve", "--backend", "http://127.0.0.1:9", flag, value, "--port", "1"]) == 2
+    assert main(["serve", "--backend", "http://127.0.0.1:9", flag, value, "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"pip install 'warmroute[{extra}]'" in err and setting in err
 
