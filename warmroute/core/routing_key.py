@@ -1,7 +1,8 @@
 """Request -> routing key: the text the engine will cache, in order, plus what must seed its hash.
 
 The key is what decides cache sharing inside the engine: the rendered conversation (roles and text of every
-message, tool definitions first, as chat templates place them), the completion prompt (text or token ids),
+message, tool definitions first, as chat templates place them; an Anthropic Messages request as vLLM turns it
+into a chat request), the completion prompt (text or token ids),
 or, for SageMaker-style /invocations, the raw body. The model name and any cache salt seed the hash, so
 prompts for different models or salts never look alike. The emulated engine renders prompts with the same
 functions, so router and engine agree on what a prefix is.
@@ -93,16 +94,16 @@ def _part_digest(part: dict) -> str:
     return f"<{part.get('type')}:{xxhash.xxh3_128_hexdigest(raw.encode('utf-8', 'surrogatepass'))}>"
 
 
-def check_message(m: Any, i: int, field_name: str = "messages") -> None:
+def check_message(m: Any, i: int) -> None:
     """What the OpenAI API itself rejects, so that it is never forwarded: a message without a role, or without
     content (an assistant message that calls tools may leave it null)."""
     if not isinstance(m, dict):
-        raise KeyError_(f"{field_name}[{i}] must be an object")
+        raise KeyError_(f"messages[{i}] must be an object")
     role = m.get("role")
     if not isinstance(role, str):
-        raise KeyError_(f"{field_name}[{i}].role is required and must be a string")
+        raise KeyError_(f"messages[{i}].role is required and must be a string")
     if m.get("content") is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
-        raise KeyError_(f"{field_name}[{i}].content is required")
+        raise KeyError_(f"messages[{i}].content is required")
 
 
 def render_messages(messages: Any, tools: Any = None, strict: bool = False) -> str:
