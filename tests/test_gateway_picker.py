@@ -321,3 +321,13 @@ async def test_a_body_larger_than_grpcs_default_message_limit_is_read(picker, ch
     await s.send(request_body=ep.HttpBody(body=body, end_of_stream=True))
     assert DESTINATION in _set_headers((await s.reply()).request_body.response.header_mutation)
     s.call.cancel()
+
+
+@pytest.mark.parametrize(("path", "extra", "status"), [
+    ("/reset_prefix_cache", {}, 404), ("/v1/chat/completions", {"content-encoding": "gzip"}, 415)])
+async def test_what_serve_would_not_forward_is_refused(picker, channel, path, extra, status):
+    s = Stream(channel)
+    await s.send(request_headers=_headers(path, **extra))
+    reply = await s.reply()
+    assert reply.immediate_response.status.code == status
+    assert json.loads(reply.immediate_response.body)["error"]["code"] == status

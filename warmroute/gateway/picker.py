@@ -30,9 +30,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from warmroute.core.routing_key import RoutingKey
+from warmroute.core.routing_key import ROUTED_PATHS, RoutingKey
 from warmroute.core.strategies import UNHEALTHY_FALLBACK, Decision, ModelNotServed, NoInstanceAvailable
 from warmroute.gateway.endpoints import endpoint_of, names_at, only
+from warmroute.router.app import FORWARDED_PATHS, unknown_path
 from warmroute.router.dashboard import Activity
 from warmroute.router.errors import ApiError, error_body, no_instance, too_large
 from warmroute.router.health import Health
@@ -51,6 +52,9 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 ATTRIBUTES, CODE_DETAILS = "envoy.filters.http.ext_proc", "response.code_details"
 SERVICE_NAME = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+
+# What serve forwards, plus the model list, which serve answers itself (merged) and a gateway can only pass on.
+GATEWAY_FORWARDED = FORWARDED_PATHS | {"/v1/models"}
 
 _Mode = modes.ProcessingMode
 _OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -175,6 +179,13 @@ class Exchange:
         self.subset = _subset(message.metadata_context)
         headers = _headers(message.request_headers)
         self.path = headers.get(":path", "/").partition("?")[0]
+        if self.path not in ROUTED_PATHS and self.path not in GATEWAY_FORWARDED:
+            return [self._refuse(unknown_path())]  # as serve: an engine's control endpoints are never reached
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            return [self._refuse(ApiError(415, f"unsupported Content-Encoding {encoding[:40]!r}: the picker reads "
+                                               "bodies as sent; decompress them in the gateway (Envoy's "
+                                               "decompressor filter) before ext_proc", "invalid_request_error"))]
         self.session = headers.get(SESSION_HEADER)
         limit = self.picker.settings.max_body_bytes
         length = headers.get("content-length", "")
@@ -203,7 +214,7 @@ class Exchange:
         router = picker.router
         body = b"".join(self.chunks)
         try:
-            key, decision = self._route(body)
+            key, decision = self._route(body, await router.key_off_loop(self.path, body, self.session))
             if decision.private and self.subset is None:  # held as serve holds it (Router.hold)
                 decision, _ = await router.hold(key, decision)
         except ApiError as exc:
@@ -229,13 +240,14 @@ class Exchange:
         return [ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata),
                 ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(body_mutation=echo)))]
 
-    def _route(self, body: bytes) -> tuple[RoutingKey | None, Decision]:
+    def _route(self, body: bytes, key: RoutingKey | None) -> tuple[RoutingKey | None, Decision]:
+        """serve's decision (`key`: a large body's, built off the loop by Router.key_off_loop)."""
         picker = self.picker
         if self.subset is None:
-            return picker.router.route(self.path, body, self.session)
+            return picker.router.route(self.path, body, self.session, key)
         allowed = names_at(picker.urls, self.subset)
         with only(picker.router.fleet, allowed):  # no await inside: the hidden instances are back at once
-            return picker.router.route(self.path, body, self.session)
+            return picker.router.route(self.path, body, self.session, key)
 
     def _fallbacks(self, key: RoutingKey | None, decision: Decision) -> list[Decision]:
         """The least loaded other instances that may serve it (and are in the subset): the gateway tries them in
