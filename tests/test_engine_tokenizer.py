@@ -40,16 +40,40 @@ def test_the_engine_imports_nothing_of_the_router() -> None:
         assert not bad, f"{path.name} imports {bad}"
 
 
-def test_importing_the_engine_loads_no_router_module(tmp_path: Path) -> None:
+def test_an_engine_with_the_default_tokenizer_loads_no_router_module(tmp_path: Path) -> None:
+    import os
     import subprocess
     import sys
 
-    code = ("import sys, warmroute.engine.cli, warmroute.engine.server, warmroute.engine.tokenizer; "
-            "print('\\n'.join(sorted(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=ENGINE_DIR.parent.parent).stdout.split()
+    code = ("import sys, warmroute.engine.cli, warmroute.engine.server, warmroute.engine.tokenizer as t; "
+            "print(t.load_tokenizer().directory); print('\\n'.join(sorted(sys.modules)))")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+
+    def run() -> list[str]:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                              cwd=ENGINE_DIR.parent.parent).stdout.split()
+
+    first = run()  # writes the tiny model's tokenizer into the cache (its writer uses the workload library)
+    out = run()
+    assert out[0] == first[0] and Path(out[0]).parent == tmp_path / "warmroute"
     assert "warmroute.engine.server" in out
     assert not [m for m in out if m.startswith(FORBIDDEN)]
+
+
+def test_the_engine_renders_the_tiny_model_s_template_as_its_vllm_renderer(tmp_path: Path) -> None:
+    from warmroute.realengine.hf_model import render_chat, write_tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = PromptTokenizer(tmp_path)
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "find", "parameters": {"a": 1}}}]
+    cases = [
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], None),
+        ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], tools),
+        ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+          "tool_calls": [{"function": {"name": "lookup", "arguments": "{}"}}]}], tools),
+    ]
+    for messages, tool_list in cases:
+        assert tok.render_chat(messages, tool_list) == render_chat(messages, tool_list)
 
 
 # -- chat template ------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ same one), written once into the user's cache directory.
 from __future__ import annotations
 
 import hashlib
-import inspect
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -35,7 +36,10 @@ CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 TEXT_PARTS = ("text", "input_text", "refusal")  # content part types whose text the prompt carries
+TINY_MODEL_MODULE = "warmroute.realengine.hf_model"  # writes the tiny model's tokenizer
 SEGMENT_CACHE_TOKENS = 4_000_000  # tokens of recently seen prompt pieces kept (~16 MB as uint32)
+CHUNK_CHARS = 1024  # a long piece of prompt text is tokenized (and remembered) in chunks of about this size
+_SAFE_CUT = re.compile(r"(?<=[!-~]) (?=[!-~])")  # a space between printable ASCII: a pre-token starts there
 
 
 class TokenizerError(ValueError):
@@ -121,33 +125,41 @@ class PromptTokenizer:
 
 
 class SegmentCache:
-    """Tokenizes text piece by piece between added tokens, remembering recent pieces.
+    """Tokenizes text piece by piece, remembering recent pieces: exact, and cheap for repeated prefixes.
 
-    The tokenizers library itself cuts the input at its added tokens (`<|im_start|>`, ...) and tokenizes the
-    pieces between them independently, so joining the pieces' ids gives exactly its result. A chat prompt's
-    pieces are mostly its messages, and a system prompt, a shared document or a conversation's earlier turns
-    come back request after request: those are looked up instead of tokenized again. Only for tokenizers
-    whose added tokens match plain text (no lstrip/rstrip/single_word, no normalized token behind a
-    normalizer); others tokenize every prompt whole.
+    The tokenizers library itself cuts its input at added tokens (`<|im_start|>`, ...) and tokenizes the
+    pieces between them independently, so joining the pieces' ids gives exactly its result. A byte-level BPE
+    whose pre-tokenizer splits text with GPT-2's pattern never merges across a space that has a printable
+    ASCII character on either side (the space starts the next pre-token), so a long piece is also cut there,
+    about every CHUNK_CHARS. A chat prompt's pieces are mostly its messages and chunks of them, and a system
+    prompt, a shared document or a conversation's earlier turns come back request after request: those are
+    looked up instead of tokenized again. Cutting also keeps each library call short, where its cost per token
+    grows with the input's length. Used only where the cuts are known to be exact (added tokens that match
+    plain text, no normalizer); long pieces are cut only for such a byte-level BPE.
     """
 
-    def __init__(self, tokenizer: Any, added: dict[str, int], max_tokens: int = SEGMENT_CACHE_TOKENS) -> None:
+    def __init__(self, tokenizer: Any, added: dict[str, int], chunked: bool,
+                 max_tokens: int = SEGMENT_CACHE_TOKENS) -> None:
         self._tokenizer = tokenizer
         self._added = added
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+        self._chunked = chunked
         self._pieces: OrderedDict[str, array[int]] = OrderedDict()
         self._tokens = 0
         self.max_tokens = max_tokens
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> SegmentCache | None:
+        spec = json.loads(tokenizer.to_str())
         added = tokenizer.get_added_tokens_decoder()
-        if not added:
+        if spec.get("normalizer") is not None or not added:
             return None
-        plain = all(not (t.lstrip or t.rstrip or t.single_word) for t in added.values())
-        if not plain or (tokenizer.normalizer is not None and any(t.normalized for t in added.values())):
+        if any(t.lstrip or t.rstrip or t.single_word for t in added.values()):
             return None
-        return cls(tokenizer, {t.content: i for i, t in added.items()})
+        pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
+        chunked = (pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+                   and model.get("type") == "BPE" and not model.get("dropout"))
+        return cls(tokenizer, {t.content: i for i, t in added.items()}, chunked)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -155,10 +167,21 @@ class SegmentCache:
             if i % 2:  # re.split puts each captured added token between two pieces of text
                 ids.append(self._added[piece])
             elif piece:
-                ids.extend(self._piece(piece))
+                for chunk in self._chunks(piece):
+                    ids.extend(self._cached(chunk))
         return ids
 
-    def _piece(self, piece: str) -> array[int]:
+    def _chunks(self, piece: str) -> list[str]:
+        if not self._chunked or len(piece) <= CHUNK_CHARS:
+            return [piece]
+        out, start = [], 0
+        while (cut := _SAFE_CUT.search(piece, start + CHUNK_CHARS)) is not None:
+            out.append(piece[start:cut.start()])
+            start = cut.start()
+        out.append(piece[start:])
+        return out
+
+    def _cached(self, piece: str) -> array[int]:
         pieces = self._pieces
         ids = pieces.get(piece)
         if ids is not None:
@@ -175,27 +198,33 @@ class SegmentCache:
 # -- the tiny model's tokenizer, written once ---------------------------------------------------------------
 def default_tokenizer_dir() -> Path:
     """The tiny model's tokenizer in the user's cache directory, written there on first use."""
-    try:
-        from warmroute.realengine import hf_model
-    except ImportError as exc:
-        raise TokenizerError(f"cannot write the tiny model's tokenizer ({exc}); give a model directory") from None
-
+    spec = importlib.util.find_spec(TINY_MODEL_MODULE)
+    if spec is None or spec.origin is None:
+        raise TokenizerError(f"{TINY_MODEL_MODULE} is missing; give a model directory")
     # Keyed by the writer's source, so a changed tokenizer is never read from a stale cache.
-    version = hashlib.sha256(inspect.getsource(hf_model).encode()).hexdigest()[:12]
+    version = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "warmroute"
     directory = cache / f"tiny-tokenizer-{version}"
     if not (directory / CONFIG_FILE).exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache))
-        try:
-            hf_model.write_tokenizer(staging)
-            try:
-                staging.rename(directory)
-            except OSError:  # another process wrote it first: theirs is the same
-                pass
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        _write_tiny_tokenizer(cache, directory)
     return directory
+
+
+def _write_tiny_tokenizer(cache: Path, directory: Path) -> None:
+    try:
+        write_tokenizer = importlib.import_module(TINY_MODEL_MODULE).write_tokenizer
+    except (ImportError, AttributeError) as exc:
+        raise TokenizerError(f"cannot write the tiny model's tokenizer ({exc}); give a model directory") from None
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache))
+    try:
+        write_tokenizer(staging)
+        try:
+            staging.rename(directory)
+        except OSError:  # another process wrote it first: theirs is the same
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_tokenizer(directory: str | Path | None = None) -> PromptTokenizer:
