@@ -173,7 +173,8 @@ async def test_bad_requests_get_a_json_400(fleet: Fleet, http: aiohttp.ClientSes
                        ("/v1/completions", {"max_tokens": 3}),
                        ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
                        ("/v1/completions", {"prompt": "x", "stream": "yes"}),
-                       ("/v1/completions", {"prompt": "x" * 300_000})):  # more than the KV cache holds
+                       ("/v1/completions", {"prompt": "x" * 300_000}),  # more than the KV cache holds
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 10_000_000}]})):
         status, reply = await post(http, url + path, body)
         assert status == 400 and reply["error"]["message"], (path, body)
     assert fleet.servers[0].model.stats.requests_submitted == 0

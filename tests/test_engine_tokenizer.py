@@ -147,6 +147,15 @@ def test_piecewise_tokenization_equals_the_library_s(test_tokenizer: PromptToken
         assert test_tokenizer.encode(text, add_special_tokens=False) == whole
 
 
+def test_a_text_too_long_for_the_engine_is_refused_before_it_is_tokenized(test_tokenizer: PromptTokenizer) -> None:
+    longest = max(map(len, test_tokenizer._tokenizer.get_vocab()))
+    assert len(test_tokenizer.encode("x" * 1000, max_tokens=1000)) > 0  # might fit: tokenized
+    with pytest.raises(ValueError, match="longer than the 10 tokens"):
+        test_tokenizer.encode("x" * (10 * longest + 1), max_tokens=10)
+    with pytest.raises(ValueError, match="longer than"):
+        test_tokenizer.chat_ids({"messages": [{"role": "user", "content": "x" * 100_000}]}, max_tokens=1000)
+
+
 def test_piece_cache_is_bounded(test_tokenizer: PromptTokenizer) -> None:
     cache = SegmentCache.for_tokenizer(test_tokenizer._tokenizer)
     assert cache is not None

@@ -92,7 +92,9 @@ class EngineServer:
             if not isinstance(body, dict):
                 raise ValueError("the request body must be a JSON object")
             max_tokens, streaming = request_options(body)
-            ids = self.tokenizer.chat_ids(body) if chat else self.tokenizer.completion_ids(body.get("prompt"))
+            limit = self.model.config.kv_capacity_tokens  # a longer prompt is refused before it is tokenized
+            ids = (self.tokenizer.chat_ids(body, limit) if chat
+                   else self.tokenizer.completion_ids(body.get("prompt"), limit))
             hashes = block_hashes(ids, self.model.config.block_size, cache_salt=_cache_salt(body))
             tokens = self.driver.submit(hashes, len(ids), max_tokens, every_token=streaming)
         except ValueError as exc:

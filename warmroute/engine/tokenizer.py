@@ -59,6 +59,11 @@ class PromptTokenizer:
         if not isinstance(config, dict):
             raise TokenizerError(f"{self.directory / CONFIG_FILE} is not a JSON object")
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        # No token covers more characters than its own text has (without a normalizer, which may drop some),
+        # so a text longer than n times this surely makes more than n tokens.
+        spec = json.loads(self._tokenizer.to_str())
+        self._max_token_chars = (max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
+                                 if spec.get("normalizer") is None else None)
         self.special_tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
         source = _template_source(config, self.directory)
         self._template = _compile(source) if source is not None else None
@@ -69,7 +74,10 @@ class PromptTokenizer:
         return self._template is not None
 
     # -- prompts ---------------------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """The text's token ids. ValueError, before tokenizing, if it surely makes more than `max_tokens`."""
+        if max_tokens is not None and self._max_token_chars and len(text) > max_tokens * self._max_token_chars:
+            raise ValueError(f"the prompt is longer than the {max_tokens:,} tokens this engine can hold")
         if add_special_tokens or self._splitter is None:
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return self._splitter.encode(text)
@@ -88,8 +96,9 @@ class PromptTokenizer:
         except TemplateError as exc:  # raise_exception() in the template, or a template bug
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
-    def chat_ids(self, body: dict[str, Any]) -> list[int]:
-        """A /v1/chat/completions body's prompt token ids. ValueError for a body the engine cannot take."""
+    def chat_ids(self, body: dict[str, Any], max_tokens: int | None = None) -> list[int]:
+        """A /v1/chat/completions body's prompt token ids. ValueError for a body the engine cannot take (or
+        whose prompt surely has more than `max_tokens`)."""
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise ValueError("'tools' must be a list")
@@ -101,9 +110,9 @@ class PromptTokenizer:
             raise ValueError("'add_generation_prompt' must be true or false")
         kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}
         text = self.render_chat(body.get("messages"), tools, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
 
-    def completion_ids(self, prompt: Any) -> list[int]:
+    def completion_ids(self, prompt: Any, max_tokens: int | None = None) -> list[int]:
         """A /v1/completions `prompt`'s token ids: a string, a list of token ids, or a list holding one of
         those. ValueError for anything else (several prompts in one request are not supported)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -111,7 +120,7 @@ class PromptTokenizer:
                 raise ValueError("only one prompt per request is supported")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.encode(prompt, add_special_tokens=True)
+            ids = self.encode(prompt, add_special_tokens=True, max_tokens=max_tokens)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
             if bad is not None:

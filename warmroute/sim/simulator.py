@@ -291,6 +291,8 @@ class Simulation:
             self._start_step(now, inst)
 
     def _engine_blocks(self, key: RoutingKey) -> list[int]:
+        """The engine model is fed the routing key's blocks and ~4-byte tokens, not a tokenizer's (too slow for
+        100,000 requests): here, unlike over HTTP, router and engine agree on what a prefix is."""
         blocks = key.blocks(self.block_bytes)
         return blocks[: key.tokens // self.cfg.block_size]
 
