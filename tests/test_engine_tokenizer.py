@@ -92,6 +92,18 @@ def test_tools_are_rendered_with_tojson_keeping_unicode(test_tokenizer: PromptTo
     assert json.dumps(tool, ensure_ascii=False) in text
 
 
+def test_template_kwargs_override_special_tokens_and_bad_data_is_a_value_error(tmp_path: Path) -> None:
+    write_test_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m['content'] + m['name'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = PromptTokenizer(tmp_path)
+    assert tok.render_chat([{"role": "user", "content": "a", "name": "b"}]) == "<|endoftext|>ab"
+    assert tok.render_chat([{"role": "user", "content": "a", "name": "b"}], bos_token="") == "ab"
+    with pytest.raises(ValueError, match="cannot render"):  # str + int: a TypeError inside the template
+        tok.render_chat([{"role": "user", "content": "a", "name": 5}])
+
+
 def test_content_parts_are_flattened_to_text_joined_by_newlines(test_tokenizer: PromptTokenizer) -> None:
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
     as_parts = test_tokenizer.chat_ids({"messages": [{"role": "user", "content": parts}]})
@@ -108,6 +120,8 @@ def test_content_parts_are_flattened_to_text_joined_by_newlines(test_tokenizer: 
     ({"messages": [{"role": "user", "content": 3}]}, "string or a list"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown role wizard"),  # raise_exception
     ({"messages": [{"role": "user", "content": "x"}], "tools": {}}, "'tools' must be a list"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}, "must be an object"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "yes"}, "true or false"),
 ])
 def test_bad_chat_bodies_are_value_errors(test_tokenizer: PromptTokenizer, body: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -87,13 +87,11 @@ class PromptTokenizer:
         """The chat prompt's text. ValueError for messages the engine cannot render."""
         if self._template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
-        from jinja2 import TemplateError
-
+        variables = {**self.special_tokens, **template_kwargs, "messages": _flatten_messages(messages),
+                     "tools": tools, "add_generation_prompt": add_generation_prompt}  # kwargs win, as in transformers
         try:
-            return self._template.render(**self.special_tokens, **template_kwargs,
-                                         messages=_flatten_messages(messages), tools=tools,
-                                         add_generation_prompt=add_generation_prompt)
-        except TemplateError as exc:  # raise_exception() in the template, or a template bug
+            return self._template.render(variables)
+        except Exception as exc:  # raise_exception() in the template, or data it cannot handle (a TypeError, ...)
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
     def chat_ids(self, body: dict[str, Any], max_tokens: int | None = None) -> list[int]:
@@ -102,7 +100,8 @@ class PromptTokenizer:
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise ValueError("'tools' must be a list")
-        kwargs = body.get("chat_template_kwargs") or {}
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
             raise ValueError("'chat_template_kwargs' must be an object")
         add_generation_prompt = body.get("add_generation_prompt", True)
