@@ -212,11 +212,13 @@ async def test_client_disconnect_cancels_the_sequence(http: aiohttp.ClientSessio
         await fleet.close()
 
 
-def test_cli_rejects_bad_settings_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_rejects_bad_settings_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     assert main(["engine", "--count", "2", "--port", "65535"]) == 2
     assert main(["engine", "--block-size", "0"]) == 2
+    assert main(["engine", "--tokenizer", str(tmp_path)]) == 2  # no tokenizer.json there
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and all(line.startswith("warmroute engine: error: ") for line in err)
+    assert len(err) == 3 and all(line.startswith("warmroute engine: error: ") for line in err)
+    assert "cannot load a tokenizer" in err[2]
 
 
 async def test_requests_arriving_during_a_decode_stretch_pay_their_full_prefill(
