@@ -219,9 +219,11 @@ class Fleet:
         had predicted `predicted_tokens`: correct the index's idea of that instance's cache. `queued_ahead`:
         requests sent there before this one that had no first token yet when it was sent."""
         bt = self.block_tokens
-        reported = fb.reported_blocks(cached_tokens, engine_prompt_tokens, prompt_tokens or len(blocks) * bt,
-                                      bt, len(blocks))
-        verdict = fb.judge(predicted_tokens // bt, reported)
+        prompt_tokens = prompt_tokens or len(blocks) * bt
+        reported = fb.reported_blocks(cached_tokens, engine_prompt_tokens, prompt_tokens, bt, len(blocks))
+        predicted = predicted_tokens // bt
+        tolerance = fb.tolerance_blocks(predicted, engine_prompt_tokens, prompt_tokens, bt)
+        verdict = fb.judge(predicted, reported, tolerance)
         if name not in self.instances or not self.settings.feedback:
             return verdict
         # The chain itself is held now either way (the engine just computed it), so it stays recorded; a wrong
