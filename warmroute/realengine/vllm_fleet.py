@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,7 +134,9 @@ class VllmFleet:
                 "--host", spec.host, "--port", str(instance.port),
                 "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--block-size", str(spec.block_size), "--kv-cache-memory-bytes", str(spec.kv_cache_bytes),
-                "--max-model-len", str(spec.max_model_len), "--disable-uvicorn-access-log"]
+                "--max-model-len", str(spec.max_model_len), "--disable-uvicorn-access-log",
+                # the model runs in the engine-core process, as on one GPU: no third process per instance
+                "--distributed-executor-backend", "uni"]
         if instance.events_port is not None:
             args += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
@@ -143,6 +147,9 @@ class VllmFleet:
         env = {"VLLM_CPU_OMP_THREADS_BIND": instance.cores,
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",  # a local model: never reach for the Hub
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        # vllm-cpu 0.32 with torch 2.13 cannot load the AOT-compiled graphs it saves ("'function' object has no
+        # attribute 'finalize_loading'") and compiles again each start; the older compile cache loads.
+        env["VLLM_USE_AOT_COMPILE"] = os.environ.get("VLLM_USE_AOT_COMPILE", "0")
         cache = self.spec.cache_dir or os.environ.get("VLLM_CACHE_ROOT") or _default_cache_dir(self.python)
         if cache is not None:
             env["VLLM_CACHE_ROOT"] = str(cache)
@@ -168,6 +175,27 @@ def _default_cache_dir(python: str) -> Path | None:
     """Beside the virtual environment vLLM runs from (it goes with that install); vLLM's own default else."""
     venv = Path(python).parent.parent
     return venv / "vllm-cache" if (venv / "pyvenv.cfg").exists() else None
+
+
+def shared_tiny_model(python: str) -> Path:
+    """The tiny model at a fixed path beside vLLM's virtual environment, rewritten only when its bytes would
+    change: vLLM keys its compile cache on the model's path, so tests and benchmarks compile it once."""
+    from warmroute.realengine.hf_model import write_hf_model
+
+    venv = Path(python).parent.parent
+    target = (venv if (venv / "pyvenv.cfg").exists() else Path.cwd()) / "tiny-hf-model"
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        fresh = write_hf_model(Path(tmp) / "model")
+        if not _same_files(fresh, target):
+            shutil.rmtree(target, ignore_errors=True)
+            fresh.rename(target)
+    return target
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return b.is_dir() and names == sorted(p.name for p in b.iterdir()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
 def candidate_pythons() -> list[Path]:
