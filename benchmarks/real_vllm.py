@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -212,5 +213,13 @@ async def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # so every `with` block stops its processes (the vLLM instances, a router)
+
+
 if __name__ == "__main__":
-    raise SystemExit(asyncio.run(main(parse_args())))
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        raise SystemExit(asyncio.run(main(parse_args())))
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
