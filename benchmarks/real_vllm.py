@@ -14,7 +14,8 @@ loop), each instance's prefix cache reset before every run:
   random, prefix, cache_aware   warmroute's strategies
 
 Reports medians over rounds (and ranges) of the engines' own prefix-cache hit rate (vllm:prefix_cache_hits
-over queries in the measured window), TTFT p50/p99, requests/s, and the proxy's CPU per request. The `user`
+over queries in the measured window), TTFT p50/p99, requests/s, the proxy's CPU per request, and the median
+|router-predicted − engine-reported cached tokens| per request (warmroute's contenders). The `user`
 labels are chosen (with the router's rendezvous hash) so `session` places each prefix where `pinned` does.
 """
 
@@ -130,6 +131,7 @@ async def measure(args: argparse.Namespace, target: str, workload: Workload, url
     return {"hit_rate": s["hit_rate"]["fleet"], "ttft_p50_ms": s["ttft_ms"]["p50"],
             "ttft_p99_ms": s["ttft_ms"]["p99"], "req_per_s": s["throughput"]["requests_per_s"],
             "errors": len(result.errors), "requests": s["requests"],
+            "prediction_error_median_tokens": s["prediction_error_tokens"]["median_abs"],
             "proxy_cpu_ms_per_req": round(1000 * (cpu_s(pid) - before) / sent, 2) if pid and sent else None}
 
 
@@ -142,8 +144,8 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
-    rows = ["| contender | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | proxy CPU ms/req | errors |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| contender | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | proxy CPU ms/req | median abs prediction "
+            "error, tokens | errors |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def cell(m: tuple[float, float, float] | None, fmt: str) -> str:
         if m is None:
@@ -154,7 +156,8 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
         m = medians(runs)
         rows.append(f"| {name} | {cell(m['hit_rate'], '{:.1%}')} | {cell(m['ttft_p50_ms'], '{:.0f}')} | "
                     f"{cell(m['ttft_p99_ms'], '{:.0f}')} | {cell(m['req_per_s'], '{:.1f}')} | "
-                    f"{cell(m['proxy_cpu_ms_per_req'], '{:.2f}')} | {sum(r['errors'] for r in runs)} |")
+                    f"{cell(m['proxy_cpu_ms_per_req'], '{:.2f}')} | {cell(m['prediction_error_median_tokens'], '{:.0f}')} | "
+                    f"{sum(r['errors'] for r in runs)} |")
     return "\n".join(rows)
 
 
