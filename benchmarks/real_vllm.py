@@ -132,13 +132,14 @@ async def measure(args: argparse.Namespace, target: str, workload: Workload, url
             "ttft_p99_ms": s["ttft_ms"]["p99"], "req_per_s": s["throughput"]["requests_per_s"],
             "errors": len(result.errors), "requests": s["requests"],
             "prediction_error_median_tokens": s["prediction_error_tokens"]["median_abs"],
+            "requests_by_instance": s["instances"]["requests"],
             "proxy_cpu_ms_per_req": round(1000 * (cpu_s(pid) - before) / sent, 2) if pid and sent else None}
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
     for key in runs[0]:
-        values = [r[key] for r in runs if r[key] is not None]
+        values = [r[key] for r in runs if isinstance(r[key], (int, float))]
         out[key] = (statistics.median(values), min(values), max(values)) if values else None
     return out
 
