@@ -19,6 +19,7 @@ import sys
 import tempfile
 import venv
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -147,8 +148,10 @@ def main(argv: list[str]) -> int:
     if argv[0] == "vllm":
         return 0 if _install_vllm(force=True) else 1
     if argv[0] == "test":
-        _install_llama()
-        _install_vllm()
+        # side by side: building llama.cpp is compiler time, installing vLLM mostly downloads and unpacking
+        with ThreadPoolExecutor(2) as pool:
+            for job in [pool.submit(_install_llama), pool.submit(_install_vllm)]:
+                job.result()
     if argv[0] == "demo":
         cmd = [str(BIN / "warmroute"), "demo", *argv[1:]]
     else:
