@@ -38,6 +38,7 @@ from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
 from warmroute.router.settings import RouterSettings, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
+from warmroute.router.tenancy import priority_of, tenant_of
 from warmroute.router.upstream import UpstreamPool
 from warmroute.router.background import cancel_all
 
@@ -63,12 +64,14 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     """Every proxied path: read the body, decide, forward."""
     app = request.app
     body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
-    router = app[ROUTER]
+    router, settings = app[ROUTER], app[SETTINGS]
     key, decision = router.route(request.path, body, request.headers.get(SESSION_HEADER))
-    if decision.private:  # its instance may be too full to take it now: wait in the router (Router.hold)
-        decision, waited = await router.hold(key, decision)
+    if key is not None and router.admission.settings.enabled:  # no room at its instance: wait in the router
+        tenant = tenant_of(request.headers, key, settings)
+        priority = priority_of(request.headers, tenant, key, settings)
+        decision, waited = await router.admit(key, decision, priority, tenant, len(body))
         if waited:
-            request[access.HELD] = waited
+            request[access.WAITED] = waited
     app[ACTIVITY].note(key, decision)
     return await app[PROXY].forward(request, body, key, decision)
 
