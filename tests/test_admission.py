@@ -3,8 +3,8 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from warmroute.core.admission import (AFFINITY, DEADLINE, FULL, NO_INSTANCE, PREEMPTED, Admission, AdmissionSettings,
-                                      QueueFull, decide_at)
+from warmroute.core.admission import (BUSY, DEADLINE, KV, NO_INSTANCE, PREEMPTED, UNBOUNDED, Admission,
+                                      AdmissionSettings, QueueFull, decide_at, strategy_threshold)
 from warmroute.core.strategies import (CACHE_HIT, COLD, OVERLOAD_SPILL, Decision, StrategySettings,
                                        make_strategy)
 
@@ -30,7 +30,7 @@ def test_a_request_goes_at_once_while_its_instance_has_room_and_waits_when_no_in
     assert _waiter(adm, a) is None
     _fill(f, a, 2)
     w = _waiter(adm, a)
-    assert w is not None and w.why == FULL and w.pin is None  # not a conversation: any instance will do
+    assert w is not None and w.why == BUSY and w.pin is None  # no cache to wait for: any instance will do
     adm.offer(w)
     assigned, shed = adm.pump(0.1)
     assert assigned == [w] and w.instance == b and not shed and adm.reserved == {b: 1}
@@ -61,7 +61,7 @@ def test_a_conversation_over_the_kv_limit_waits_for_its_own_instance():
     holder.inflight_prompt_tokens += 1
     f.mean_ttft_s = 1.0
     w = adm.waiter_for(s.choose(k, f), 0.0)
-    assert w is not None and w.pin == a and w.keep_until == pytest.approx(1.5)
+    assert w is not None and w.why == KV and w.pin == a and w.keep_until == pytest.approx(1.5)
     adm.offer(w)
     assert adm.pump(1.0) == ([], [])  # b has room, but it waits for a
     holder.inflight_prompt_tokens -= k.tokens  # a request finished at a: room there now
@@ -73,7 +73,7 @@ def test_a_conversation_over_the_kv_limit_waits_for_its_own_instance():
 
 def test_a_pinned_waiter_goes_elsewhere_once_its_pin_runs_out():
     f, s, a, b, k, holder = _conversation_on_the_first_of_two()
-    adm = _adm(f, kv_limit=1.4, hold_keep=1.5, patience_s=5.0)
+    adm = _adm(f, kv_limit=1.4, hold_keep=1.5, patience_s=5.0, aging_tokens_per_s=2000.0)
     holder.inflight_prompt_tokens = 14_500  # over the KV limit with it, under sticky_kv_limit
     f.mean_ttft_s = 1.0
     w = adm.waiter_for(s.choose(k, f), 0.0)
@@ -84,47 +84,63 @@ def test_a_pinned_waiter_goes_elsewhere_once_its_pin_runs_out():
     assert d.instance == b and d.reason == OVERLOAD_SPILL
 
 
-def test_a_spill_onto_a_busy_instance_waits_for_the_prefix_holder():
-    """Every instance busy (less than spill_headroom x the threshold free): a request whose only holder is full
-    waits for it instead of spilling; when the holder frees a slot it goes there, before older cold requests."""
+def test_admission_owns_the_threshold():
+    assert strategy_threshold(True, 32) == UNBOUNDED and strategy_threshold(False, 32) == 32
+
+
+def test_a_request_whose_instance_is_busy_waits_for_it_rather_than_spill_onto_a_busy_one():
+    """The strategy (no threshold of its own) chose the one instance holding the prefix, at the threshold: the
+    request waits for it. Another busy instance does not take it (it would lose its match there) until aging
+    outweighs that loss; an instance with ample room (spill_headroom) takes it at once; its own, when a slot
+    frees, before an older request it holds nothing of."""
     f = fleet(2)
     a, b = sorted(f.instances)
-    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=8))
-    adm = _adm(f, concurrency_threshold=8, spill_headroom=0.25)
+    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=strategy_threshold(True, 8)))
+    adm = _adm(f, concurrency_threshold=8, spill_headroom=0.25, aging_tokens_per_s=200.0)
     k = key(SYSTEM)
     f.index.record(a, k.blocks())
     _fill(f, a, 8)
     _fill(f, b, 7)
     d = s.choose(k, f)
-    assert d.instance == b and d.reason == OVERLOAD_SPILL
+    assert d.instance == a and d.reason == CACHE_HIT
     w = adm.waiter_for(d, 0.0)
-    assert w is not None and w.why == AFFINITY and w.pin == a
+    assert w is not None and w.why == BUSY and w.pin == a
     adm.offer(w)
-    assert adm.pump(0.0) == ([], [])  # b has one slot, but not headroom: it is not given the spill
-    _fill(f, b, 8)
-    cold = _waiter(adm, b, now=0.0)
+    assert adm.pump(0.0) == ([], [])  # b has one slot, but not ample room: it would lose its match there
+    cold = _waiter(adm, a, now=0.0, blocks=key("nobody holds this " * 30).blocks())
     adm.offer(cold)
-    _fill(f, a, 7)  # a slot at the holder: the pinned request, not the older cold one (equal age here)
-    assigned, _ = adm.pump(0.5)
-    assert assigned == [w] and w.instance == a
-    _fill(f, b, 4)  # plenty of room (headroom) at b: a spill is fine there
-    assert s.choose(k, f).instance in (a, b)
-    assert adm.waiter_for(Decision(b, OVERLOAD_SPILL, 0, 10, k.blocks()), 0.0) is None
+    assert adm.pump(0.1)[0] == [cold]  # ...and a request that loses nothing at b goes there
+    adm.dispatched(cold)
+    _fill(f, b, 8)
+    _fill(f, a, 7)  # a slot at the holder
+    assert adm.pump(0.2)[0] == [w] and w.instance == a
+    adm.dispatched(w)
+    _fill(f, a, 8)  # sent: in flight there now
+    w2 = adm.waiter_for(d, 1.0)
+    adm.offer(w2)
+    _fill(f, b, 6)  # ample room at b (2 of 8 free): the reference's spill to an instance with more spare capacity
+    assert adm.pump(1.0)[0] == [w2] and w2.instance == b
+    adm.dispatched(w2)
+    _fill(f, b, 7)
+    w3 = adm.waiter_for(d, 2.0)
+    adm.offer(w3)
+    assert adm.pump(2.0 + w3.depths[a] / 200.0 - 0.1) == ([], [])
+    assert adm.pump(2.0 + w3.depths[a] / 200.0)[0] == [w3] and w3.instance == b  # aged past its loss
 
 
 def test_a_freed_instance_takes_the_waiter_that_loses_least_there_and_aging_stops_starvation():
     f = fleet(2)
     a, b = sorted(f.instances)
-    adm = _adm(f, concurrency_threshold=1, aging_tokens_per_s=100.0)
+    adm = _adm(f, concurrency_threshold=4, spill_headroom=0.5, aging_tokens_per_s=100.0)
     k = key(SYSTEM)
     f.index.record(a, k.blocks())
-    _fill(f, a, 1)
-    _fill(f, b, 1)
+    _fill(f, a, 4)
+    _fill(f, b, 4)
     warm = _waiter(adm, a, now=0.0, blocks=k.blocks(), reason=CACHE_HIT)  # a holds its prefix
     cold = _waiter(adm, a, now=1.0)
     adm.offer(warm)
     adm.offer(cold)
-    _fill(f, b, 0)
+    _fill(f, b, 3)
     assert adm.pump(1.0)[0] == [cold]  # b takes the one that loses nothing there
     adm.dispatched(cold)
     warm2 = _waiter(adm, a, now=1.0, blocks=k.blocks(), reason=CACHE_HIT)

@@ -127,7 +127,7 @@ async def test_a_conversation_waits_in_the_router_while_its_instance_is_full(hol
         assert all(a.instance == home and a.reason.startswith("cache_hit") and a.cached_tokens > 0.8 * a.prompt_tokens
                    for a in answers)
         metrics = router.app[ROUTER].metrics.registry
-        held = metrics.get_sample_value("warmroute_admissions_total", {"how": "full"}) or 0.0
+        held = metrics.get_sample_value("warmroute_admissions_total", {"how": "kv"}) or 0.0
         assert held == (1.0 if hold_kv_limit == 1.4 else 0.0)
         assert sum("; queued=" in a.reason for a in answers) == held  # x-warmroute-reason says it waited
         assert metrics.get_sample_value("warmroute_queue_waiting", {"priority": "0", "tenant": ""}) in (None, 0.0)

@@ -191,7 +191,7 @@ async def test_a_held_request_waits_for_room_and_goes_when_a_request_finishes():
     sent, waited = await asyncio.wait_for(held, 1.0)
     assert sent.instance == "a" and sent.private and 0.05 <= waited < 1.0
     assert _metric(router, "warmroute_queue_waiting", priority="0", tenant="") == 0
-    assert _metric(router, "warmroute_admissions_total", how="full") == 1
+    assert _metric(router, "warmroute_admissions_total", how="kv") == 1
     assert _metric(router, "warmroute_queue_wait_seconds_count", priority="0", tenant="", outcome="admitted") == 1
     assert router.admission.idle()
 
@@ -232,7 +232,7 @@ async def test_a_full_fleet_queues_then_refuses_with_429_past_its_bounds_and_dea
     router = make_router(concurrency_threshold=1, queue_max_requests=1, queue_timeout=0.3)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
     key = router.key_of("/v1/chat/completions", body, None)
-    tickets = [router.dispatch(router.decide(key)) for _ in range(2)]  # a and b each at the threshold
+    tickets = [router.dispatch(Decision(n, CACHE_HIT)) for n in "ab"]  # a and b each at the threshold
     first = asyncio.create_task(router.admit(key, router.decide(key), size_bytes=len(body)))
     await asyncio.sleep(0.02)
     with pytest.raises(ApiError) as full:
@@ -252,7 +252,7 @@ async def test_a_higher_priority_request_takes_a_lower_ones_place_in_a_full_queu
     router = make_router(concurrency_threshold=1, queue_max_requests=1)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
     key = router.key_of("/v1/chat/completions", body, None)
-    tickets = [router.dispatch(router.decide(key)) for _ in range(2)]
+    tickets = [router.dispatch(Decision(n, CACHE_HIT)) for n in "ab"]
     low = asyncio.create_task(router.admit(key, router.decide(key), priority=-1))
     await asyncio.sleep(0.02)
     high = asyncio.create_task(router.admit(key, router.decide(key), priority=1))
@@ -270,8 +270,8 @@ async def test_waiters_get_503_when_every_instance_goes_down():
     router = make_router(concurrency_threshold=1)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
     key = router.key_of("/v1/chat/completions", body, None)
-    for _ in range(2):
-        router.dispatch(router.decide(key))
+    for n in "ab":
+        router.dispatch(Decision(n, CACHE_HIT))
     waiting = asyncio.create_task(router.admit(key, router.decide(key)))
     await asyncio.sleep(0.02)
     for inst in router.fleet.instances.values():

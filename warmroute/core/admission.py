@@ -1,24 +1,27 @@
 """Admission control: which requests go to an instance now, which wait in the router, and who goes next.
 
-A request goes at once when the instance its strategy chose has room for it: fewer requests in flight than
-the ConcurrencyThreshold, and the KV cache its requests in flight need, with this one, under `kv_limit` x its
-capacity (or nothing in flight there). Otherwise it waits here rather than queue in an engine whose cache would
-evict its prefix before its turn:
+With admission on, the router owns the ConcurrencyThreshold: the strategy chooses as if it were unbounded
+(`strategy_threshold`), for the cache, and a request goes at once only when the instance chosen has room for
+it: fewer requests in flight than the threshold, and the KV cache its requests in flight need, with this one,
+under `kv_limit` x its capacity (or nothing in flight there). Otherwise it waits here, rather than queue in an
+engine (whose cache would evict its prefix before its turn) or spill onto an instance that does not hold its
+prefix (when every instance is busy, moving it only costs its cache; the reference router moves a request
+only to an instance with more spare capacity):
 
-  * waiting for its own instance (`Waiter.pin`): a conversation whose instance's KV demand is over the limit
-    (the strategy kept it there: `Decision.private`), or a request that would spill off the instance holding
-    its prefix onto one with little spare capacity (under `spill_headroom` x the threshold): when every
-    instance is busy, moving it only costs its cache. Pinned for a while (`keep_until`), then any instance.
-  * waiting for any instance with room, when none has any.
+  * waiting for its instance (`Waiter.pin`, the instance the strategy chose for its cache). Another instance
+    takes it when the aging term (`aging_tokens_per_s` x seconds waited) outweighs the cached match it would
+    lose there, or at once when that instance has ample room (`spill_headroom` x the threshold free; not for a
+    request waiting on KV demand), or once `patience_s` is over. A conversation waiting on its instance's KV demand (the former hold,
+    `Decision.private`) keeps it `hold_keep` x the fleet's mean time to first token before that.
+  * waiting for any instance with room (a strategy that knows nothing of caches).
 
-When an instance has room (a request finished there, or it came back), `pump` gives it the waiting request
-that gains the most there: the highest priority first; within a priority, the tenants that have had no more
-than their fair share (start-time fair queuing in requests, by tenant weight, within `fair_slack`); among
-those, the one losing least of its predicted cached match there (its match there less its deepest anywhere:
-a request whose prefix another instance holds is the last this one takes) plus an aging term, so nothing
-starves. The queue is bounded in requests and bytes (a full queue sheds its lowest priority first) and
-every waiter has a deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the
-simulator (virtual time) drive the same object with their own clocks.
+When an instance has room (a request finished there, or it came back), `pump` gives it, of the waiters it may
+take, the highest priority first; within a priority, the tenants that have had no more than their fair share
+(start-time fair queuing in requests, by tenant weight, within `fair_slack`); among those, the one losing
+least of its predicted cached match there (its match there less its deepest anywhere) plus aging. The queue
+is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
+deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator
+(virtual time) drive the same object with their own clocks.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.routing_key import RoutingKey
-from warmroute.core.strategies import OVERLOAD_SPILL, Decision, Strategy, kv_pressure
+from warmroute.core.strategies import Decision, Strategy, kv_pressure
 
 # Why a waiting request was refused (the label values of the sheds metric).
 QUEUE_FULL = "queue_full"  # the queue's bounds were reached, by requests of no lower priority
@@ -40,9 +43,16 @@ NO_INSTANCE = "no_instance"  # no healthy instance may serve it any more (503)
 SHED_REASONS = (QUEUE_FULL, PREEMPTED, DEADLINE, NO_INSTANCE)
 # Why a request waited (Waiter.why; the label values of the admissions metric besides IMMEDIATE).
 IMMEDIATE = "immediate"
-FULL = "full"  # no room at the instance chosen for it (ConcurrencyThreshold or KV demand)
-AFFINITY = "affinity"  # would have spilled off its prefix's instance onto a busy one: waits for its own
-WAIT_REASONS = (FULL, AFFINITY)
+BUSY = "busy"  # its instance was at the ConcurrencyThreshold
+KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
+WAIT_REASONS = (BUSY, KV)
+UNBOUNDED = 1 << 30  # the strategy's threshold while admission owns the real one
+
+
+def strategy_threshold(admission: bool, concurrency_threshold: int) -> int:
+    """The ConcurrencyThreshold a strategy should apply: none of its own while admission control applies it
+    (a strategy would spill past it; the queue waits for the instance instead)."""
+    return UNBOUNDED if admission else concurrency_threshold
 
 
 @dataclass(kw_only=True)
@@ -61,10 +71,14 @@ class AdmissionSettings:
     # A conversation waiting on KV demand keeps its instance this many times the fleet's mean time to first
     # token (StrategySettings.hold_keep), then any instance may take it.
     hold_keep: float = 1.5
-    # A request would spill off the instance holding its prefix only onto one with at least this share of
-    # the threshold free; else it waits for its own. An instance this free takes such waiters anyway.
-    spill_headroom: float = 0.25
-    aging_tokens_per_s: float = 2000.0  # a waiter's score grows this many matched tokens' worth a second
+    # An instance with at least this share of the threshold free takes any waiter (the reference's spill to an
+    # instance with more spare capacity); a busier one only those that lose nothing there, or (aging) have
+    # waited long enough. Both at 1.0 / 0: with 128 closed-loop clients on 4 emulated instances, 0.5 and 0
+    # cut the hit rate from 84% to 71% and throughput from 45 to 30 req/s, 0.25 and 2,000 tokens/s to 58% and
+    # 22: under sustained overload every request waits, so any spill rule moves many of them, the misses slow
+    # the engines and the waits grow (docs/benchmarks.md). Nothing starves: patience_s, then any instance.
+    spill_headroom: float = 1.0
+    aging_tokens_per_s: float = 0.0  # matched tokens a waiter is willing to lose elsewhere per second waited
     fair_slack: float = 4.0  # requests a tenant may be ahead of the least-served waiting tenant
     tenant_weights: dict[str, float] = field(default_factory=dict)  # 1.0 for tenants not listed
 
@@ -80,7 +94,7 @@ class Waiter:
     enqueued: float
     deadline: float
     kv_tokens: int
-    why: str = FULL
+    why: str = BUSY
     pin: str | None = None
     keep_until: float = 0.0  # until then only `pin` may take it; then others, once aging outweighs its loss there
     strict_until: float = 0.0  # until then the KV limit applies to it, and `pin` (if any) is preferred
@@ -133,49 +147,27 @@ class Admission:
     # -- arrival -------------------------------------------------------------------------------------------
     def waiter_for(self, decision: Decision, now: float, priority: int = 0, tenant: str = "",
                    size_bytes: int = 0, model: str | None = None) -> Waiter | None:
-        """None when `decision` may go now; else the Waiter to `offer`: no room at its instance, or a spill off
-        the one instance holding its prefix onto an instance with little spare capacity."""
+        """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
         s = self.settings
-        if not s.enabled:
-            return None
         inst = self.fleet.instances.get(decision.instance)
-        if inst is None:
+        if not s.enabled or inst is None or self.has_room(inst, decision.kv_tokens):
             return None
-        depths: dict[str, int] | None = None
-        pin = None
-        why = FULL
-        if self.has_room(inst, decision.kv_tokens):
-            if decision.reason != OVERLOAD_SPILL or not decision.blocks or self.spare(inst) >= self._headroom():
-                return None
-            depths = self._depths(decision)
-            pin = self._only_holder(depths)
-            if pin is None or not self._up(pin):
-                return None
-            why = AFFINITY
-        elif decision.private:  # the former hold: a conversation waits for its own instance's KV demand to fall
-            pin = decision.instance
+        why = BUSY if self.spare(inst) <= 0 or not inst.routable else KV
+        depths = self._depths(decision)
         waiter = Waiter(seq=next(self._seq), priority=priority, tenant=tenant, size_bytes=size_bytes,
-                        enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens, why=why, pin=pin,
-                        strict_until=now + s.patience_s, depths=depths if depths is not None else self._depths(decision),
-                        model=model)
-        if pin is not None and why == FULL:
+                        enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens, why=why,
+                        pin=decision.instance if decision.blocks else None, keep_until=now,
+                        strict_until=now + s.patience_s, depths=depths, model=model)
+        if why == KV and decision.private:
             waiter.keep_until = now + min(s.patience_s, s.hold_keep * self.fleet.mean_ttft_s)
         return waiter
 
     def _depths(self, decision: Decision) -> dict[str, int]:
+        """Matched tokens per instance holding the start of its prompt (the strategy's chain)."""
         if not decision.blocks:
             return {}
         bt = self.fleet.block_tokens
         return {n: d * bt for n, d in self.fleet.index.match_depths(decision.blocks).items()}
-
-    @staticmethod
-    def _only_holder(depths: dict[str, int]) -> str | None:
-        """The instance holding the deepest match, when only one does (several: any of them will do)."""
-        if not depths:
-            return None
-        deepest = max(depths.values())
-        holders = [n for n, d in depths.items() if d == deepest]
-        return holders[0] if len(holders) == 1 else None
 
     def offer(self, waiter: Waiter) -> list[Waiter]:
         """Queue `waiter`; returns the waiters preempted to make room for it (their `shed` set: answer them), or
@@ -309,17 +301,20 @@ class Admission:
             yield by_priority[p]
 
     def _may_leave(self, w: Waiter, name: str, free: bool, now: float) -> bool:
-        """Whether a waiter pinned to another instance may go to `name`: its patience is over or its instance
-        is down; or, once it has kept its instance its while (keep_until), it has waited long enough for the
-        aging term to outweigh what it loses at `name`; or it waits on affinity and `name` has ample room."""
+        """Whether a waiter pinned to another instance may go to `name`: its instance is down, or its patience
+        is over and its instance has no slot; or, once it has kept its instance its while (keep_until), `name`
+        has ample room (unless it waits on KV demand), or it has waited long enough for aging to outweigh what
+        it would lose at `name`."""
         pinned = self.fleet.instances.get(w.pin or "")
         if pinned is None or not self._up(pinned.name):
             return True
         if now >= w.strict_until:  # its own instance takes it if it has a slot (the KV limit no longer binds)
             return self.spare(pinned) <= 0
-        if w.why == AFFINITY and free:
+        if now < w.keep_until:
+            return False
+        if free and w.why == BUSY:  # the reference's spill (a conversation over the KV limit keeps its history)
             return True
-        return now >= w.keep_until and self.gain(w, name) + self.settings.aging_tokens_per_s * (now - w.enqueued) >= 0
+        return self.gain(w, name) + self.settings.aging_tokens_per_s * (now - w.enqueued) >= 0
 
     def _up(self, name: str) -> bool:
         inst = self.fleet.instances.get(name)

@@ -102,11 +102,11 @@ class Metrics:
                                     "admitted (sent to an instance) or shed (refused)",
                                     ["priority", "tenant", "outcome"], buckets=_WAIT_BUCKETS, registry=r)
         self.admissions = Counter("warmroute_admissions",
-                                  "Requests admitted, by how: immediate, full (waited: no room at its instance) or "
-                                  "affinity (waited for the instance holding its prefix rather than spill)",
+                                  "Requests admitted, by how: immediate, or after waiting in the router because "
+                                  "their instance was busy (at concurrency_threshold) or kv (over hold_kv_limit)",
                                   ["how"], registry=r)
-        self.sheds = Counter("warmroute_sheds", "Requests refused by the router's queue, by reason (queue_full, "
-                             "preempted, deadline: 429; no_instance: 503) and priority", ["reason", "priority"],
+        self.sheds = Counter("warmroute_sheds", "Requests that left the router's queue unserved, by reason (queue_full, "
+                             "preempted, deadline: 429; no_instance: 503; client_closed) and priority", ["reason", "priority"],
                              registry=r)
         self._tenants: set[str] = set()
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 from warmroute.core.admission import (DEADLINE, IMMEDIATE, NO_INSTANCE, PREEMPTED, QUEUE_FULL, Admission,
-                                      AdmissionSettings, QueueFull, Waiter, decide_at)
+                                      AdmissionSettings, QueueFull, Waiter, decide_at, strategy_threshold)
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey, key_for_json, key_for_raw
 from warmroute.core.strategies import Decision, NoInstanceAvailable, StrategySettings, make_strategy
@@ -47,7 +47,8 @@ class Router:
         for b in settings.backends:
             self.fleet.add(b.name, b.kv_capacity_tokens)
         self.strategy = make_strategy(settings.strategy, StrategySettings(
-            prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
+            prefix_length=settings.prefix_length,
+            concurrency_threshold=strategy_threshold(settings.admission, settings.concurrency_threshold),
             balance_factor=settings.balance_factor, hot_balance_factor=settings.hot_balance_factor,
             miss_weight=settings.miss_weight,
             shared_miss_weight=settings.shared_miss_weight, sticky_kv_limit=settings.sticky_kv_limit,

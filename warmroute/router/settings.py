@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
+from warmroute.core.admission import AdmissionSettings
 from warmroute.core.strategies import HOLD_TIMEOUT_S, STRATEGIES, StrategySettings
 from warmroute.errors import UsageError
 
@@ -193,22 +194,24 @@ class RouterSettings(BaseSettings):
                           "priorities and fair shares per tenant, instead of queueing in the engine; when an "
                           "instance has room it takes the waiting request whose prefix it holds. Off: every "
                           "request goes at once.")
-    queue_max_requests: int = Field(4096, ge=1, le=1_000_000,
+    queue_max_requests: int = Field(AdmissionSettings.max_requests, ge=1, le=1_000_000,
                                     description="Most requests waiting in the router; beyond, 429 (the lowest "
                                                 "priority waiting is refused first).")
     queue_max_bytes: Annotated[int, Field(ge=KiB, le=64 * GiB)] = Field(
         256 * MiB, description="Most bytes of request bodies waiting in the router (accepts 256MiB, ...); "
                                "beyond, 429.")
-    queue_timeout: float = Field(60.0, ge=0.01, le=3600,
+    queue_timeout: float = Field(AdmissionSettings.timeout_s, ge=0.01, le=3600,
                                  description="Seconds a request may wait in the router; then 429 with Retry-After.")
     spill_headroom: float = Field(
-        0.25, ge=0.0, le=1.0,
-        description="A request leaves the instance holding its prefix only for an instance with at least this "
-                    "share of concurrency_threshold free; otherwise it waits for its own (up to hold_timeout).")
+        AdmissionSettings.spill_headroom, ge=0.0, le=1.0,
+        description="A request waiting for its busy instance goes to another at once only if that one has at "
+                    "least this share of concurrency_threshold free (1: only an idle one); else it waits for its "
+                    "own, up to hold_timeout. Lower values spill sooner, at the cost of cache hits under load.")
     queue_aging: float = Field(
-        2000.0, ge=0.0, le=1e9,
-        description="Prompt tokens of cached match a waiting request's claim grows by per second waited, so a "
-                    "request no cache favours is not starved by those some instance holds.")
+        AdmissionSettings.aging_tokens_per_s, ge=0.0, le=1e9,
+        description="Prompt tokens of cached match a waiting request is willing to lose per second waited, to "
+                    "go to another instance than its own before hold_timeout (0: only an idle one, or after "
+                    "hold_timeout).")
     priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$",
                                  description="Request header carrying a request's priority (an integer, "
                                              "-1000..1000; higher first, lower refused first).")

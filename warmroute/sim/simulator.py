@@ -16,7 +16,8 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from warmroute.core.admission import Admission, AdmissionSettings, QueueFull, Waiter, decide_at
+from warmroute.core.admission import (Admission, AdmissionSettings, QueueFull, Waiter, decide_at,
+                                      strategy_threshold)
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import RoutingKey, key_for_json
 from warmroute.core.strategies import (HOLD_TIMEOUT_S, Decision, NoInstanceAvailable, Strategy, StrategySettings,
@@ -67,7 +68,8 @@ class SimSettings:
         return replace(cfg, timing=timing, kv_capacity_tokens=cfg.kv_capacity_tokens * scale)
 
     def strategy_settings(self, block_bytes: int) -> StrategySettings:
-        return StrategySettings(prefix_length=self.prefix_length, concurrency_threshold=self.concurrency_threshold,
+        return StrategySettings(prefix_length=self.prefix_length,
+                                concurrency_threshold=strategy_threshold(self.admission, self.concurrency_threshold),
                                 balance_factor=self.balance_factor, hot_balance_factor=self.hot_balance_factor,
                                 hold_kv_limit=self.hold_kv_limit, hold_keep=self.hold_keep,
                                 block_bytes=block_bytes)
@@ -149,7 +151,8 @@ class Simulation:
         self._rejected = 0
         self._last_instance_by_prefix: dict[int, str] = {}
         adm = settings.admission_settings()
-        adm.enabled = adm.enabled and not pooled  # the pooled reference is one ideal instance, not a router
+        # Not for the pooled reference (one ideal instance) nor the peer model (its router has no such queue).
+        adm.enabled = adm.enabled and not pooled and self.strategy_name != "sglang_like"
         self.admission = Admission(adm, self.fleet)
         self._queued = 0
         self._moved: list[tuple[float, float]] = []
