@@ -142,7 +142,7 @@ async def admin_off(request: web.Request) -> web.Response:
 async def dashboard_state(request: web.Request) -> web.Response:
     app = request.app
     state = dash.state(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[SETTINGS].strategy,
-                       app[SIBLINGS].fresh())
+                       app[SIBLINGS].fresh(), app[ROUTER].admission)
     return web.json_response(state, headers={"Cache-Control": "no-store"})
 
 
@@ -225,7 +225,7 @@ async def _send_snapshots(app: web.Application, links: WorkerLinks) -> None:
     """Every second, this worker's dashboard figures to the other workers (dashboard.py)."""
     while True:
         await asyncio.sleep(dash.SNAPSHOT_EVERY_S)
-        snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS])
+        snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[ROUTER].admission)
         links.send_snapshot(json.dumps(snap, separators=(",", ":")).encode())
 
 
