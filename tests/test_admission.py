@@ -107,7 +107,7 @@ def test_a_request_whose_instance_is_busy_waits_for_it_rather_than_spill_onto_a_
     assert w is not None and w.why == BUSY and w.pin == a
     adm.offer(w)
     assert adm.pump(0.0) == ([], [])  # b has one slot, but not ample room: it would lose its match there
-    cold = _waiter(adm, a, now=0.0, blocks=key("nobody holds this " * 30).blocks())
+    cold = _waiter(adm, a, now=0.0)  # no chain: no cache to wait for (a strategy that ignores caches)
     adm.offer(cold)
     assert adm.pump(0.1)[0] == [cold]  # ...and a request that loses nothing at b goes there
     adm.dispatched(cold)
@@ -124,8 +124,9 @@ def test_a_request_whose_instance_is_busy_waits_for_it_rather_than_spill_onto_a_
     _fill(f, b, 7)
     w3 = adm.waiter_for(d, 2.0)
     adm.offer(w3)
-    assert adm.pump(2.0 + w3.depths[a] / 200.0 - 0.1) == ([], [])
-    assert adm.pump(2.0 + w3.depths[a] / 200.0)[0] == [w3] and w3.instance == b  # aged past its loss
+    loss = w3.prompt_tokens  # away from its instance it loses its whole prompt (a holds all but its tail)
+    assert adm.pump(2.0 + loss / 200.0 - 0.1) == ([], [])
+    assert adm.pump(2.0 + loss / 200.0)[0] == [w3] and w3.instance == b  # aged past its loss
 
 
 def test_a_freed_instance_takes_the_waiter_that_loses_least_there_and_aging_stops_starvation():
@@ -248,16 +249,19 @@ def test_tenant_weights_set_the_shares():
                           st.integers(0, 3), st.integers(-2, 2)), max_size=60))
 def test_the_books_return_to_zero_whatever_happens(ops):
     """Any sequence of arrivals, pumps, cancellations, finishes and instances going down: the queue's counts
-    stay consistent, and once everything is dispatched or cancelled, nothing is left reserved or queued."""
+    stay consistent, and once everything is dispatched or cancelled, nothing is left reserved or queued, nor
+    counted as prefill queued at an instance (a pinned waiter's, while it waits)."""
     f = fleet(2)
     names = sorted(f.instances)
     adm = _adm(f, concurrency_threshold=2, max_requests=5, max_bytes=50, timeout_s=3.0)
+    chain = key(SYSTEM).blocks()
     live, now = [], 0.0
     for op, i, p in ops:
         now += 0.5
         inst = f.instances[names[i % 2]]
         if op == "offer":
-            w = _waiter(adm, inst.name, now=now, priority=p, tenant=str(i), size=10)
+            w = _waiter(adm, inst.name, now=now, priority=p, tenant=str(i), size=10, tokens=50,
+                        blocks=chain if i % 2 else ())
             if w is not None:
                 try:
                     adm.offer(w)
@@ -281,4 +285,21 @@ def test_the_books_return_to_zero_whatever_happens(ops):
         assert len(adm.waiters) <= 5 and adm.bytes <= 50
     for w in live:
         adm.cancel(w)
-    assert adm.idle()
+    assert adm.idle() and all(x.queued_prefill_tokens == 0 for x in f.instances.values())
+
+
+def test_a_cold_prompt_waits_where_it_was_placed_and_its_prefill_counts_there():
+    """Nobody holds its prefix yet, but the strategy placed it (where the others sharing it go): a busy other
+    instance does not take it, an idle one does; while it waits its prefill counts as queued at its instance."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=2)
+    _fill(f, a, 2)
+    _fill(f, b, 1)
+    d = Decision(a, COLD, 0, 300, key(SYSTEM).blocks())
+    w = adm.waiter_for(d, 0.0)
+    adm.offer(w)
+    assert w.pin == a and f.instances[a].queued_prefill_tokens == 300
+    assert adm.pump(0.0) == ([], [])
+    _fill(f, b, 0)  # idle: takes anything
+    assert adm.pump(0.1)[0] == [w] and w.instance == b and f.instances[a].queued_prefill_tokens == 0
