@@ -10,9 +10,10 @@ only to an instance with more spare capacity):
 
   * waiting for its instance (`Waiter.pin`, the instance the strategy chose for its cache). Another instance
     takes it when the aging term (`aging_tokens_per_s` x seconds waited) outweighs the cached match it would
-    lose there, or at once when that instance has ample room (`spill_headroom` x the threshold free; not for a
-    request waiting on KV demand), or once `patience_s` is over. A conversation waiting on its instance's KV demand (the former hold,
-    `Decision.private`) keeps it `hold_keep` x the fleet's mean time to first token before that.
+    lose there (away from its instance, at least its whole prompt), or at once when that instance has ample room
+    (`spill_headroom` x the threshold free; not for a request waiting on KV demand). A request waiting on KV
+    demand (the former hold) may go elsewhere once `patience_s` is over, and a conversation (`Decision.private`)
+    keeps its instance `hold_keep` x the fleet's mean time to first token first.
   * waiting for any instance with room (a strategy that knows nothing of caches).
 
 When an instance has room (a request finished there, or it came back), `pump` gives it, of the waiters it may
@@ -65,8 +66,8 @@ class AdmissionSettings:
     max_requests: int = 4096
     max_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 60.0  # a waiter's deadline: then 429
-    # A pinned waiter waits only for its own instance, and the KV limit applies, for at most this long; then
-    # any instance with room below the ConcurrencyThreshold takes it (what hold_timeout meant for the hold).
+    # A waiter on KV demand waits only for its own instance, and the KV limit applies, for at most this long;
+    # then any instance with a free slot takes it (what hold_timeout meant for the hold).
     patience_s: float = 5.0
     # A conversation waiting on KV demand keeps its instance this many times the fleet's mean time to first
     # token (StrategySettings.hold_keep), then any instance may take it.
@@ -76,7 +77,8 @@ class AdmissionSettings:
     # waited long enough. Both at 1.0 / 0: with 128 closed-loop clients on 4 emulated instances, 0.5 and 0
     # cut the hit rate from 84% to 71% and throughput from 45 to 30 req/s, 0.25 and 2,000 tokens/s to 58% and
     # 22: under sustained overload every request waits, so any spill rule moves many of them, the misses slow
-    # the engines and the waits grow (docs/benchmarks.md). Nothing starves: patience_s, then any instance.
+    # the engines and the waits grow (docs/benchmarks.md). Nothing starves: a waiter is served at its instance
+    # in its turn, and timeout_s bounds the wait.
     spill_headroom: float = 1.0
     aging_tokens_per_s: float = 0.0  # matched tokens a waiter is willing to lose elsewhere per second waited
     fair_slack: float = 4.0  # requests a tenant may be ahead of the least-served waiting tenant
@@ -324,8 +326,8 @@ class Admission:
         (keep_until), `name` has ample room (unless it waits on KV demand), or it has waited long enough for
         aging to outweigh what it would lose at `name`. A request waiting for a busy instance is served there
         in its turn (by priority, share and age) however long the queue: under sustained overload every wait
-        is long, and a time limit would send them all elsewhere (the Mooncake trace in the simulator: hit
-        rate ... ), its deadline (timeout_s) bounds it."""
+        is long, and a time limit would send them all elsewhere, scattering their prefixes; its deadline
+        (timeout_s) bounds it."""
         pinned = self.fleet.instances.get(w.pin or "")
         if pinned is None or not self._up(pinned.name):
             return True

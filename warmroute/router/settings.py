@@ -186,8 +186,8 @@ class RouterSettings(BaseSettings):
                     "whenever a request finishes. 0: decided again every time.")
     hold_timeout: float = Field(
         HOLD_TIMEOUT_S, ge=0.0, le=3600,
-        description="Seconds a waiting request waits only for its own instance, and hold_kv_limit applies to it; "
-                    "then any instance under the ConcurrencyThreshold takes it.")
+        description="Seconds a request waiting on hold_kv_limit waits for its own instance with that limit "
+                    "applied; then its own instance, or any other, takes it as soon as it has a free slot.")
     admission: bool = Field(
         True, description="Admission control: a request whose instance has no room (concurrency_threshold in "
                           "flight, or hold_kv_limit of KV demand) waits in the router, in a bounded queue with "
@@ -206,12 +206,12 @@ class RouterSettings(BaseSettings):
         AdmissionSettings.spill_headroom, ge=0.0, le=1.0,
         description="A request waiting for its busy instance goes to another at once only if that one has at "
                     "least this share of concurrency_threshold free (1: only an idle one); else it waits for its "
-                    "own, up to hold_timeout. Lower values spill sooner, at the cost of cache hits under load.")
+                    "own (within queue_timeout). Lower values spill sooner, at the cost of cache hits under load.")
     queue_aging: float = Field(
         AdmissionSettings.aging_tokens_per_s, ge=0.0, le=1e9,
-        description="Prompt tokens of cached match a waiting request is willing to lose per second waited, to "
-                    "go to another instance than its own before hold_timeout (0: only an idle one, or after "
-                    "hold_timeout).")
+        description="Prompt tokens a waiting request is willing to lose per second waited to go to another "
+                    "instance than its own (away from it, it loses at least its whole prompt); 0: never (only "
+                    "an idle instance takes it, or a free slot anywhere once its own is down).")
     priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$",
                                  description="Request header carrying a request's priority (an integer, "
                                              "-1000..1000; higher first, lower refused first).")
