@@ -19,8 +19,9 @@ contenders `flow` (cache_aware, admission on: the default), `no-flow` (cache_awa
            that: each tenant's goodput and TTFT p99, Jain's index over the tenants' completed request rates;
            and the three alone, for their TTFT p99 without the noisy one.
 
-The capacity (requests/s the fleet serves) is measured first, unless given: 20 s of 128 closed-loop clients
-through `flow`.
+The capacity (requests/s the fleet serves) is measured first, unless given: 20 s of --capacity-clients (128)
+closed-loop clients through `flow`. --threshold sets warmroute's --concurrency-threshold for both of its
+contenders.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Contender:
     extra: tuple[str, ...] = ()  # warmroute serve flags; None router: the peer
     peer: bool = False
 
-    def argv(self, port: int, urls: list[str], venv: Path, slo: float | None) -> list[str]:
+    def argv(self, port: int, urls: list[str], venv: Path, slo: float | None, threshold: int | None) -> list[str]:
         if self.peer:
             return [str(venv / "bin" / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1), "--policy", "cache_aware",
@@ -68,6 +69,8 @@ class Contender:
         args = [sys.executable, "-m", "warmroute", "serve", "--port", str(port), "--log-level", "warning", *self.extra]
         if slo is not None and "--no-admission" not in self.extra:
             args += ["--queue-timeout", f"{slo:g}"]
+        if threshold is not None:
+            args += ["--concurrency-threshold", str(threshold)]
         for i, url in enumerate(urls):
             args += ["--backend", f"engine-{i}={url}"]
         return args
@@ -80,8 +83,9 @@ CONTENDERS = {"flow": Contender("flow"), "no-flow": Contender("no-flow", ("--no-
 class Stack:
     """Fresh engines and one router, stopped on exit."""
 
-    def __init__(self, contender: Contender, logs: Path, venv: Path, slo: float | None = None) -> None:
-        self.contender, self.logs, self.venv, self.slo = contender, logs, venv, slo
+    def __init__(self, contender: Contender, args: argparse.Namespace, slo: float | None = None) -> None:
+        self.contender, self.logs, self.venv, self.slo = contender, args.logs, args.peers_venv, slo
+        self.threshold = args.threshold
 
     async def __aenter__(self) -> Stack:
         port = free_ports(INSTANCES)
@@ -90,7 +94,8 @@ class Stack:
                                                                  str(port)], self.logs)
         await self.engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
         rport = free_ports(2, port + INSTANCES)
-        self.router = Proc(f"router-{self.contender.label}", self.contender.argv(rport, self.urls, self.venv, self.slo),
+        self.router = Proc(f"router-{self.contender.label}", self.contender.argv(rport, self.urls, self.venv, self.slo,
+                                                                           self.threshold),
                            self.logs)
         self.target = f"http://127.0.0.1:{rport}"
         self.model = await wait_ready(self.router, self.target)
@@ -107,7 +112,7 @@ class Stack:
 
 # -- closed loop ----------------------------------------------------------------------------------------------
 async def closed(args: argparse.Namespace, contender: Contender, clients: int) -> dict:
-    async with Stack(contender, args.logs, args.peers_venv) as stack:
+    async with Stack(contender, args) as stack:
         settings = BenchSettings(concurrency=clients, duration_s=args.duration, warmup_s=args.warmup,
                                  model=stack.model, engine_metrics=stack.metrics, label=contender.label)
         s = (await run_bench(stack.target, make_workload("mixed", seed=args.seed, max_tokens=MAX_TOKENS),
@@ -119,11 +124,11 @@ async def closed(args: argparse.Namespace, contender: Contender, clients: int) -
 async def capacity(args: argparse.Namespace) -> float:
     if args.capacity:
         return args.capacity
-    saved = args.duration
+    saved, clients = args.duration, args.capacity_clients
     args.duration = 20.0
-    rps = (await closed(args, CONTENDERS["flow"], 128))["rps"]
+    rps = (await closed(args, CONTENDERS["flow"], clients))["rps"]
     args.duration = saved
-    print(f"capacity: {rps:.1f} req/s (128 closed-loop clients through flow)", flush=True)
+    print(f"capacity: {rps:.1f} req/s ({clients} closed-loop clients through flow)", flush=True)
     return rps
 
 
@@ -216,7 +221,7 @@ def recovery_s(recs: list[RequestRecord], drop: float, end: float, slo: float, w
 
 async def surge(args: argparse.Namespace, contender: Contender, cap: float) -> dict:
     high, low = args.high, args.low
-    async with Stack(contender, args.logs, args.peers_venv, slo=args.slo) as stack:
+    async with Stack(contender, args, slo=args.slo) as stack:
         phases = [Phase(high, 2 * cap), Phase(high + low, 0.5 * cap)]
         recs, cache = await offer(stack, {"": (tagged(args.seed, ""), phases)}, args.seed, [5.0, high, high + low])
     return {"overload": window_stats(recs, 5.0, high, args.slo, cache[0], cache[1]),
@@ -231,7 +236,7 @@ def jain(xs: list[float]) -> float | None:
 async def tenants(args: argparse.Namespace, contender: Contender, cap: float, noisy: bool) -> dict:
     fair = cap / 4
     names = ["a", "b", "c"] + (["noisy"] if noisy else [])
-    async with Stack(contender, args.logs, args.peers_venv, slo=args.slo) as stack:
+    async with Stack(contender, args, slo=args.slo) as stack:
         streams = {t: (tagged(args.seed + i, t), [Phase(args.duration, fair * (5 if t == "noisy" else 1))])
                    for i, t in enumerate(names)}
         recs, _ = await offer(stack, streams, args.seed, [])
@@ -256,6 +261,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=30.0, help="closed: measured s; tenants: whole run s")
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--capacity", type=float, help="requests/s the fleet serves (default: measured first)")
+    p.add_argument("--capacity-clients", type=int, default=128, help="closed-loop clients measuring capacity")
+    p.add_argument("--threshold", type=int, help="warmroute's --concurrency-threshold (default: its default, 32)")
     p.add_argument("--high", type=float, default=60.0, help="surge: seconds at 2x capacity")
     p.add_argument("--low", type=float, default=60.0, help="surge: seconds at 0.5x capacity after")
     p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO, seconds (goodput)")

@@ -303,3 +303,21 @@ def test_a_cold_prompt_waits_where_it_was_placed_and_its_prefill_counts_there():
     assert adm.pump(0.0) == ([], [])
     _fill(f, b, 0)  # idle: takes anything
     assert adm.pump(0.1)[0] == [w] and w.instance == b and f.instances[a].queued_prefill_tokens == 0
+
+
+def test_requests_that_go_at_once_count_against_their_tenants_share():
+    """A tenant flooding an instance that has room is charged for it: where tenants wait for the same busy
+    instance, the other goes first, though it came later."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=1, fair_slack=1.0)
+    _fill(f, b, 1)
+    noisy = _waiter(adm, b, now=0.0, tenant="noisy")
+    adm.offer(noisy)
+    quiet = _waiter(adm, b, now=0.1, tenant="quiet")
+    adm.offer(quiet)
+    for _ in range(3):
+        assert _waiter(adm, a, now=0.2, tenant="noisy") is None  # a has room: it goes at once
+    _fill(f, a, 1)
+    _fill(f, b, 0)
+    assert adm.pump(0.3)[0] == [quiet]

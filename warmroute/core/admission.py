@@ -47,7 +47,8 @@ IMMEDIATE = "immediate"
 BUSY = "busy"  # its instance was at the ConcurrencyThreshold
 KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
 WAIT_REASONS = (BUSY, KV)
-UNBOUNDED = 1 << 30  # the strategy's threshold while admission owns the real one
+UNBOUNDED = 1 << 30
+MAX_TENANTS_TRACKED = 10_000  # the strategy's threshold while admission owns the real one
 
 
 def strategy_threshold(admission: bool, concurrency_threshold: int) -> int:
@@ -155,6 +156,8 @@ class Admission:
         s = self.settings
         inst = self.fleet.instances.get(decision.instance)
         if not s.enabled or inst is None or self.has_room(inst, decision.kv_tokens):
+            if s.enabled and self.waiters:
+                self._charge(tenant)  # its share of capacity, while others wait for theirs
             return None
         why = BUSY if self.spare(inst) <= 0 or not inst.routable else KV
         depths = self._depths(decision)
@@ -279,7 +282,16 @@ class Admission:
         self._remove(w)
         w.instance = name
         self.reserved[name] = self.reserved.get(name, 0) + 1
-        self._served[w.tenant] = self._served.get(w.tenant, 0.0) + 1.0 / self.settings.tenant_weights.get(w.tenant, 1.0)
+        self._charge(w.tenant)
+
+    def _charge(self, tenant: str) -> None:
+        """One more request admitted for `tenant`: its virtual time advances by 1 / its weight. Requests that go
+        at once count too: a tenant flooding the instances that have room is behind in the queue elsewhere."""
+        if len(self._served) > MAX_TENANTS_TRACKED:  # tenants are client-chosen: keep those waiting
+            self._served = {w.tenant: self._served.get(w.tenant, 0.0) for w in self.waiters.values()}
+        floor = min((self._served.get(w.tenant, 0.0) for w in self.waiters.values()), default=0.0)
+        start = max(self._served.get(tenant, 0.0), floor)  # no credit banked while it had nothing waiting
+        self._served[tenant] = start + 1.0 / self.settings.tenant_weights.get(tenant, 1.0)
 
     def best_for(self, inst: Instance, now: float) -> Waiter | None:
         """The waiter `inst` should take now: highest priority, then fair among tenants, then the deepest match
