@@ -88,7 +88,7 @@ def reference_choose(strategy: CacheAwareStrategy, key: RoutingKey, fleet: Fleet
         reason = KV_SPILL  # the one holder was swamped, so the prompt weighed its miss as a shared one
     elif hot and reason == OVERLOAD_SPILL and any(i.recent > share_cap for i in up if depths.get(i.name) == deepest):
         reason = HOT_SPREAD  # the hot-prefix guard, not the queue, kept a holder of the deepest match out
-    # Kept on the one holder of its prefix at the private weight: it may be held back (must_wait).
+    # Kept on the one holder of its prefix at the private weight: it may wait in the router (core/admission.py).
     return strategy._decision(inst, reason, depths, block_tokens, prompt, blocks, private and reason == CACHE_HIT)
 
 

@@ -8,7 +8,8 @@ the load-balancing policy). The I/O shell and the simulator report what happens 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from warmroute.core import feedback as fb
@@ -122,6 +123,19 @@ class Fleet:
         """Healthy, not draining, and (for a request naming a model) among the instances that may serve it."""
         serving = self.serving(model) if model is not None else None
         return routable_of(self.instances, serving)
+
+    @contextmanager
+    def only(self, name: str) -> Iterator[None]:
+        """For one synchronous choice, every instance but `name` looks draining (so any strategy chooses it,
+        with its own reasons and books)."""
+        others = [i for n, i in self.instances.items() if n != name and not i.draining]
+        for i in others:
+            i.draining = True
+        try:
+            yield
+        finally:
+            for i in others:
+                i.draining = False
 
     # -- which instance serves which model ------------------------------------------------------------------
     def set_models(self, name: str, models: frozenset[str] | None) -> None:

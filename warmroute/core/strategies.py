@@ -6,7 +6,7 @@ router and the simulator make exactly the same decision for the same state.
   cache_aware  (default) lowest estimated time to first token, from the prefix index and queued prefill,
                under a bounded-load guard; ties and cold prefixes placed by rendezvous on the prefix. A
                conversation kept on its instance may wait in the router while that instance is full
-               (must_wait; the shell does the waiting: router/routing.py Router.hold, sim/simulator.py).
+               (core/admission.py decides; the shells, router/routing.py and sim/simulator.py, wait).
   prefix       the reference's behaviour: rendezvous on the first PrefixLength characters, spilling along
                that prefix's own rendezvous order past ConcurrencyThreshold.
   session      rendezvous on the session id (x-session-id header or `user` field).
@@ -64,7 +64,7 @@ class Decision:
     prompt_tokens: int = 0
     blocks: Sequence[int] = ()  # the chain to record for the chosen instance
     # cache_aware kept it on the one instance holding its prefix (the private miss weight): it may wait in the
-    # router for room there (Strategy.must_wait) rather than be queued where its history would be evicted
+    # router for room there (core/admission.py) rather than be queued where its history would be evicted
     private: bool = False
 
     @property
@@ -109,7 +109,7 @@ class StrategySettings:
     # of hit rate in the simulator, no change on the hot and mixed workloads (benchmarks/chat_tail.py).
     sticky_kv_limit: float = 1.75
     # Such a prompt waits in the router while the prompts in flight at its instance, with it, would need more
-    # than this many times its KV cache; looked at again whenever a request finishes (see must_wait). 1.4 with
+    # than this many times its KV cache; looked at again whenever a request finishes (core/admission.py). 1.4 with
     # hold_keep 1.5: chat TTFT p99 -11% and +1.3 points of hit rate in the simulator, 8 seeds (-11%, +0.3 over 16;
     # benchmarks/chat_tail.py, docs/benchmarks.md); 1.3 cut more p99 for more hit rate. 1000: never waits.
     hold_kv_limit: float = 1.4
@@ -226,15 +226,6 @@ class Strategy:
     def _plain(self, inst: Instance, key: RoutingKey, reason: str) -> Decision:
         return Decision(inst.name, reason, 0, key.tokens)
 
-    def must_wait(self, decision: Decision, fleet: Fleet) -> bool:
-        """Whether the request should wait in the router before going to `decision`'s instance (and then be
-        decided again). Only cache_aware ever holds a request back."""
-        return False
-
-    def keeps(self, decision: Decision, fleet: Fleet, waited: float) -> bool:
-        """Whether a request held `waited` seconds keeps `decision` rather than being decided again."""
-        return False
-
 
 class RandomStrategy(Strategy):
     name = "random"
@@ -340,9 +331,9 @@ class CacheAwareStrategy(Strategy):
         load; α = 2 here pinned a hot prompt to a few instances (request counts 1.6x the mean).
     A prompt kept on the one instance holding its prefix at α = 16 (`Decision.private`) is held back, in the
     router, while the prompts in flight there, with it, would need more than `hold_kv_limit` (1.4) x its KV
-    cache (`must_wait`): queued in the engine, it would lose its history to the requests admitted ahead of it.
-    It looks again whenever a request finishes, keeping its instance for `hold_keep` (1.5) x the fleet's mean
-    time to first token (`keeps`), then decided again each time.
+    cache (core/admission.py): queued in the engine, it would lose its history to the requests admitted ahead
+    of it. It looks again whenever a request finishes, keeping its instance for `hold_keep` (1.5) x the fleet's
+    mean time to first token, then any instance with room may take it.
     A hot prefix, one on at least 1/N of the recent requests (N routable instances; counted per end of the
     longest match, so a conversation's history never is), skips the instances that were sent more than
     (1+δ) x the mean of recent requests (+ a slack), unless all were: at a load where queues stay short the
@@ -397,27 +388,6 @@ class CacheAwareStrategy(Strategy):
             reason = HOT_SPREAD
         return self._decision(inst, reason, depths, block_tokens, prompt, blocks,
                               held_by == PRIVATE and reason == CACHE_HIT)
-
-    def must_wait(self, decision: Decision, fleet: Fleet) -> bool:
-        """A prompt kept on the one instance holding its prefix waits (in the router) while the prompts in
-        flight there, with it, would need more than `hold_kv_limit` x its KV cache, unless nothing is in flight
-        there. Sent now, it would queue in the engine behind more history than the cache holds, and the engine
-        would evict its history (and that of the requests queued with it) to admit the ones ahead: it would
-        wait and then recompute everything. Held back, the engine's queue stays within reach of its cache; when
-        a request finishes the held one looks again: at its first instance for a while (`keeps`), then decided
-        again, so it goes where it now starts soonest. Simulator, long chats: TTFT p99 -11% at 1.4."""
-        if not decision.private:
-            return False
-        inst = fleet.instances.get(decision.instance)
-        if inst is None or not inst.inflight or inst.kv_capacity_tokens <= 0:
-            return False
-        return kv_pressure(inst) + decision.prompt_tokens / inst.kv_capacity_tokens > self.settings.hold_kv_limit
-
-    def keeps(self, decision: Decision, fleet: Fleet, waited: float) -> bool:
-        """A held request keeps its first decision while its instance takes requests and it has waited less
-        than hold_keep x the fleet's mean time to first token; then it is decided again at each look."""
-        inst = fleet.instances.get(decision.instance)
-        return inst is not None and inst.routable and waited < self.settings.hold_keep * fleet.mean_ttft_s
 
     def miss_weight_for(self, depths: dict[str, int], fleet: Fleet) -> tuple[float, str]:
         """α for this request, and why: PRIVATE (one instance holds its deepest match), SHARED (several do, or

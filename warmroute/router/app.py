@@ -43,6 +43,7 @@ from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
 from warmroute.router.settings import RouterSettings, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
+from warmroute.router.tenancy import priority_of, tenant_of
 from warmroute.router.upstream import UpstreamPool
 from warmroute.router.background import cancel_all
 
@@ -81,14 +82,16 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     app = request.app
     _check_content_headers(request)
     body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
-    router = app[ROUTER]
+    router, settings = app[ROUTER], app[SETTINGS]
     session = request.headers.get(SESSION_HEADER)
     key = await router.key_off_loop(request.path, body, session)
     key, decision = router.route(request.path, body, session, key)
-    if decision.private:  # its instance may be too full to take it now: wait in the router (Router.hold)
-        decision, waited = await router.hold(key, decision)
+    if key is not None and router.admission.settings.enabled:  # no room at its instance: wait in the router
+        tenant = tenant_of(request.headers, key, settings)
+        priority = priority_of(request.headers, tenant, key, settings)
+        decision, waited = await router.admit(key, decision, priority, tenant, len(body))
         if waited:
-            request[access.HELD] = waited
+            request[access.WAITED] = waited
     app[ACTIVITY].note(key, decision)
     return await app[PROXY].forward(request, body, key, decision)
 
@@ -195,7 +198,7 @@ async def admin_off(request: web.Request) -> web.Response:
 async def dashboard_state(request: web.Request) -> web.Response:
     app = request.app
     state = dash.state(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[SETTINGS].strategy,
-                       app[SIBLINGS].fresh())
+                       app[SIBLINGS].fresh(), app[ROUTER].admission)
     return web.json_response(state, headers={"Cache-Control": "no-store"})
 
 
@@ -283,7 +286,7 @@ async def _send_snapshots(app: web.Application, links: WorkerLinks) -> None:
     """Every second, this worker's dashboard figures to the other workers (dashboard.py)."""
     while True:
         await asyncio.sleep(dash.SNAPSHOT_EVERY_S)
-        snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS])
+        snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[ROUTER].admission)
         links.send_snapshot(json.dumps(snap, separators=(",", ":")).encode())
 
 

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
+from warmroute.core.admission import AdmissionSettings
 from warmroute.core.strategies import HOLD_TIMEOUT_S, STRATEGIES, StrategySettings
 from warmroute.errors import UsageError
 
@@ -79,6 +80,19 @@ def parse_backends(value: Any) -> list[dict]:
         if "name" not in item and isinstance(item.get("url"), str):
             item = {"name": name_from_url(item["url"]), **item}
         out.append(item)
+    return out
+
+
+def parse_mapping(value: Any) -> Any:
+    """NAME=VALUE,NAME=VALUE (a flag or env variable) into a dict; a mapping (YAML) as it is."""
+    if not isinstance(value, str):
+        return value
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        name, eq, v = part.partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"expected NAME=VALUE,... but got {part!r}")
+        out[name.strip()] = v.strip()
     return out
 
 
@@ -210,7 +224,48 @@ class RouterSettings(BaseSettings):
                     "whenever a request finishes. 0: decided again every time.")
     hold_timeout: float = Field(
         HOLD_TIMEOUT_S, ge=0.0, le=3600,
-        description="Seconds a request may be held (hold_kv_limit) before it goes to its instance anyway.")
+        description="Seconds a request waiting on hold_kv_limit waits for its own instance with that limit "
+                    "applied; then its own instance, or any other, takes it as soon as it has a free slot.")
+    admission: bool = Field(
+        True, description="Admission control: a request whose instance has no room (concurrency_threshold in "
+                          "flight, or hold_kv_limit of KV demand) waits in the router, in a bounded queue with "
+                          "priorities and fair shares per tenant, instead of queueing in the engine; when an "
+                          "instance has room it takes the waiting request whose prefix it holds. Off: every "
+                          "request goes at once.")
+    queue_max_requests: int = Field(AdmissionSettings.max_requests, ge=1, le=1_000_000,
+                                    description="Most requests waiting in the router; beyond, 429 (the lowest "
+                                                "priority waiting is refused first).")
+    queue_max_bytes: Annotated[int, Field(ge=KiB, le=64 * GiB)] = Field(
+        256 * MiB, description="Most bytes of request bodies waiting in the router (accepts 256MiB, ...); "
+                               "beyond, 429.")
+    queue_timeout: float = Field(AdmissionSettings.timeout_s, ge=0.01, le=3600,
+                                 description="Seconds a request may wait in the router; then 429 with Retry-After.")
+    spill_headroom: float = Field(
+        AdmissionSettings.spill_headroom, ge=0.0, le=1.0,
+        description="A request waiting for its busy instance goes to another at once only if that one has at "
+                    "least this share of concurrency_threshold free (1: only an idle one); else it waits for its "
+                    "own (within queue_timeout). Lower values spill sooner, at the cost of cache hits under load.")
+    queue_aging: float = Field(
+        AdmissionSettings.aging_tokens_per_s, ge=0.0, le=1e9,
+        description="Prompt tokens a waiting request is willing to lose per second waited to go to another "
+                    "instance than its own (away from it, it loses at least its whole prompt); 0: never (only "
+                    "an idle instance takes it, or a free slot anywhere once its own is down).")
+    priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$",
+                                 description="Request header carrying a request's priority (an integer, "
+                                             "-1000..1000; higher first, lower refused first).")
+    tenant_header: str = Field("x-tenant", pattern=r"^[A-Za-z0-9-]{1,64}$",
+                               description="Request header naming the tenant (see tenant_from).")
+    tenant_from: Annotated[list[Literal["header", "api_key", "user"]], NoDecode] = Field(
+        ["header", "api_key"], max_length=3,
+        description="Where a request's tenant comes from, first found wins: header (tenant_header), api_key "
+                    "(the bearer token, hashed), user (the body's `user` field). Comma-separated. Tenants "
+                    "waiting at one priority share capacity by their weights.")
+    tenant_priorities: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="Priority per tenant, NAME=N,... (a request's priority header wins).")
+    model_priorities: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="Priority per model, NAME=N,... (below tenant_priorities).")
+    tenant_weights: Annotated[dict[str, float], NoDecode] = Field(
+        default_factory=dict, description="Share weight per tenant, NAME=X,... (1 for the others).")
     block_bytes: int = Field(64, ge=16, le=4096, description="Block size of the prefix index in bytes "
                                                              "(multiple of 8; 64 bytes is about 16 tokens).")
     index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = Field(
@@ -291,7 +346,33 @@ class RouterSettings(BaseSettings):
     def _parse_backends(cls, v: Any) -> Any:
         return parse_backends(v)
 
-    @field_validator("index_memory_bytes", "max_body_bytes", mode="before")
+    @field_validator("tenant_from", mode="before")
+    @classmethod
+    def _parse_list(cls, v: Any) -> Any:
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+
+    @field_validator("tenant_priorities", "model_priorities", "tenant_weights", mode="before")
+    @classmethod
+    def _parse_mapping(cls, v: Any) -> Any:
+        return parse_mapping(v)
+
+    @field_validator("tenant_priorities", "model_priorities")
+    @classmethod
+    def _check_priorities(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = [k for k, p in v.items() if not -1000 <= p <= 1000]
+        if bad:
+            raise ValueError(f"priorities must be -1000..1000; {bad[0]!r} is not")
+        return v
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _check_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, w in v.items() if not 0.001 <= w <= 1000]
+        if bad:
+            raise ValueError(f"weights must be 0.001..1000; {bad[0]!r} is not")
+        return v
+
+    @field_validator("index_memory_bytes", "max_body_bytes", "queue_max_bytes", mode="before")
     @classmethod
     def _parse_size(cls, v: Any) -> Any:
         return parse_size(v)

@@ -11,6 +11,7 @@ from typing import Annotated
 from pydantic import TypeAdapter, ValidationError
 
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
+from warmroute.core.admission import AdmissionSettings
 from warmroute.core.strategies import STRATEGIES, StrategySettings
 from warmroute.errors import UsageError
 from warmroute.sim.report import Summary, as_json, fmt, plot, summarize, table
@@ -50,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--hold-keep", type=float, default=StrategySettings.hold_keep,
                    help="a held request keeps its instance until it has waited this many times the fleet's mean "
                         "time to first token; see `warmroute serve --help`")
+    r.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
+                   help="the router's admission queue: a request whose instance has no room waits in the router "
+                        "(default: on, as `warmroute serve`)")
+    r.add_argument("--queue-timeout", type=float, default=AdmissionSettings.timeout_s, metavar="S",
+                   help="seconds a request may wait in the router's queue before it is refused (429)")
     r.add_argument("--router-kv-capacity-tokens", type=int, metavar="N",
                    help="the router's idea of each instance's KV capacity, to study misconfiguration "
                         "(default: the engines' real capacity)")
@@ -82,7 +88,7 @@ def _validated(name: str, value: object, flag: str | None = None) -> None:
 
 def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSettings:
     for name in ("prefix_length", "concurrency_threshold", "balance_factor", "hot_balance_factor", "hold_kv_limit",
-                 "hold_keep"):
+                 "hold_keep", "queue_timeout"):
         _validated(name, getattr(args, name))
     if args.router_kv_capacity_tokens is not None:
         _validated("kv_capacity_tokens", args.router_kv_capacity_tokens, "--router-kv-capacity-tokens")
@@ -98,7 +104,7 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
         feedback=args.feedback, prefix_length=args.prefix_length,
         concurrency_threshold=args.concurrency_threshold, balance_factor=args.balance_factor,
         hot_balance_factor=args.hot_balance_factor, hold_kv_limit=args.hold_kv_limit, hold_keep=args.hold_keep,
-        requests=args.requests,
+        admission=args.admission, queue_timeout_s=args.queue_timeout, requests=args.requests,
         rate=args.rate, concurrency=closed, speedup=args.speedup,
         scale_events=[_scale_event(s) for s in args.scale_at], seed=args.seed)
 
