@@ -1,0 +1,241 @@
+"""Precise mode's I/O: one ZMQ subscriber per instance, feeding its KV-cache events to the exact index.
+
+Each subscriber connects a SUB socket to the instance's event endpoint and follows the sequence numbers:
+  - the next number: the batch is applied;
+  - a jump ahead (a lost batch): the missing ones are asked from the instance's replay endpoint; where there is
+    none, or it no longer holds them, the instance is marked *stale*: the strategy uses the approximate model for
+    it until it is in step again (its cache is cleared, it restarts, or a later replay from its first batch works);
+  - a number going back: the engine restarted; what it reported before is forgotten;
+  - AllBlocksCleared: its index is emptied (the engine said so: still in step);
+  - a message that cannot be read: counted and skipped.
+A subscriber that starts after its instance (a replica started late) asks for a replay from batch 0 and is stale
+until it gets one. Everything it does is counted (KvEventMetrics) and logged once per change of state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from warmroute.core.exact_index import ExactIndex
+from warmroute.core.kv_events import AllBlocksCleared, BadMessage, EventBatch, decode_batch, decode_seq, encode_seq
+
+log = logging.getLogger("warmroute.router")
+
+REPLAY_TIMEOUT_S = 2.0  # a replay that has not finished by then has failed
+RETRY_STALE_S = 5.0  # a stale instance with a replay endpoint asks for a full replay this often
+_STALE, _FRESH = "stale", "fresh"
+
+
+class KvEventMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = r = registry
+        self.received = Counter("warmroute_kv_events_received", "KV-event batches received per instance "
+                                "(live and replayed)", ["backend"], registry=r)
+        self.applied = Counter("warmroute_kv_events_applied", "KV events that changed the exact index",
+                               ["backend"], registry=r)
+        self.bad = Counter("warmroute_kv_events_bad", "KV-event messages or events skipped as unreadable or "
+                           "unknown", ["backend"], registry=r)
+        self.gaps = Counter("warmroute_kv_events_gaps", "Sequence gaps (lost batches) and restarts, by kind "
+                            "(gap, restart)", ["backend", "kind"], registry=r)
+        self.replays = Counter("warmroute_kv_events_replays", "Replay requests by outcome (ok, failed)",
+                               ["backend", "outcome"], registry=r)
+        self.stale = Gauge("warmroute_kv_events_stale", "1 while an instance's exact index is out of step "
+                           "with its engine (the approximate model routes for it)", ["backend"], registry=r,
+                           multiprocess_mode="livemax")
+        self.blocks = Gauge("warmroute_kv_index_blocks", "Blocks each instance reported holding (exact index)",
+                            ["backend"], registry=r, multiprocess_mode="livemostrecent")
+        self.lag = Gauge("warmroute_kv_events_lag_seconds", "Seconds from the engine's timestamp of the latest "
+                         "batch to its arrival (engine and router clocks)", ["backend"], registry=r,
+                         multiprocess_mode="livemostrecent")
+
+
+@dataclass
+class Stream:
+    """What a subscriber knows of one instance's sequence."""
+
+    name: str
+    last_seq: int | None = None  # the latest batch applied (live or replayed)
+    live_seq: int | None = None  # the latest batch received live
+    state: str = _STALE  # fresh once in step with the engine
+    batches: int = 0
+
+
+class KvEventSubscriber:
+    def __init__(self, name: str, endpoint: str, index: ExactIndex, metrics: KvEventMetrics,
+                 replay_endpoint: str | None = None, topic: str = "") -> None:
+        import zmq.asyncio  # imported here: precise mode is optional (the `events` extra)
+
+        self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay_endpoint
+        self.topic = topic.encode()
+        self.index, self.metrics = index, metrics
+        self.stream = Stream(name)
+        self._ctx = zmq.asyncio.Context.instance()
+        self._task: asyncio.Task | None = None
+        self._next_retry = 0.0
+        index.add_instance(name)
+        metrics.stale.labels(name).set(1)
+
+    @property
+    def fresh(self) -> bool:
+        return self.stream.state == _FRESH
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"warmroute-kv-events-{self.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.index.remove_instance(self.name)
+        for gauge in (self.metrics.stale, self.metrics.blocks, self.metrics.lag):
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.name)
+
+    async def _run(self) -> None:
+        import zmq
+
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sock.connect(self.endpoint)
+        try:
+            while True:
+                try:
+                    frames = await asyncio.wait_for(sock.recv_multipart(), RETRY_STALE_S)
+                except TimeoutError:
+                    await self._retry_if_stale()
+                    continue
+                await self.receive(frames)
+        finally:
+            sock.close(linger=0)
+
+    # -- one message ----------------------------------------------------------------------------------------
+    async def receive(self, frames: list[bytes]) -> None:
+        """One live message: decoded, put in sequence, applied (or the gap filled first)."""
+        decoded = self._decode(frames)
+        if decoded is None:
+            return
+        seq, batch = decoded
+        s = self.stream
+        # The live stream of one engine only goes forward: going back, it is a new engine process.
+        if s.live_seq is not None and seq <= s.live_seq:
+            self.metrics.gaps.labels(self.name, "restart").inc()
+            log.warning("kv events %s: sequence went back from %d to %d: the engine restarted; index cleared",
+                        self.name, s.live_seq, seq)
+            self.index.clear(self.name)
+            s.last_seq = None
+        s.live_seq = seq
+        if s.last_seq is not None and seq <= s.last_seq:
+            return  # a replay delivered it already
+        if s.last_seq is None and seq != 0:  # joined mid-stream (or restarted and missed its first batches)
+            await self._resync(f"joined at sequence {seq}")
+        elif s.last_seq is not None and seq > s.last_seq + 1:
+            self.metrics.gaps.labels(self.name, "gap").inc()
+            await self._fill_gap(s.last_seq + 1, seq)
+        elif s.last_seq is None:
+            self._set_state(_FRESH, "first batch")
+        if s.last_seq is None or seq > s.last_seq:
+            self._apply(seq, batch)
+        await self._retry_if_stale()
+
+    def _decode(self, frames: list[bytes]) -> tuple[int, EventBatch] | None:
+        self.metrics.received.labels(self.name).inc()
+        try:
+            if len(frames) != 3:
+                raise BadMessage(f"{len(frames)} frames, expected 3 (topic, sequence, payload)")
+            seq = decode_seq(frames[1])
+            batch = decode_batch(frames[2])
+        except BadMessage as exc:
+            self.metrics.bad.labels(self.name).inc()
+            log.warning("kv events %s: message skipped: %s", self.name, exc)
+            return None
+        if batch.skipped:
+            self.metrics.bad.labels(self.name).inc(batch.skipped)
+        return seq, batch
+
+    def _apply(self, seq: int, batch: EventBatch) -> None:
+        self.stream.last_seq = seq
+        self.stream.batches += 1
+        applied = self.index.apply(self.name, batch.events)
+        self.metrics.applied.labels(self.name).inc(applied)
+        self.metrics.blocks.labels(self.name).set(self.index.size(self.name))
+        if batch.ts > 0:
+            self.metrics.lag.labels(self.name).set(max(0.0, time.time() - batch.ts))
+        if any(isinstance(e, AllBlocksCleared) for e in batch.events) and not self.fresh:
+            self._set_state(_FRESH, "the engine cleared its cache")
+
+    # -- getting back in step -------------------------------------------------------------------------------
+    async def _fill_gap(self, start: int, upto: int) -> None:
+        """Batches start..upto-1 were lost: replay them, or mark the instance stale."""
+        got = await self._replay(start)
+        if got is not None and got and got[0][0] == start:
+            for seq, batch in got:
+                if seq == self.stream.last_seq + 1:
+                    self._apply(seq, batch)
+            if self.stream.last_seq >= upto - 1:
+                return
+        self._set_state(_STALE, f"batches {start}..{upto - 1} lost" +
+                        ("" if self.replay_endpoint else " (no replay endpoint)"))
+
+    async def _resync(self, why: str) -> None:
+        """Rebuild the instance's index from its first batch, through replay; stale if that cannot be done."""
+        got = await self._replay(0)
+        if got and got[0][0] == 0:
+            self.index.clear(self.name)
+            self.stream.last_seq = None
+            for seq, batch in got:
+                if self.stream.last_seq is None or seq == self.stream.last_seq + 1:
+                    self._apply(seq, batch)
+            self._set_state(_FRESH, f"{why}; replayed from batch 0")
+            return
+        self._set_state(_STALE, why + ("; its replay does not reach back to batch 0" if self.replay_endpoint
+                                       else " (no replay endpoint)"))
+
+    async def _retry_if_stale(self) -> None:
+        if self.fresh or self.replay_endpoint is None or time.monotonic() < self._next_retry:
+            return
+        self._next_retry = time.monotonic() + RETRY_STALE_S
+        await self._resync("stale")
+
+    async def _replay(self, start: int) -> list[tuple[int, EventBatch]] | None:
+        """The batches the instance still buffers from `start` on (None: no replay endpoint, or it failed)."""
+        if self.replay_endpoint is None:
+            return None
+        import zmq
+
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: list[tuple[int, EventBatch]] = []
+        try:
+            sock.connect(self.replay_endpoint)
+            await sock.send_multipart((b"", encode_seq(start)))
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                while True:
+                    frames = await sock.recv_multipart()
+                    if len(frames) == 4 and frames[2] == encode_seq(-1):
+                        break
+                    decoded = self._decode(frames[1:])
+                    if decoded is not None:
+                        got.append(decoded)
+        except (TimeoutError, OSError) as exc:
+            self.metrics.replays.labels(self.name, "failed").inc()
+            log.warning("kv events %s: replay from %d failed: %s", self.name, start, exc or "timed out")
+            return None
+        finally:
+            sock.close(linger=0)
+        self.metrics.replays.labels(self.name, "ok").inc()
+        return sorted(got, key=lambda sb: sb[0])
+
+    def _set_state(self, state: str, why: str) -> None:
+        if self.stream.state != state:
+            (log.warning if state == _STALE else log.info)("kv events %s: %s (%s)", self.name, state, why)
+        self.stream.state = state
+        self.metrics.stale.labels(self.name).set(1 if state == _STALE else 0)
