@@ -26,21 +26,21 @@ def chain(tokens):
 class Engine:
     """A publisher storing one block per batch, each extending the last (a growing prompt)."""
 
-    def __init__(self, replay: bool = True, start_hash: int = 500, endpoint: str = "tcp://*:0",
-                 replay_endpoint: str = "tcp://*:0", token_base: int = 0) -> None:
+    def __init__(self, replay: bool = True, start_hash: int = 500, endpoint: str = "tcp://127.0.0.1:0",
+                 replay_endpoint: str = "tcp://127.0.0.1:0", token_base: int = 0) -> None:
         self.token_base = token_base
-        self.pub = KvEventPublisher(endpoint, "kv", replay_endpoint if replay else None)
+        self.pub = KvEventPublisher(endpoint, "kv", replay_endpoint if replay else None, bind=True)
         self.tokens: list[int] = []
         self.hashes: list[int] = []
         self.start_hash = start_hash
 
     @property
     def endpoint(self) -> str:
-        return self.pub.endpoint.replace("*", "127.0.0.1")
+        return self.pub.endpoint
 
     @property
     def replay_endpoint(self) -> str | None:
-        return self.pub.replay_endpoint.replace("*", "127.0.0.1") if self.pub.replay_endpoint else None
+        return self.pub.replay_endpoint
 
     def store_block(self, send: bool = True) -> None:
         block = [self.token_base + len(self.tokens) + i for i in range(BS)]

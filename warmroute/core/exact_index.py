@@ -18,9 +18,13 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from warmroute.core.block_hash import block_hashes, extend_chain, seed_of
 from warmroute.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+if TYPE_CHECKING:
+    from warmroute.core.routing_key import RoutingKey
 
 TOKEN_BYTES = 4  # token ids are packed as little-endian uint32 before hashing
 BYTES_PER_BLOCK = 200  # rough cost of one indexed block (two dict entries and a tuple), to size max_blocks
@@ -63,6 +67,9 @@ class ExactIndex:
         self.max_blocks = max(1, max_blocks)
         self.speculative_ttl = speculative_ttl
         self.instances: dict[str, InstanceBlocks] = {}
+        # The instances whose events are in step with their engine (the subscribers say): only their blocks are
+        # trusted; the others are routed by the approximate model.
+        self.fresh: set[str] = set()
 
     # -- membership ---------------------------------------------------------------------------------------
     def add_instance(self, name: str) -> InstanceBlocks:
@@ -70,6 +77,7 @@ class ExactIndex:
 
     def remove_instance(self, name: str) -> None:
         self.instances.pop(name, None)
+        self.fresh.discard(name)
 
     def clear(self, name: str) -> None:
         """Forget everything an instance reported (its cache was cleared, or its stream restarted)."""
@@ -171,6 +179,29 @@ class ExactIndex:
             blocks = self.instances.get(name)
             return len(blocks.by_engine) if blocks is not None else 0
         return sum(len(b.by_engine) for b in self.instances.values())
+
+
+def exact_depths(index: ExactIndex, key: RoutingKey, n_blocks: int, approximate: dict[str, int],
+                 now: float) -> tuple[dict[str, int], frozenset[str]]:
+    """cache_aware's match depths with the exact index's where an instance is fresh, and those instances.
+
+    The strategy counts depth in its own blocks (block_bytes of the routing key, about 16 estimated tokens), so an
+    exact match of m of the prompt's t tokens becomes m/t of the key's n blocks: the share matched is the
+    index's, the units the strategy's (and Decision.matched_tokens scales back to the engine's count)."""
+    tokens = len(key.token_data or b"") // TOKEN_BYTES
+    if not index.fresh or not tokens or not n_blocks:
+        return approximate, frozenset()
+    depths = dict(approximate)
+    used = []
+    for name in index.fresh:
+        used.append(name)
+        matched = index.match_tokens(name, key.token_blocks, now)
+        depth = min(n_blocks, matched * n_blocks // tokens)
+        if depth:
+            depths[name] = depth
+        else:  # the engine says it does not hold it, whatever the model guessed
+            depths.pop(name, None)
+    return depths, frozenset(used)
 
 
 def _unref(blocks: InstanceBlocks, our_hash: int) -> None:

@@ -29,23 +29,23 @@ FLUSH_EVERY_S = 0.005  # batches are sent at most this long after their first ev
 
 class KvEventPublisher:
     def __init__(self, endpoint: str, topic: str = "kv-events", replay_endpoint: str | None = None,
-                 buffer_steps: int = 10_000, data_parallel_rank: int = 0, start_seq: int = 0) -> None:
+                 buffer_steps: int = 10_000, data_parallel_rank: int = 0, bind: bool | None = None) -> None:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.topic = topic.encode()
         self.rank = data_parallel_rank
-        self.seq = start_seq
+        self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.pending: list[dict[str, Any]] = []
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx = zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = _attach(self._pub, endpoint)
+        self.endpoint = _attach(self._pub, endpoint, bind)
         self._replay: zmq.asyncio.Socket | None = None
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = _attach(self._replay, replay_endpoint, always_bind=True)
+            self.replay_endpoint = _attach(self._replay, replay_endpoint, bind=True)
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(): batches then flush on their own
 
@@ -117,9 +117,10 @@ class KvEventPublisher:
             await self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
-def _attach(sock: zmq.Socket, endpoint: str, always_bind: bool = False) -> str:
-    """Bind a `*` endpoint (port 0: any free one; returns the endpoint actually bound), connect the others."""
-    if always_bind or "*" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+def _attach(sock: zmq.Socket, endpoint: str, bind: bool | None = None) -> str:
+    """Bind (port 0: any free one; returns the endpoint actually bound) or connect; `bind` None: vLLM's rule,
+    bind a `*` or ipc endpoint, connect the others."""
+    if bind or (bind is None and ("*" in endpoint or endpoint.startswith(("ipc://", "inproc://")))):
         if endpoint.endswith(":0"):
             port = sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
             return f"{endpoint.rsplit(':', 1)[0]}:{port}"

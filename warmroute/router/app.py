@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from warmroute.core.exact_index import BYTES_PER_BLOCK
 from warmroute.core.routing_key import ROUTED_PATHS
 from warmroute.core.strategies import ModelNotServed, NoInstanceAvailable
 from warmroute.router import access_log as access
@@ -32,11 +33,12 @@ from warmroute.router.discovery import Discovery, Membership, Resolver, resolve
 from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.errors import ApiError, bad_request, json_error, no_instance, too_large
 from warmroute.router.health import Health
+from warmroute.router.kv_subscriber import KvEventMetrics, KvEventSources
 from warmroute.router.metrics import NO_INSTANCE, Metrics
 from warmroute.router.models import ModelCatalog, fetch_models
 from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
-from warmroute.router.settings import RouterSettings, upstream_tls
+from warmroute.router.settings import RouterSettings, kv_event_endpoints, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
 from warmroute.router.upstream import UpstreamPool
 from warmroute.router.background import cancel_all
@@ -195,6 +197,11 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[CATALOG] = catalog = ModelCatalog(router.fleet, urls, settings)
     app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper, catalog)
     app[DISCOVERY] = Discovery(membership, settings, resolver)
+    if router.exact is not None:  # precise mode: one subscriber per instance, following membership
+        membership.kv_events = KvEventSources(router.exact, KvEventMetrics(metrics_.registry),
+                                              settings.kv_events_topic, settings.index_memory_bytes // BYTES_PER_BLOCK)
+        for b in settings.backends:
+            membership.kv_events.add(b.name, *kv_event_endpoints(settings, b))
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
     app[SIBLINGS] = dash.Siblings()
     app[LINKS] = links
@@ -232,6 +239,9 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     proxy = app[PROXY]
     proxy.session = session = make_session(app[SETTINGS])
     proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout, tls=upstream_tls(app[SETTINGS]))
+    kv_events = app[MEMBERSHIP].kv_events
+    if kv_events is not None:
+        await kv_events.start()
     await app[DISCOVERY].start(session)  # the backends file and DNS names, before the first health round
     settings = app[SETTINGS]
     k8s = None
@@ -265,6 +275,8 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
         loops.append(asyncio.create_task(app[SCRAPER].run(session), name="warmroute-engine-metrics"))
     yield
     await app[DISCOVERY].stop()
+    if kv_events is not None:
+        await kv_events.stop()
     if k8s is not None:
         await k8s.stop()
     if shared is not None:

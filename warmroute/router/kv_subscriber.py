@@ -88,16 +88,22 @@ class KvEventSubscriber:
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"warmroute-kv-events-{self.name}")
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    def cancel(self) -> asyncio.Task | None:
+        """Stop following the instance (its socket closes as the task ends) and forget what it reported."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
         self.index.remove_instance(self.name)
         for gauge in (self.metrics.stale, self.metrics.blocks, self.metrics.lag):
             with contextlib.suppress(KeyError):
                 gauge.remove(self.name)
+        return task
+
+    async def stop(self) -> None:
+        task = self.cancel()
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _run(self) -> None:
         import zmq
@@ -227,7 +233,7 @@ class KvEventSubscriber:
                         got.append(decoded)
         except (TimeoutError, OSError) as exc:
             self.metrics.replays.labels(self.name, "failed").inc()
-            log.warning("kv events %s: replay from %d failed: %s", self.name, start, exc or "timed out")
+            log.warning("kv events %s: replay from %d failed: %s", self.name, start, str(exc) or "timed out")
             return None
         finally:
             sock.close(linger=0)
@@ -239,3 +245,57 @@ class KvEventSubscriber:
             (log.warning if state == _STALE else log.info)("kv events %s: %s (%s)", self.name, state, why)
         self.stream.state = state
         self.metrics.stale.labels(self.name).set(1 if state == _STALE else 0)
+        if state == _FRESH:
+            self.index.fresh.add(self.name)
+        else:
+            self.index.fresh.discard(self.name)
+
+
+class KvEventSources:
+    """One subscriber per instance, following the fleet's membership (static, file, DNS, Kubernetes, admin API),
+    and the exact index's bound shared out among them."""
+
+    def __init__(self, index: ExactIndex, metrics: KvEventMetrics, topic: str, max_blocks: int) -> None:
+        self.index, self.metrics, self.topic = index, metrics, topic
+        self.max_blocks = max_blocks  # over all instances
+        self.subscribers: dict[str, KvEventSubscriber] = {}
+        self._running = False
+        self._closing: set[asyncio.Task] = set()
+
+    def add(self, name: str, endpoint: str | None, replay_endpoint: str | None) -> None:
+        """Follow an instance's events (again, if its endpoints changed); None: it publishes none."""
+        sub = self.subscribers.get(name)
+        if sub is not None and (sub.endpoint, sub.replay_endpoint) == (endpoint, replay_endpoint):
+            return
+        self.remove(name)
+        if endpoint is None:
+            return
+        sub = self.subscribers[name] = KvEventSubscriber(name, endpoint, self.index, self.metrics,
+                                                         replay_endpoint, self.topic)
+        self._share_bound()
+        log.info("kv events %s: subscribing to %s (replay: %s)", name, endpoint, replay_endpoint or "none")
+        if self._running:
+            asyncio.get_running_loop().create_task(sub.start())
+
+    def remove(self, name: str) -> None:
+        sub = self.subscribers.pop(name, None)
+        if sub is not None:
+            task = sub.cancel()
+            if task is not None:
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            self._share_bound()
+
+    async def start(self) -> None:
+        self._running = True
+        for sub in self.subscribers.values():
+            await sub.start()
+
+    async def stop(self) -> None:
+        self._running = False
+        for name in list(self.subscribers):
+            self.remove(name)
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def _share_bound(self) -> None:
+        self.index.max_blocks = max(1, self.max_blocks // max(1, len(self.subscribers)))

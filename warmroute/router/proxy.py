@@ -150,7 +150,7 @@ class Proxy:
         choice, never the same instance twice in a row."""
         for attempt in (0, 1):
             request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
-            ticket = self.router.dispatch(decision, defer_record=True)
+            ticket = self.router.dispatch(decision, defer_record=True, key=key)
             try:
                 return await self._exchange(request, body, decision, ticket)
             except _ConnectFailed:
@@ -256,7 +256,8 @@ class Proxy:
             resp.content_length = upstream.content_length  # same bytes, same length
         if self.settings.decision_headers:
             resp.headers["x-warmroute-instance"] = decision.instance
-            resp.headers["x-warmroute-reason"] = decision.reason
+            resp.headers["x-warmroute-reason"] = (decision.reason if not decision.match
+                                                   else f"{decision.reason}; match={decision.match}")
             # what the router expects the engine to report cached, so a client can measure its prediction
             resp.headers["x-warmroute-predicted-hit"] = f"{decision.matched_ratio:.4f}"
         return resp

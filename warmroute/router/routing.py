@@ -12,11 +12,14 @@ import json
 import time
 from collections.abc import Sequence
 
+from warmroute.core.exact_index import BYTES_PER_BLOCK, ExactIndex, token_seed
 from warmroute.core.fleet import Fleet, FleetSettings
-from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey, key_for_json, key_for_raw
-from warmroute.core.strategies import Decision, StrategySettings, make_strategy
+from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
+                                        key_for_json, key_for_raw)
+from warmroute.core.strategies import APPROXIMATE, Decision, StrategySettings, make_strategy
 from warmroute.router.errors import bad_request
 from warmroute.router.metrics import Metrics
+from warmroute.router.prompt_tokens import PromptTokenizer
 from warmroute.router.settings import RouterSettings
 from warmroute.router.shared_index import IndexUpdates
 from warmroute.router.usage import EngineUsage
@@ -24,6 +27,7 @@ from warmroute.router.usage import EngineUsage
 SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
 HOLD_POLL = 0.25  # seconds: a held request looks again at least this often
+TOKENIZED_ROUTES = CHAT_ROUTES | PROMPT_ROUTES  # what precise mode tokenizes (the others: approximate model only)
 
 
 def is_routed(path: str) -> bool:
@@ -47,6 +51,12 @@ class Router:
             shared_miss_weight=settings.shared_miss_weight, sticky_kv_limit=settings.sticky_kv_limit,
             hold_kv_limit=settings.hold_kv_limit, hold_keep=settings.hold_keep, block_bytes=settings.block_bytes))
         self._any = make_strategy("least_loaded")
+        self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
+        self.tokenizer: PromptTokenizer | None = None
+        if settings.kv_events:
+            self.tokenizer = PromptTokenizer(settings.tokenizer)  # settings checked it loads
+            self.exact = ExactIndex(settings.index_memory_bytes // BYTES_PER_BLOCK, settings.kv_speculative_ttl)
+            self.strategy.exact = self.exact
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
         self._finished: asyncio.Future[None] | None = None  # resolved when a request finishes: held ones retry
 
@@ -64,7 +74,12 @@ class Router:
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         try:
-            return key_for_json(path, parsed, session)
+            key = key_for_json(path, parsed, session)
+            if self.tokenizer is not None and path in TOKENIZED_ROUTES:
+                key.token_data = self.tokenizer.tokens_for(path in CHAT_ROUTES, parsed)
+                salt = parsed.get("cache_salt")
+                key.token_seed = token_seed(None, salt if isinstance(salt, str) else None)
+            return key
         except KeyError_ as exc:
             raise bad_request(str(exc)) from None
         except (RecursionError, TypeError, ValueError, OverflowError):
@@ -130,11 +145,16 @@ class Router:
                 f.set_result(None)
 
     # -- the books -----------------------------------------------------------------------------------------
-    def dispatch(self, decision: Decision, defer_record: bool = False) -> Ticket:
+    def dispatch(self, decision: Decision, defer_record: bool = False, key: RoutingKey | None = None) -> Ticket:
         """The request is being sent: its books now; its chain into the index now, or (`defer_record`, from a
         running event loop) on the loop's next turn, once the request is on its way to the instance: a long
         prompt's chain is thousands of blocks (1-2 ms for a cold 64k-token prompt), time the request need not
-        wait. A request routed in between does not see it yet, as if it had arrived a moment earlier."""
+        wait. A request routed in between does not see it yet, as if it had arrived a moment earlier. In precise
+        mode its token blocks are speculatively held there until the engine's events arrive."""
+        if self.exact is not None and key is not None and key.token_data:
+            blocks = self.exact.instances.get(decision.instance)
+            if blocks is not None and blocks.block_size:
+                self.exact.speculate(decision.instance, key.token_blocks(blocks.block_size), time.monotonic())
         return Ticket(self, decision, defer_record)
 
     def engine_usage(self, decision: Decision, usage: EngineUsage, queued_ahead: int = 0) -> None:
@@ -149,7 +169,8 @@ class Router:
                                           usage.prompt_tokens, decision.prompt_tokens, queued_ahead).kind
         prompt = usage.prompt_tokens or decision.prompt_tokens
         predicted = decision.matched_tokens * prompt / decision.prompt_tokens if decision.prompt_tokens else 0.0
-        self.metrics.engine_usage(name, prompt, usage.cached_tokens, predicted, verdict)
+        self.metrics.engine_usage(name, prompt, usage.cached_tokens, predicted, verdict,
+                                  decision.match or APPROXIMATE)
 
     def unrecord(self, decision: Decision) -> None:
         """The request never reached the instance: it does not hold the blocks after all."""

@@ -1,0 +1,174 @@
+"""Precise mode's tokenizer: a request's prompt as the token ids the engine will cache.
+
+Loaded from a model directory (tokenizer.json, and tokenizer_config.json for the chat template and its special
+tokens), as vLLM loads it: a chat request is rendered with the model's template (list contents flattened to
+their text parts joined by newlines, vLLM's "string" content format), and the text tokenized without adding
+special tokens (the template has them); a completion prompt is tokenized with them; token-id prompts are used as
+they are.
+
+Speed: a long conversation is mostly text the router has tokenized before (the earlier turns). The rendered
+text is cut at the tokenizer's added tokens (ChatML's <|im_start|> and <|im_end|> around every turn), which the
+tokenizer itself cuts at before anything else, so each piece tokenizes alone exactly as inside the whole; pieces
+are cached (bounded), and only the new ones are tokenized. At load the cut is checked against whole-text
+tokenization on a sample conversation; where the two differ (a tokenizer whose pieces depend on their
+neighbours), whole texts are tokenized and cached instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from warmroute.core.routing_key import KeyError_, content_text
+
+CACHE_BYTES = 64 * 1024 * 1024  # packed token ids kept for pieces seen before (plus their text)
+_SAMPLE = [{"role": "system", "content": "You are a helpful assistant.  Answer briefly."},
+           {"role": "user", "content": "Hello there! What's 2+2?\n\nThanks."},
+           {"role": "assistant", "content": " It is 4. "}, {"role": "user", "content": "And 3 + 3 ?"}]
+
+
+class TokenizerError(ValueError):
+    """The model directory has no usable tokenizer (a startup error)."""
+
+
+class PromptTokenizer:
+    def __init__(self, model_dir: str | Path, cache_bytes: int = CACHE_BYTES) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise TokenizerError("precise mode needs the `tokenizers` package (pip install tokenizers)") from None
+        directory = Path(model_dir)
+        path = directory / "tokenizer.json" if directory.is_dir() else directory
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises its own Exception type for a missing or bad file
+            raise TokenizerError(f"cannot load a tokenizer from {path}: {exc}") from None
+        config = _read_config(path.parent / "tokenizer_config.json")
+        self.template = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
+        self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
+        self._compiled = None
+        self._cache: OrderedDict[str, bytes] = OrderedDict()
+        self._cache_bytes, self._cache_limit = 0, cache_bytes
+        self._pieces: dict[str, bytes] = {}
+        self._split: re.Pattern | None = None
+        cuttable = [t for t in self.tokenizer.get_added_tokens_decoder().values()
+                    if not (t.lstrip or t.rstrip or t.single_word)]
+        if cuttable:
+            self._pieces = {t.content: struct.pack("<I", self.tokenizer.token_to_id(t.content)) for t in cuttable}
+            names = sorted(self._pieces, key=len, reverse=True)
+            self._split = re.compile("(" + "|".join(re.escape(n) for n in names) + ")")
+            if self.template is not None:
+                text = self.render(_SAMPLE, None)
+                whole = _pack(self.tokenizer.encode(text, add_special_tokens=False).ids)
+                if self._encode_pieces(text) != whole:
+                    self._split = None  # the cut changes the tokens: whole texts only
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def tokens_for(self, chat: bool, body: dict) -> bytes:
+        """The packed token ids (4 bytes each, little-endian) of a parsed request; KeyError_ for a body the
+        engine could not read either (a 400)."""
+        if chat:
+            return self.chat(body.get("messages"), body.get("tools"), body.get("add_generation_prompt", True))
+        prompt = body.get("prompt", body.get("input"))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            try:
+                return _pack(prompt)
+            except struct.error:
+                raise KeyError_("token ids must be integers from 0 to 2^32-1") from None
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompt = prompt[0]  # a batch of prompts: the engine caches each; key on the first
+        if not isinstance(prompt, str):
+            raise KeyError_("'prompt' must be a string, a list of strings, or a list of token ids")
+        return self._cached(prompt, add_special=True)
+
+    def chat(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True) -> bytes:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise KeyError_("'messages' must be a list of message objects")
+        text = self.render(messages, tools, bool(add_generation_prompt))
+        if self._split is None:
+            return self._cached(text, add_special=False)
+        return self._encode_pieces(text)
+
+    def render(self, messages: list[dict], tools: Any, add_generation_prompt: bool = True) -> str:
+        if self.template is None:
+            raise TokenizerError("the model directory has no chat template (tokenizer_config.json chat_template)")
+        flat = [{**m, "content": _flatten(m.get("content"))} for m in messages]
+        try:
+            return self._template().render(messages=flat, tools=tools or None,
+                                           add_generation_prompt=add_generation_prompt, **self.special)
+        except KeyError_:
+            raise
+        except Exception as exc:  # the template's own checks (raise_exception) and its errors on odd input
+            raise KeyError_(f"the chat template cannot render these messages: {exc}") from None
+
+    # -- tokenizing, cached ---------------------------------------------------------------------------------
+    def _encode_pieces(self, text: str) -> bytes:
+        assert self._split is not None
+        pieces = self._pieces
+        out = []
+        for i, part in enumerate(self._split.split(text)):
+            if i % 2:  # the captured added tokens
+                out.append(pieces[part])
+            elif part:
+                out.append(self._cached(part, add_special=False))
+        return b"".join(out)
+
+    def _cached(self, text: str, add_special: bool) -> bytes:
+        key = text if not add_special else "\x00" + text
+        got = self._cache.get(key)
+        if got is not None:
+            self._cache.move_to_end(key)
+            return got
+        got = _pack(self.tokenizer.encode(text, add_special_tokens=add_special).ids)
+        self._cache[key] = got
+        self._cache_bytes += len(got) + len(key)
+        while self._cache_bytes > self._cache_limit and self._cache:
+            old_key, old = self._cache.popitem(last=False)
+            self._cache_bytes -= len(old) + len(old_key)
+        return got
+
+    def _template(self):
+        if self._compiled is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise
+            self._compiled = env.from_string(self.template)
+        return self._compiled
+
+
+def _raise(message: str) -> None:
+    raise KeyError_(f"the chat template refused the request: {message}")
+
+
+def _flatten(content: Any) -> Any:
+    """vLLM's "string" content format: a list of parts becomes its text parts joined by newlines."""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content if content is None or isinstance(content, str) else content_text(content)
+
+
+def _pack(ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):  # the older AddedToken form {"content": ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"cannot read {path}: {exc}") from None
+    return data if isinstance(data, dict) else {}
