@@ -89,3 +89,23 @@ def test_the_cache_is_bounded(model_dir):
     for seed in range(50):
         tok.chat(conversation(4, seed))
     assert tok._cache_bytes <= 2000
+
+
+async def test_long_new_text_is_tokenized_ahead_off_the_loop(model_dir, monkeypatch):
+    import asyncio
+
+    tok = PromptTokenizer(model_dir)
+    threads = []
+    real = asyncio.to_thread
+    monkeypatch.setattr(asyncio, "to_thread", lambda fn, *a: threads.append(fn) or real(fn, *a))
+    long_doc = " ".join(random.Random(3).choice(WORDS) for _ in range(5000))  # > OFFLOAD_CHARS
+    body = {"messages": [{"role": "system", "content": long_doc}, {"role": "user", "content": "and?"}]}
+    await tok.warm(True, body)
+    assert len(threads) == 1
+    assert any(long_doc in piece for piece in tok._cache)
+    whole = tok.tokenizer.encode(tok.render(body["messages"], None), add_special_tokens=False).ids
+    assert ids(tok.tokens_for(True, body)) == whole
+    await tok.warm(True, body)  # all cached now: nothing to do
+    await tok.warm(True, {"messages": [{"role": "user", "content": "short"}]})  # too short to be worth a thread
+    await tok.warm(True, {"messages": "not a list"})  # tokens_for will say what is wrong
+    assert len(threads) == 1

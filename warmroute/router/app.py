@@ -66,7 +66,8 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     app = request.app
     body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
     router = app[ROUTER]
-    key, decision = router.route(request.path, body, request.headers.get(SESSION_HEADER))
+    parsed = await router.tokenize_ahead(request.path, body) if router.tokenizer is not None else None
+    key, decision = router.route(request.path, body, request.headers.get(SESSION_HEADER), parsed)
     if decision.private:  # its instance may be too full to take it now: wait in the router (Router.hold)
         decision, waited = await router.hold(key, decision)
         if waited:

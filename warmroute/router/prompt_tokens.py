@@ -16,6 +16,7 @@ neighbours), whole texts are tokenized and cached instead.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import struct
@@ -26,6 +27,7 @@ from typing import Any
 from warmroute.core.routing_key import KeyError_, content_text
 
 CACHE_BYTES = 64 * 1024 * 1024  # packed token ids kept for pieces seen before (plus their text)
+OFFLOAD_CHARS = 16 * 1024  # new text beyond this is tokenized in a worker thread (≈ 3 ms and more on the loop)
 _SAMPLE = [{"role": "system", "content": "You are a helpful assistant.  Answer briefly."},
            {"role": "user", "content": "Hello there! What's 2+2?\n\nThanks."},
            {"role": "assistant", "content": " It is 4. "}, {"role": "user", "content": "And 3 + 3 ?"}]
@@ -106,6 +108,29 @@ class PromptTokenizer:
         except Exception as exc:  # the template's own checks (raise_exception) and its errors on odd input
             raise KeyError_(f"the chat template cannot render these messages: {exc}") from None
 
+    async def warm(self, chat: bool, body: dict) -> None:
+        """Tokenize in a worker thread (the tokenizer releases the GIL) whatever of this request is not cached,
+        when that is long enough to stall the event loop; tokens_for then finds it all cached."""
+        try:
+            if chat:
+                text = self.render(body.get("messages"), body.get("tools"), body.get("add_generation_prompt", True))
+                parts = self._split.split(text)[::2] if self._split is not None else [text]
+                todo = [(p, False) for p in parts if p and p not in self._cache]
+            else:
+                prompt = body.get("prompt", body.get("input"))
+                todo = [(prompt, True)] if isinstance(prompt, str) and "\x00" + prompt not in self._cache else []
+        except (KeyError_, TokenizerError, TypeError, AttributeError):
+            return  # tokens_for says what is wrong with it
+        if sum(len(text) for text, _ in todo) < OFFLOAD_CHARS:
+            return
+        encoded = await asyncio.to_thread(self._encode_all, todo)
+        for (text, special), data in zip(todo, encoded):
+            self._remember("\x00" + text if special else text, data)
+
+    def _encode_all(self, todo: list[tuple[str, bool]]) -> list[bytes]:
+        """(In a worker thread: touches no shared state.)"""
+        return [_pack(self.tokenizer.encode(text, add_special_tokens=special).ids) for text, special in todo]
+
     # -- tokenizing, cached ---------------------------------------------------------------------------------
     def _encode_pieces(self, text: str) -> bytes:
         assert self._split is not None
@@ -125,12 +150,17 @@ class PromptTokenizer:
             self._cache.move_to_end(key)
             return got
         got = _pack(self.tokenizer.encode(text, add_special_tokens=add_special).ids)
-        self._cache[key] = got
-        self._cache_bytes += len(got) + len(key)
+        self._remember(key, got)
+        return got
+
+    def _remember(self, key: str, data: bytes) -> None:
+        if key in self._cache:
+            return
+        self._cache[key] = data
+        self._cache_bytes += len(data) + len(key)
         while self._cache_bytes > self._cache_limit and self._cache:
             old_key, old = self._cache.popitem(last=False)
             self._cache_bytes -= len(old) + len(old_key)
-        return got
 
     def _template(self):
         if self._compiled is None:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from warmroute.core.exact_index import BYTES_PER_BLOCK, ExactIndex, token_seed
 from warmroute.core.fleet import Fleet, FleetSettings
@@ -61,14 +62,16 @@ class Router:
         self._finished: asyncio.Future[None] | None = None  # resolved when a request finishes: held ones retry
 
     # -- deciding ------------------------------------------------------------------------------------------
-    def key_of(self, path: str, body: bytes, session: str | None) -> RoutingKey:
-        """The routing key of a routed path's body; a body the route cannot read raises a 400."""
+    def key_of(self, path: str, body: bytes, session: str | None, parsed: Any = None) -> RoutingKey:
+        """The routing key of a routed path's body (`parsed`: the body already parsed, by tokenize_ahead); a body
+        the route cannot read raises a 400."""
         if path in RAW_ROUTES:
             return key_for_raw(body, session)
         if not body:
             raise bad_request("request body is empty; expected a JSON object")
         try:
-            parsed = json.loads(body)  # the body is parsed once, here, and forwarded as the original bytes
+            if parsed is None:
+                parsed = json.loads(body)  # the body is parsed once, here, and forwarded as the original bytes
         except RecursionError:
             raise bad_request("request body is not valid JSON: nested too deeply") from None
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
@@ -99,10 +102,25 @@ class Router:
             return self._any.choose(_NO_KEY, self.fleet)
         return self.strategy.choose(key, self.fleet)
 
-    def route(self, path: str, body: bytes, session: str | None) -> tuple[RoutingKey | None, Decision]:
+    async def tokenize_ahead(self, path: str, body: bytes) -> Any:
+        """Precise mode: tokenize, off the event loop, a request's text the tokenizer has not seen (a long new
+        document takes tens of milliseconds, which would stall every other request); returns the parsed body for
+        `route` (None where the body is not for a tokenized route or not JSON: `route` then says why)."""
+        if self.tokenizer is None or path not in TOKENIZED_ROUTES or not body:
+            return None
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if isinstance(parsed, dict):
+            await self.tokenizer.warm(path in CHAT_ROUTES, parsed)
+        return parsed
+
+    def route(self, path: str, body: bytes, session: str | None,
+              parsed: Any = None) -> tuple[RoutingKey | None, Decision]:
         """Key + decision for one request, timed and counted."""
         start = time.perf_counter()
-        key = self.key_of(path, body, session) if is_routed(path) else None
+        key = self.key_of(path, body, session, parsed) if is_routed(path) else None
         decision = self.decide(key)
         self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
         return key, decision
