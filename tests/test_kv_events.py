@@ -141,3 +141,16 @@ def test_memory_is_bounded_and_speculation_expires():
     assert index.match_tokens("a", chain_of(new), 11.5) == 0
     index.speculate("a", list(chain_of(tokens)(BS)), now=20.0)
     assert len(index.instances["a"].speculative) <= 8
+
+
+def test_partial_blocks_are_skipped_and_larger_blocks_replace_them():
+    index = ExactIndex()
+    index.add_instance("a")
+    tokens = list(range(8 * BS))
+    index.apply("a", [BlockStored([1], None, tokens[:2], 2)])  # a partial first block: taken as the size
+    index.apply("a", engine_events(tokens, [4]))  # full blocks: the index starts again at their size
+    assert index.instances["a"].block_size == BS and index.size("a") == 4
+    assert index.apply("a", [BlockStored([99], 1003, tokens[16:18], 2)]) == 0  # partial: not indexed
+    assert index.instances["a"].partial == 1 and index.size("a") == 4
+    index.apply("a", engine_events(tokens, [4]))  # a prefix hit's blocks reported again: nothing changes
+    assert index.size("a") == 4 and index.match_tokens("a", chain_of(tokens), 0.0) == 4 * BS

@@ -48,12 +48,13 @@ def token_chain(data: bytes, seed: int, block_size: int) -> Sequence[int]:
 class InstanceBlocks:
     """One instance's reported blocks."""
 
-    block_size: int = 0  # tokens a block, learnt from its events (0: nothing reported yet)
+    block_size: int = 0  # tokens a block: the largest its events reported (0: nothing reported yet)
     by_engine: dict[int, tuple[int, int]] = field(default_factory=dict)  # engine hash -> (our hash, depth)
     ours: dict[int, int] = field(default_factory=dict)  # our hash -> how many engine blocks have it
     speculative: dict[int, float] = field(default_factory=dict)  # our hash -> expiry (monotonic seconds)
     orphans: int = 0  # stored blocks whose parent was never reported (they cannot be hashed: not indexed)
     dropped: int = 0  # reported blocks dropped to stay within max_blocks
+    partial: int = 0  # stored events of blocks smaller than the instance's block size (not indexed)
 
     def holds(self, block: int, now: float) -> bool:
         if block in self.ours:
@@ -104,9 +105,11 @@ class ExactIndex:
 
     def _stored(self, blocks: InstanceBlocks, event: BlockStored) -> int:
         if blocks.block_size != event.block_size:
-            if blocks.ours:  # an engine never changes its block size while running: a restart with new settings
-                blocks.by_engine.clear()
-                blocks.ours.clear()
+            if event.block_size < blocks.block_size:  # a partial block (vLLM reports some before they fill)
+                blocks.partial += 1
+                return 0
+            blocks.by_engine.clear()  # larger blocks than before: the first were partial ones
+            blocks.ours.clear()
             blocks.block_size = event.block_size
         data = pack_tokens(event.token_ids)
         if event.parent_block_hash is None:
@@ -121,7 +124,7 @@ class ExactIndex:
             ours = extend_chain(parent[0], depth, data, event.block_size * TOKEN_BYTES)
         for i, (engine_hash, our_hash) in enumerate(zip(event.block_hashes, ours)):
             if engine_hash in blocks.by_engine:
-                continue  # stored again without a removal in between: nothing new
+                continue  # vLLM reports a prefix-cache hit's blocks as stored again: nothing new
             blocks.by_engine[engine_hash] = (our_hash, depth + i)
             blocks.ours[our_hash] = blocks.ours.get(our_hash, 0) + 1
         self._bound(blocks)
