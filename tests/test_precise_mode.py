@@ -18,7 +18,7 @@ from client_helpers import StubEngine, wait_for
 from tokenizer_helpers import write_model_dir
 from warmroute.engine.kv_events import KvEventPublisher
 from warmroute.errors import UsageError
-from warmroute.router.app import ROUTER
+from warmroute.router.app import CATALOG, ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
 
@@ -51,12 +51,12 @@ class Instance:
         self.pub = KvEventPublisher("tcp://127.0.0.1:0", "kv", "tcp://127.0.0.1:0" if replay else None, bind=True)
         self.next_hash = hash(name) & 0xFFFF_FFFF
 
-    def store(self, tokens: list[int]) -> int:
+    def store(self, tokens: list[int], lora: str | None = None) -> int:
         """Report the prompt's full blocks stored, as one event chain; returns the tokens reported."""
         n = len(tokens) // BS
         hashes = list(range(self.next_hash, self.next_hash + n))
         self.next_hash += n
-        self.pub.stored(hashes, None, tokens[: n * BS], BS)
+        self.pub.stored(hashes, None, tokens[: n * BS], BS, lora)
         self.pub.flush()
         return n * BS
 
@@ -157,3 +157,18 @@ def test_precise_mode_settings_fail_clearly(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "zmq" else real(name, *a))
     with pytest.raises(UsageError, match="pyzmq"):
         load_settings({**base, "tokenizer": str(model_dir)}, env={})
+
+
+async def test_adapter_requests_match_the_blocks_stored_for_that_adapter(fleet, model_dir):
+    router, (a, b) = fleet
+    await in_step(router, a)
+    await in_step(router, b)
+    exact = router.app[ROUTER].exact
+    router.app[CATALOG].learn("a", [{"id": "m"}, {"id": "sql-lora", "parent": "m"}])  # as vLLM lists adapters
+    body = chat(5, 0)
+    reported = b.store(engine_tokens(model_dir, body), lora="sql-lora")
+    reported += a.store(engine_tokens(model_dir, body))  # the base model's blocks, at the other instance
+    await wait_for(lambda: exact.size("a") + exact.size("b") == reported // BS)
+    async with aiohttp.ClientSession() as client:
+        assert await post(client, router, {**chat(5, 1), "model": "sql-lora"}) == ("b", "cache_hit; match=precise")
+        assert await post(client, router, chat(5, 2)) == ("a", "cache_hit; match=precise")

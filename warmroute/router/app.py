@@ -195,7 +195,7 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[HEALTH] = health_ = Health(router.fleet, urls, settings, metrics_)
     app[PROXY] = Proxy(router, health_, urls, settings)
     app[SCRAPER] = scraper = EngineScraper(router.fleet, urls, settings, metrics_)
-    app[CATALOG] = catalog = ModelCatalog(router.fleet, urls, settings)
+    app[CATALOG] = catalog = ModelCatalog(router.fleet, urls, settings, router.lora_adapters)
     app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper, catalog)
     app[DISCOVERY] = Discovery(membership, settings, resolver)
     if router.exact is not None:  # precise mode: one subscriber per instance, following membership

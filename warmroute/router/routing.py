@@ -54,6 +54,7 @@ class Router:
         self._any = make_strategy("least_loaded")
         self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
         self.tokenizer: PromptTokenizer | None = None
+        self.lora_adapters: set[str] = set()  # model names that are LoRA adapters (models.py ModelCatalog)
         if settings.kv_events:
             self.tokenizer = PromptTokenizer(settings.tokenizer)  # settings checked it loads
             self.exact = ExactIndex(settings.index_memory_bytes // BYTES_PER_BLOCK, settings.kv_speculative_ttl)
@@ -81,7 +82,8 @@ class Router:
             if self.tokenizer is not None and path in TOKENIZED_ROUTES:
                 key.token_data = self.tokenizer.tokens_for(path in CHAT_ROUTES, parsed)
                 salt = parsed.get("cache_salt")
-                key.token_seed = token_seed(None, salt if isinstance(salt, str) else None)
+                lora = key.model if key.model in self.lora_adapters else None  # vLLM: an adapter by its name
+                key.token_seed = token_seed(lora, salt if isinstance(salt, str) else None)
             return key
         except KeyError_ as exc:
             raise bad_request(str(exc)) from None
