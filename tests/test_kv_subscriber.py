@@ -75,12 +75,12 @@ async def until(cond, timeout: float = 5.0) -> None:
 
 
 async def connected(engine: Engine, sub: KvEventSubscriber, timeout: float = 5.0) -> None:
-    """Store blocks until the subscriber has one (a SUB socket misses what is sent before it joins)."""
+    """Store blocks until the subscriber hears one live (a SUB socket misses what is sent before it joins)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
-    while sub.stream.last_seq is None or sub.stream.last_seq < engine.pub.seq - 1:
+    while not sub.stream.live or sub.stream.last_seq < engine.pub.seq - 1:
         assert loop.time() < end, "subscriber never received a batch"
-        if sub.stream.last_seq is None:
+        if not sub.stream.live:
             engine.store_block()
         await asyncio.sleep(0.02)
 
@@ -205,3 +205,41 @@ async def test_garbage_on_the_socket_is_counted_and_skipped(metrics):
     finally:
         await sub.stop()
         pub.close(linger=0)
+
+
+async def test_a_restart_heard_only_past_the_old_sequence_is_found_by_replay(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics)
+    try:
+        await connected(engine, sub)
+        old_tokens, old_last = list(engine.tokens), sub.stream.last_seq
+        endpoint, replay = engine.pub.endpoint, engine.pub.replay_endpoint
+        await engine.pub.close()
+        restarted = Engine(start_hash=9000, endpoint=endpoint, replay_endpoint=replay, token_base=4)
+        await restarted.pub.start()
+        for _ in range(old_last + 5):  # published while the subscriber was reconnecting: never heard
+            restarted.store_block(send=False)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while not sub.stream.last_seq or sub.stream.last_seq < restarted.pub.seq - 1:
+            assert loop.time() < end, "never caught up"
+            restarted.store_block()
+            await asyncio.sleep(0.05)
+        assert metric(metrics, "warmroute_kv_events_gaps_total", backend="a", kind="restart") == 1
+        assert sub.fresh
+        assert index.match_tokens("a", chain(old_tokens), 0.0) == 0
+        assert index.match_tokens("a", chain(restarted.tokens), 0.0) == len(restarted.tokens)
+        await restarted.pub.close()
+    finally:
+        await sub.stop()
+
+
+async def test_an_engine_that_published_nothing_yet_is_in_step(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics)
+    try:
+        await until(lambda: sub.fresh)
+        assert metric(metrics, "warmroute_kv_events_replays_total", backend="a", outcome="ok") == 1
+    finally:
+        await sub.stop()
+        await engine.pub.close()

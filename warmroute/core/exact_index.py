@@ -185,26 +185,27 @@ class ExactIndex:
 
 
 def exact_depths(index: ExactIndex, key: RoutingKey, n_blocks: int, approximate: dict[str, int],
-                 now: float) -> tuple[dict[str, int], frozenset[str]]:
-    """cache_aware's match depths with the exact index's where an instance is fresh, and those instances.
+                 now: float) -> tuple[dict[str, int], dict[str, float]]:
+    """cache_aware's match depths with the exact index's where an instance is fresh, and for those instances the
+    share of the prompt's tokens they hold.
 
     The strategy counts depth in its own blocks (block_bytes of the routing key, about 16 estimated tokens), so an
     exact match of m of the prompt's t tokens becomes m/t of the key's n blocks: the share matched is the
-    index's, the units the strategy's (and Decision.matched_tokens scales back to the engine's count)."""
+    index's, the units the strategy's (the decision then states the exact share: Decision.matched_tokens)."""
     tokens = len(key.token_data or b"") // TOKEN_BYTES
     if not index.fresh or not tokens or not n_blocks:
-        return approximate, frozenset()
+        return approximate, {}
     depths = dict(approximate)
-    used = []
+    shares = {}
     for name in index.fresh:
-        used.append(name)
         matched = index.match_tokens(name, key.token_blocks, now)
+        shares[name] = matched / tokens
         depth = min(n_blocks, matched * n_blocks // tokens)
         if depth:
             depths[name] = depth
         else:  # the engine says it does not hold it, whatever the model guessed
             depths.pop(name, None)
-    return depths, frozenset(used)
+    return depths, shares
 
 
 def _unref(blocks: InstanceBlocks, our_hash: int) -> None:

@@ -381,7 +381,7 @@ class CacheAwareStrategy(Strategy):
         s = self.settings
         blocks = key.blocks(s.block_bytes)
         depths = self.match_depths(blocks, fleet) if blocks else {}
-        precise: frozenset[str] = frozenset()
+        precise: dict[str, float] = {}  # instance -> share of the prompt its engine reports holding
         if self.exact is not None and key.token_data is not None:
             depths, precise = exact_depths(self.exact, key, len(blocks), depths, self.clock())
         block_tokens = s.block_bytes // 4
@@ -411,7 +411,10 @@ class CacheAwareStrategy(Strategy):
             decision = self._decision(inst, reason, depths, block_tokens, prompt, blocks,
                                       held_by == PRIVATE and reason == CACHE_HIT)
         if self.exact is not None:
-            decision.match = PRECISE if decision.instance in precise else APPROXIMATE
+            share = precise.get(decision.instance)
+            decision.match = APPROXIMATE if share is None else PRECISE
+            if share is not None:  # exactly what the engine reported, not rounded to the key's blocks
+                decision.matched_tokens = round(share * prompt)
         return decision
 
     def must_wait(self, decision: Decision, fleet: Fleet) -> bool:

@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -29,6 +30,7 @@ log = logging.getLogger("warmroute.router")
 
 REPLAY_TIMEOUT_S = 2.0  # a replay that has not finished by then has failed
 RETRY_STALE_S = 5.0  # a stale instance with a replay endpoint asks for a full replay this often
+SEEN_BATCHES = 4096  # batches remembered to tell a replayed batch's duplicate from a restarted engine's
 _STALE, _FRESH = "stale", "fresh"
 
 
@@ -61,9 +63,12 @@ class Stream:
 
     name: str
     last_seq: int | None = None  # the latest batch applied (live or replayed)
-    live_seq: int | None = None  # the latest batch received live
+    # seq -> engine timestamp of the latest batches applied: a live batch under a number seen before is a
+    # duplicate of a replayed one if its timestamp is the same, else the engine restarted
+    seen: OrderedDict[int, float] = field(default_factory=OrderedDict)
     state: str = _STALE  # fresh once in step with the engine
-    batches: int = 0
+    batches: int = 0  # applied
+    live: int = 0  # received on the live stream
 
 
 class KvEventSubscriber:
@@ -113,6 +118,8 @@ class KvEventSubscriber:
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(self.endpoint)
         try:
+            if self.replay_endpoint is not None:  # what it published before we came (nothing: in step already)
+                await self._resync("subscribed")
             while True:
                 try:
                     frames = await asyncio.wait_for(sock.recv_multipart(), RETRY_STALE_S)
@@ -131,16 +138,12 @@ class KvEventSubscriber:
             return
         seq, batch = decoded
         s = self.stream
-        # The live stream of one engine only goes forward: going back, it is a new engine process.
-        if s.live_seq is not None and seq <= s.live_seq:
-            self.metrics.gaps.labels(self.name, "restart").inc()
-            log.warning("kv events %s: sequence went back from %d to %d: the engine restarted; index cleared",
-                        self.name, s.live_seq, seq)
-            self.index.clear(self.name)
-            s.last_seq = None
-        s.live_seq = seq
+        s.live += 1
         if s.last_seq is not None and seq <= s.last_seq:
-            return  # a replay delivered it already
+            if s.seen.get(seq) == batch.ts:
+                return  # a replay delivered it already
+            # A number already used, for another batch: a new engine process counting from 0 again.
+            self._restarted(f"sequence went back from {s.last_seq} to {seq}")
         if s.last_seq is None and seq != 0:  # joined mid-stream (or restarted and missed its first batches)
             await self._resync(f"joined at sequence {seq}")
         elif s.last_seq is not None and seq > s.last_seq + 1:
@@ -168,8 +171,12 @@ class KvEventSubscriber:
         return seq, batch
 
     def _apply(self, seq: int, batch: EventBatch) -> None:
-        self.stream.last_seq = seq
-        self.stream.batches += 1
+        s = self.stream
+        s.last_seq = seq
+        s.batches += 1
+        s.seen[seq] = batch.ts
+        if len(s.seen) > SEEN_BATCHES:
+            s.seen.popitem(last=False)
         applied = self.index.apply(self.name, batch.events)
         self.metrics.applied.labels(self.name).inc(applied)
         self.metrics.blocks.labels(self.name).set(self.index.size(self.name))
@@ -179,24 +186,42 @@ class KvEventSubscriber:
             self._set_state(_FRESH, "the engine cleared its cache")
 
     # -- getting back in step -------------------------------------------------------------------------------
+    def _restarted(self, why: str) -> None:
+        self.metrics.gaps.labels(self.name, "restart").inc()
+        log.warning("kv events %s: %s: the engine restarted; index cleared", self.name, why)
+        self.index.clear(self.name)
+        self.stream.last_seq = None
+        self.stream.seen.clear()
+
     async def _fill_gap(self, start: int, upto: int) -> None:
-        """Batches start..upto-1 were lost: replay them, or mark the instance stale."""
-        got = await self._replay(start)
-        if got is not None and got and got[0][0] == start:
-            for seq, batch in got:
-                if seq == self.stream.last_seq + 1:
-                    self._apply(seq, batch)
-            if self.stream.last_seq >= upto - 1:
+        """Batches start..upto-1 were lost: replay them, or mark the instance stale. The replay starts at the last
+        batch applied, to check it is still the engine's (one that restarted unheard reuses the numbers)."""
+        got = await self._replay(start - 1)
+        if got:
+            first_seq, first = got[0]
+            if first_seq == start - 1 and self.stream.seen.get(first_seq, first.ts) != first.ts:
+                self._restarted(f"batch {first_seq} is not the one received under that number")
+                await self._resync("restarted")
                 return
+            if first_seq <= start:
+                for seq, batch in got:
+                    if seq == self.stream.last_seq + 1:
+                        self._apply(seq, batch)
+                if self.stream.last_seq >= upto - 1:
+                    return
         self._set_state(_STALE, f"batches {start}..{upto - 1} lost" +
                         ("" if self.replay_endpoint else " (no replay endpoint)"))
 
     async def _resync(self, why: str) -> None:
         """Rebuild the instance's index from its first batch, through replay; stale if that cannot be done."""
         got = await self._replay(0)
+        if got == [] and self.stream.last_seq is None:  # it has published nothing yet: in step from its first
+            self._set_state(_FRESH, f"{why}; nothing published yet")
+            return
         if got and got[0][0] == 0:
             self.index.clear(self.name)
             self.stream.last_seq = None
+            self.stream.seen.clear()
             for seq, batch in got:
                 if self.stream.last_seq is None or seq == self.stream.last_seq + 1:
                     self._apply(seq, batch)
