@@ -18,6 +18,7 @@ from client_helpers import StubEngine, wait_for
 from tokenizer_helpers import write_model_dir
 from warmroute.engine.kv_events import KvEventPublisher
 from warmroute.errors import UsageError
+from warmroute.router.admin import MEMBERSHIP
 from warmroute.router.app import CATALOG, ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -172,3 +173,31 @@ async def test_adapter_requests_match_the_blocks_stored_for_that_adapter(fleet, 
     async with aiohttp.ClientSession() as client:
         assert await post(client, router, {**chat(5, 1), "model": "sql-lora"}) == ("b", "cache_hit; match=precise")
         assert await post(client, router, chat(5, 2)) == ("a", "cache_hit; match=precise")
+
+
+async def test_subscribers_follow_membership(model_dir):
+    """An instance added through the admin API gets its subscriber (and its events decide); removed, it goes."""
+    stub = await StubEngine("c").start()
+    inst = Instance("c")
+    await inst.pub.start()
+    router = await start_router(load_settings({
+        "admin_token": "t0ken", "port": 0, "kv_events": True, "tokenizer": str(model_dir), "kv_events_port": 0,
+        "health_interval": 3600, "engine_metrics": False, "models_interval": 0}, env={}))
+    headers = {"Authorization": "Bearer t0ken"}
+    sources = router.app[MEMBERSHIP].kv_events
+    try:
+        async with aiohttp.ClientSession() as client:
+            async with client.post(router.url + "/admin/instances", json=inst.backend(stub), headers=headers) as r:
+                assert r.status in (200, 201), await r.text()
+            assert set(sources.subscribers) == {"c"}
+            await in_step(router, inst)
+            reported = inst.store(engine_tokens(model_dir, chat(3, 0)))
+            await wait_for(lambda: router.app[ROUTER].exact.size("c") == reported // BS)
+            assert await post(client, router, chat(3, 1)) == ("c", "cache_hit; match=precise")
+            async with client.delete(router.url + "/admin/instances/c", headers=headers) as r:
+                assert r.status == 200, await r.text()
+            assert sources.subscribers == {} and "c" not in router.app[ROUTER].exact.instances
+    finally:
+        await router.stop()
+        await inst.pub.close()
+        await stub.stop()
