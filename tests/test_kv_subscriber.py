@@ -66,7 +66,7 @@ def metrics():
     return KvEventMetrics(CollectorRegistry())
 
 
-async def until(cond, timeout: float = 5.0) -> None:
+async def until(cond, timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not cond():
@@ -74,7 +74,7 @@ async def until(cond, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def connected(engine: Engine, sub: KvEventSubscriber, timeout: float = 5.0) -> None:
+async def connected(engine: Engine, sub: KvEventSubscriber, timeout: float = 10.0) -> None:
     """Store blocks until the subscriber hears one live (a SUB socket misses what is sent before it joins)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
@@ -85,9 +85,9 @@ async def connected(engine: Engine, sub: KvEventSubscriber, timeout: float = 5.0
         await asyncio.sleep(0.02)
 
 
-async def started(engine: Engine, index: ExactIndex, metrics, name: str = "a"):
+async def started(engine: Engine, index: ExactIndex, metrics, name: str = "a", idle_s: float = 5.0):
     await engine.pub.start()
-    sub = KvEventSubscriber(name, engine.endpoint, index, metrics, engine.replay_endpoint, "kv")
+    sub = KvEventSubscriber(name, engine.endpoint, index, metrics, engine.replay_endpoint, "kv", idle_s)
     await sub.start()
     return sub
 
@@ -165,7 +165,7 @@ async def test_engine_restart_clears_its_blocks(metrics):
         restarted = Engine(start_hash=9000, endpoint=endpoint, replay_endpoint=replay, token_base=4)  # same ports
         await restarted.pub.start()
         loop = asyncio.get_running_loop()
-        end = loop.time() + 10
+        end = loop.time() + 20
         while not metric(metrics, "warmroute_kv_events_gaps_total", backend="a", kind="restart"):
             assert loop.time() < end, "restart never seen"
             restarted.store_block()  # until the subscriber has reconnected and hears one
@@ -220,7 +220,7 @@ async def test_a_restart_heard_only_past_the_old_sequence_is_found_by_replay(met
         for _ in range(old_last + 5):  # published while the subscriber was reconnecting: never heard
             restarted.store_block(send=False)
         loop = asyncio.get_running_loop()
-        end = loop.time() + 10
+        end = loop.time() + 20
         while not sub.stream.last_seq or sub.stream.last_seq < restarted.pub.seq - 1:
             assert loop.time() < end, "never caught up"
             restarted.store_block()
@@ -243,3 +243,20 @@ async def test_an_engine_that_published_nothing_yet_is_in_step(metrics):
     finally:
         await sub.stop()
         await engine.pub.close()
+
+
+async def test_an_engine_restarted_without_a_word_is_found_when_quiet(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics, idle_s=0.3)
+    try:
+        await connected(engine, sub)
+        assert index.size("a") > 0
+        endpoint, replay = engine.pub.endpoint, engine.pub.replay_endpoint
+        await engine.pub.close()
+        restarted = Engine(endpoint=endpoint, replay_endpoint=replay)  # publishes nothing: an empty cache
+        await restarted.pub.start()
+        await until(lambda: metric(metrics, "warmroute_kv_events_gaps_total", backend="a", kind="restart") == 1)
+        assert index.size("a") == 0 and sub.fresh
+        await restarted.pub.close()
+    finally:
+        await sub.stop()

@@ -5,7 +5,8 @@ Each subscriber connects a SUB socket to the instance's event endpoint and follo
   - a jump ahead (a lost batch): the missing ones are asked from the instance's replay endpoint; where there is
     none, or it no longer holds them, the instance is marked *stale*: the strategy uses the approximate model for
     it until it is in step again (its cache is cleared, it restarts, or a later replay from its first batch works);
-  - a number going back: the engine restarted; what it reported before is forgotten;
+  - a number going back, or a replay that no longer holds the last batch received as it was received (asked after
+    a quiet spell too): the engine restarted; what it reported before is forgotten;
   - AllBlocksCleared: its index is emptied (the engine said so: still in step);
   - a message that cannot be read: counted and skipped.
 A subscriber that starts after its instance (a replica started late) asks for a replay from batch 0 and is stale
@@ -29,7 +30,7 @@ from warmroute.core.kv_events import AllBlocksCleared, BadMessage, EventBatch, d
 log = logging.getLogger("warmroute.router")
 
 REPLAY_TIMEOUT_S = 2.0  # a replay that has not finished by then has failed
-RETRY_STALE_S = 5.0  # a stale instance with a replay endpoint asks for a full replay this often
+IDLE_CHECK_S = 5.0  # with nothing heard for this long, the replay socket is asked whether we are still in step
 SEEN_BATCHES = 4096  # batches remembered to tell a replayed batch's duplicate from a restarted engine's
 _STALE, _FRESH = "stale", "fresh"
 
@@ -73,12 +74,13 @@ class Stream:
 
 class KvEventSubscriber:
     def __init__(self, name: str, endpoint: str, index: ExactIndex, metrics: KvEventMetrics,
-                 replay_endpoint: str | None = None, topic: str = "") -> None:
+                 replay_endpoint: str | None = None, topic: str = "", idle_s: float = IDLE_CHECK_S) -> None:
         import zmq.asyncio  # imported here: precise mode is optional (the `events` extra)
 
         self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay_endpoint
         self.topic = topic.encode()
         self.index, self.metrics = index, metrics
+        self.idle_s = idle_s
         self.stream = Stream(name)
         self._ctx = zmq.asyncio.Context.instance()
         self._task: asyncio.Task | None = None
@@ -122,9 +124,9 @@ class KvEventSubscriber:
                 await self._resync("subscribed")
             while True:
                 try:
-                    frames = await asyncio.wait_for(sock.recv_multipart(), RETRY_STALE_S)
+                    frames = await asyncio.wait_for(sock.recv_multipart(), self.idle_s)
                 except TimeoutError:
-                    await self._retry_if_stale()
+                    await self._idle_check()
                     continue
                 await self.receive(frames)
         finally:
@@ -215,7 +217,9 @@ class KvEventSubscriber:
     async def _resync(self, why: str) -> None:
         """Rebuild the instance's index from its first batch, through replay; stale if that cannot be done."""
         got = await self._replay(0)
-        if got == [] and self.stream.last_seq is None:  # it has published nothing yet: in step from its first
+        if got == []:  # it has published nothing yet (a new process): in step from its first batch
+            if self.stream.last_seq is not None:
+                self._restarted("its replay buffer is empty")
             self._set_state(_FRESH, f"{why}; nothing published yet")
             return
         if got and got[0][0] == 0:
@@ -233,8 +237,27 @@ class KvEventSubscriber:
     async def _retry_if_stale(self) -> None:
         if self.fresh or self.replay_endpoint is None or time.monotonic() < self._next_retry:
             return
-        self._next_retry = time.monotonic() + RETRY_STALE_S
+        self._next_retry = time.monotonic() + self.idle_s
         await self._resync("stale")
+
+    async def _idle_check(self) -> None:
+        """Nothing heard for idle_s: ask the replay socket for our last batch, to find an engine that restarted
+        and has published nothing since (its predecessor's blocks would otherwise stay here) and batches lost
+        without a later one to show the gap."""
+        last = self.stream.last_seq
+        if not self.fresh or last is None or self.replay_endpoint is None:
+            await self._retry_if_stale()
+            return
+        got = await self._replay(last)
+        if got is None:
+            return  # the engine is not answering (down, or restarting): nothing to conclude yet
+        if not got or got[0][0] != last or self.stream.seen.get(last, got[0][1].ts) != got[0][1].ts:
+            self._restarted(f"its replay no longer holds batch {last} as received")
+            await self._resync("restarted")
+            return
+        for seq, batch in got[1:]:
+            if seq == self.stream.last_seq + 1:
+                self._apply(seq, batch)
 
     async def _replay(self, start: int) -> list[tuple[int, EventBatch]] | None:
         """The batches the instance still buffers from `start` on (None: no replay endpoint, or it failed)."""
