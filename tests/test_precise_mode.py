@@ -201,3 +201,25 @@ async def test_subscribers_follow_membership(model_dir):
         await router.stop()
         await inst.pub.close()
         await stub.stop()
+
+
+async def test_a_router_started_after_its_engines_decides_exactly_from_its_first_request(model_dir):
+    stubs = [await StubEngine(n).start() for n in ("a", "b")]
+    instances = [Instance("a"), Instance("b")]
+    for i in instances:
+        await i.pub.start()
+    body = chat(7, 0)
+    instances[1].store(engine_tokens(model_dir, body))  # before any router listens: only replay has it
+    router = await start_router(load_settings({
+        "backends": [i.backend(s) for i, s in zip(instances, stubs)], "port": 0, "kv_events": True,
+        "tokenizer": str(model_dir), "health_interval": 3600, "engine_metrics": False, "models_interval": 0},
+        env={}))
+    try:
+        async with aiohttp.ClientSession() as client:
+            assert await post(client, router, chat(7, 1)) == ("b", "cache_hit; match=precise")
+    finally:
+        await router.stop()
+        for i in instances:
+            await i.pub.close()
+        for s in stubs:
+            await s.stop()

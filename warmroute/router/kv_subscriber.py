@@ -84,6 +84,7 @@ class KvEventSubscriber:
         self.stream = Stream(name)
         self._ctx = zmq.asyncio.Context.instance()
         self._task: asyncio.Task | None = None
+        self.ready = asyncio.Event()  # set once it has tried to catch up with what was published before it came
         self._next_retry = 0.0
         index.add_instance(name)
         metrics.stale.labels(name).set(1)
@@ -122,6 +123,7 @@ class KvEventSubscriber:
         try:
             if self.replay_endpoint is not None:  # what it published before we came (nothing: in step already)
                 await self._resync("subscribed")
+            self.ready.set()
             while True:
                 try:
                     frames = await asyncio.wait_for(sock.recv_multipart(), self.idle_s)
@@ -335,9 +337,14 @@ class KvEventSources:
             self._share_bound()
 
     async def start(self) -> None:
+        """Start every subscriber, and give them (together) up to a replay's timeout to catch up with what their
+        engines published before the router started, so a late replica's first decisions are already exact."""
         self._running = True
         for sub in self.subscribers.values():
             await sub.start()
+        waits = [sub.ready.wait() for sub in self.subscribers.values()]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*waits), REPLAY_TIMEOUT_S + 0.5)
 
     async def stop(self) -> None:
         self._running = False
