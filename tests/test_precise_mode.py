@@ -223,3 +223,25 @@ async def test_a_router_started_after_its_engines_decides_exactly_from_its_first
             await i.pub.close()
         for s in stubs:
             await s.stop()
+
+
+async def test_an_eviction_the_model_cannot_see_is_believed(fleet, model_dir):
+    """The engine evicts a document the router sent it (its own memory pressure): the model would still count it
+    held; the events say it is gone, so the next request for it is a cold one, not a predicted hit."""
+    router, (a, b) = fleet
+    await in_step(router, a)
+    await in_step(router, b)
+    exact = router.app[ROUTER].exact
+    async with aiohttp.ClientSession() as client:
+        first = await post(client, router, chat(9, 0))
+        holder = a if first[0] == "a" else b
+        stored = holder.store(engine_tokens(model_dir, chat(9, 0)))
+        await wait_for(lambda: exact.size(holder.name) == stored // BS)
+        assert await post(client, router, chat(9, 1)) == (holder.name, "cache_hit; match=precise")
+        holder.pub.removed(list(range(holder.next_hash - stored // BS, holder.next_hash)))
+        holder.pub.flush()
+        await wait_for(lambda: exact.size(holder.name) == 0)
+        await asyncio.sleep(router.app[ROUTER].settings.kv_speculative_ttl)  # the requests' own entries expire
+        assert (await post(client, router, chat(9, 2)))[1] == "cold; match=precise"
+        assert router.app[ROUTER].fleet.index.match_depths(  # the model alone would have said: held
+            router.app[ROUTER].key_of("/v1/chat/completions", json.dumps(chat(9, 3)).encode(), None).blocks())
