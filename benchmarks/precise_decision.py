@@ -2,7 +2,7 @@
 """What precise mode adds to a routing decision: tokenizing the request (chat template + tokenizer) and matching
 its token blocks against every instance's exact index, for 1k, 8k and 32k-token chat prompts.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/precise_decision.py [--instances 8] [--samples 200]
+    PYTHONPATH=. .venv/bin/python benchmarks/precise_decision.py [--instances 8] [--samples 200] [--model-dir DIR]
 
 Two routers over the same fleet, one with kv_events on, time the server's path to a decision for the same
 request bodies, in turns (so both see the same machine load): Router.route (parse, key, decide), after
@@ -63,9 +63,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=8)
     ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--model-dir", help="a model directory (tokenizer.json, tokenizer_config.json) to use instead")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        write_model(Path(tmp))
+        if args.model_dir:
+            tmp = args.model_dir
+        else:
+            write_model(Path(tmp))
         backends = [f"i{k}=http://127.0.0.1:{9000 + k}" for k in range(args.instances)]
         base = {"backends": backends, "kv_capacity_tokens": 2_000_000}
         plain = Router(load_settings(base, env={}), Metrics("cache_aware", []))
