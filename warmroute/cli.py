@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("warmroute.bench.cli", "drive a workload through an endpoint and report TTFT, throughput, hit rate"),
     "demo": ("warmroute.bench.demo", "start a local emulated fleet and compare routing strategies on it"),
     "simulate": ("warmroute.sim.cli", "simulate a fleet in virtual time and compare strategies"),
-    "make-tiny-model": ("warmroute.realengine.cli", "write a tiny random-weight GGUF model for llama.cpp"),
+    "make-tiny-model": ("warmroute.realengine.cli", "write a tiny random-weight model (GGUF for llama.cpp, HF for vLLM)"),
 }
 
 

@@ -38,7 +38,7 @@ class OracleStrategy(CacheAwareStrategy):
     def match_depths(self, blocks: list[int], fleet: Fleet) -> dict[str, int]:
         out = {}
         for name, model in self.engines.items():
-            n = model.cache.match(blocks)
+            n = model.pool.match(blocks)
             if n:
                 out[name] = n
         return out

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from warmroute.core.fleet import Fleet, FleetSettings
-from warmroute.core.routing_key import RoutingKey, key_for_json
+from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
 from warmroute.core.strategies import (HOLD_TIMEOUT_S, Decision, NoInstanceAvailable, Strategy, StrategySettings,
                                        make_strategy)
 from warmroute.engine.model import EngineConfig, EngineModel
@@ -117,7 +117,7 @@ class Simulation:
         self.workload = workload
         self.pooled = pooled
         self.cfg = settings.engine_config(settings.instances if pooled else 1)
-        self.block_bytes = self.cfg.block_bytes
+        self.block_bytes = self.cfg.block_size * BYTES_PER_TOKEN  # the router's estimate of a block's bytes
         self.fleet = Fleet(FleetSettings(block_bytes=self.block_bytes, feedback=settings.feedback))
         self.instances: dict[str, _Instance] = {}
         self.strategy_name = "pooled" if pooled else (strategy if isinstance(strategy, str) else strategy.name)
@@ -291,6 +291,8 @@ class Simulation:
             self._start_step(now, inst)
 
     def _engine_blocks(self, key: RoutingKey) -> list[int]:
+        """The engine model is fed the routing key's blocks and ~4-byte tokens, not a tokenizer's (too slow for
+        100,000 requests): here, unlike over HTTP, router and engine agree on what a prefix is."""
         blocks = key.blocks(self.block_bytes)
         return blocks[: key.tokens // self.cfg.block_size]
 
