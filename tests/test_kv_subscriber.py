@@ -260,3 +260,23 @@ async def test_an_engine_restarted_without_a_word_is_found_when_quiet(metrics):
         await restarted.pub.close()
     finally:
         await sub.stop()
+
+
+async def test_an_unreadable_batch_even_replayed_leaves_it_stale_until_cleared(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics, idle_s=0.3)
+    try:
+        await connected(engine, sub)
+        engine.pub.publish_raw(b"\xc1 garbage")  # takes a sequence number, also in the replay buffer
+        engine.store_block()
+        await until(lambda: not sub.fresh)
+        assert metric(metrics, "warmroute_kv_events_bad_total", backend="a") >= 2  # live, and replayed
+        await asyncio.sleep(1.0)  # its retries from batch 0 find the same unreadable batch
+        assert not sub.fresh
+        engine.pub.cleared()
+        engine.pub.flush()
+        await until(lambda: sub.fresh)
+        assert index.size("a") == 0
+    finally:
+        await sub.stop()
+        await engine.pub.close()

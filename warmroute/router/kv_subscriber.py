@@ -141,6 +141,8 @@ class KvEventSubscriber:
         if decoded is None:
             return
         seq, batch = decoded
+        if batch is None:
+            return  # unreadable: the batch after it shows the gap, and replay is asked for it
         s = self.stream
         s.live += 1
         if s.last_seq is not None and seq <= s.last_seq:
@@ -159,8 +161,11 @@ class KvEventSubscriber:
             self._apply(seq, batch)
         await self._retry_if_stale()
 
-    def _decode(self, frames: list[bytes]) -> tuple[int, EventBatch] | None:
+    def _decode(self, frames: list[bytes]) -> tuple[int, EventBatch | None] | None:
+        """(sequence number, batch); the batch None where only the payload cannot be read (a batch lost: it
+        takes its number); None where not even the number can."""
         self.metrics.received.labels(self.name).inc()
+        seq = None
         try:
             if len(frames) != 3:
                 raise BadMessage(f"{len(frames)} frames, expected 3 (topic, sequence, payload)")
@@ -169,7 +174,7 @@ class KvEventSubscriber:
         except BadMessage as exc:
             self.metrics.bad.labels(self.name).inc()
             log.warning("kv events %s: message skipped: %s", self.name, exc)
-            return None
+            return None if seq is None else (seq, None)
         if batch.skipped:
             self.metrics.bad.labels(self.name).inc(batch.skipped)
         return seq, batch
@@ -203,14 +208,12 @@ class KvEventSubscriber:
         got = await self._replay(start - 1)
         if got:
             first_seq, first = got[0]
-            if first_seq == start - 1 and self.stream.seen.get(first_seq, first.ts) != first.ts:
+            if first is not None and first_seq == start - 1 and self.stream.seen.get(first_seq, first.ts) != first.ts:
                 self._restarted(f"batch {first_seq} is not the one received under that number")
                 await self._resync("restarted")
                 return
             if first_seq <= start:
-                for seq, batch in got:
-                    if seq == self.stream.last_seq + 1:
-                        self._apply(seq, batch)
+                self._apply_run(got)
                 if self.stream.last_seq >= upto - 1:
                     return
         self._set_state(_STALE, f"batches {start}..{upto - 1} lost" +
@@ -228,13 +231,14 @@ class KvEventSubscriber:
             self.index.clear(self.name)
             self.stream.last_seq = None
             self.stream.seen.clear()
-            for seq, batch in got:
-                if self.stream.last_seq is None or seq == self.stream.last_seq + 1:
-                    self._apply(seq, batch)
-            self._set_state(_FRESH, f"{why}; replayed from batch 0")
-            return
-        self._set_state(_STALE, why + ("; its replay does not reach back to batch 0" if self.replay_endpoint
-                                       else " (no replay endpoint)"))
+            self._apply_run(got)
+            if self.stream.last_seq == got[-1][0]:
+                self._set_state(_FRESH, f"{why}; replayed from batch 0")
+                return
+            why += f"; batch {0 if self.stream.last_seq is None else self.stream.last_seq + 1} cannot be read"
+        elif self.replay_endpoint is not None:
+            why += "; its replay does not reach back to batch 0"
+        self._set_state(_STALE, why if self.replay_endpoint else why + " (no replay endpoint)")
 
     async def _retry_if_stale(self) -> None:
         if self.fresh or self.replay_endpoint is None or time.monotonic() < self._next_retry:
@@ -253,15 +257,25 @@ class KvEventSubscriber:
         got = await self._replay(last)
         if got is None:
             return  # the engine is not answering (down, or restarting): nothing to conclude yet
-        if not got or got[0][0] != last or self.stream.seen.get(last, got[0][1].ts) != got[0][1].ts:
+        first = got[0][1] if got else None
+        if first is None or got[0][0] != last or self.stream.seen.get(last, first.ts) != first.ts:
             self._restarted(f"its replay no longer holds batch {last} as received")
             await self._resync("restarted")
             return
-        for seq, batch in got[1:]:
-            if seq == self.stream.last_seq + 1:
-                self._apply(seq, batch)
+        self._apply_run(got[1:])
 
-    async def _replay(self, start: int) -> list[tuple[int, EventBatch]] | None:
+    def _apply_run(self, got: list[tuple[int, EventBatch | None]]) -> None:
+        """Replayed batches, in order, as far as they follow on from the last applied without a hole or an
+        unreadable one."""
+        for seq, batch in got:
+            s = self.stream
+            if s.last_seq is not None and seq <= s.last_seq:
+                continue
+            if batch is None or (s.last_seq is None and seq != 0) or (s.last_seq is not None and seq != s.last_seq + 1):
+                return
+            self._apply(seq, batch)
+
+    async def _replay(self, start: int) -> list[tuple[int, EventBatch | None]] | None:
         """The batches the instance still buffers from `start` on (None: no replay endpoint, or it failed)."""
         if self.replay_endpoint is None:
             return None
@@ -269,7 +283,7 @@ class KvEventSubscriber:
 
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        got: list[tuple[int, EventBatch]] = []
+        got: list[tuple[int, EventBatch | None]] = []
         try:
             sock.connect(self.replay_endpoint)
             await sock.send_multipart((b"", encode_seq(start)))

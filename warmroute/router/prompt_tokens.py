@@ -21,6 +21,7 @@ import json
 import re
 import struct
 from collections import OrderedDict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -164,11 +165,14 @@ class PromptTokenizer:
 
     def _template(self):
         if self._compiled is None:
+            from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # As transformers renders chat templates: loop controls, tojson keeping non-ASCII, strftime_now.
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
             env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
             env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._compiled = env.from_string(self.template)
         return self._compiled
 
