@@ -102,10 +102,34 @@ async def test_long_new_text_is_tokenized_ahead_off_the_loop(model_dir, monkeypa
     body = {"messages": [{"role": "system", "content": long_doc}, {"role": "user", "content": "and?"}]}
     await tok.warm(True, body)
     assert len(threads) == 1
-    assert any(long_doc in piece for piece in tok._cache)
     whole = tok.tokenizer.encode(tok.render(body["messages"], None), add_special_tokens=False).ids
     assert ids(tok.tokens_for(True, body)) == whole
-    await tok.warm(True, body)  # all cached now: nothing to do
+    await tok.warm(True, body)  # all its chunks cached now: nothing to do
     await tok.warm(True, {"messages": [{"role": "user", "content": "short"}]})  # too short to be worth a thread
     await tok.warm(True, {"messages": "not a list"})  # tokens_for will say what is wrong
     assert len(threads) == 1
+
+
+def test_long_messages_cut_into_chunks_tokenize_exactly_as_whole(model_dir):
+    tok = PromptTokenizer(model_dir)
+    assert tok._chunked
+    rng = random.Random(5)
+    alphabet = list("abcdefghij  ,.;:'\"!?()-\n\t0123456789") + ["é", "中", "  ", "\n\n", "'s", " 'll"] + WORDS
+    for _ in range(60):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1500, 4000)))
+        messages = [{"role": "user", "content": text}]
+        assert len(tok._chunks(text)) > 1
+        whole = tok.tokenizer.encode(tok.render(messages, None), add_special_tokens=False).ids
+        assert ids(tok.chat(messages)) == whole
+
+
+def test_a_shared_document_ahead_of_unique_questions_is_tokenized_once(model_dir, monkeypatch):
+    tok = PromptTokenizer(model_dir)
+    doc = " ".join(random.Random(2).choice(WORDS) for _ in range(2000))
+    tok.chat([{"role": "user", "content": doc + "\n\nQuestion 0?"}])
+    encoded = []
+    real = tok.tokenizer.encode
+    monkeypatch.setattr(tok, "tokenizer", type("T", (), {"encode": lambda self, t, **k: encoded.append(t) or
+                                                         real(t, **k)})())
+    tok.chat([{"role": "user", "content": doc + "\n\nQuestion 1?"}])
+    assert sum(map(len, encoded)) < 2 * 1024 + 100  # the last chunk or two, not the document

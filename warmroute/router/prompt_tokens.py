@@ -6,12 +6,13 @@ their text parts joined by newlines, vLLM's "string" content format), and the te
 special tokens (the template has them); a completion prompt is tokenized with them; token-id prompts are used as
 they are.
 
-Speed: a long conversation is mostly text the router has tokenized before (the earlier turns). The rendered
-text is cut at the tokenizer's added tokens (ChatML's <|im_start|> and <|im_end|> around every turn), which the
-tokenizer itself cuts at before anything else, so each piece tokenizes alone exactly as inside the whole; pieces
-are cached (bounded), and only the new ones are tokenized. At load the cut is checked against whole-text
-tokenization on a sample conversation; where the two differ (a tokenizer whose pieces depend on their
-neighbours), whole texts are tokenized and cached instead.
+Speed: a long conversation is mostly text the router has tokenized before (the earlier turns, a shared
+document). The rendered text is cut at the tokenizer's added tokens (ChatML's <|im_start|> and <|im_end|> around
+every turn), which the tokenizer itself cuts at before anything else, and long messages are cut again before
+word-starting spaces (_chunks), so each piece tokenizes alone exactly as inside the whole; pieces are cached
+(bounded), and only the new ones are tokenized. At load the cuts are checked against whole-text tokenization
+on a sample conversation; where they differ (a tokenizer whose pieces depend on their neighbours), the finer
+cut, then the coarser, is given up.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from typing import Any
 from warmroute.core.routing_key import KeyError_, content_text
 
 CACHE_BYTES = 64 * 1024 * 1024  # packed token ids kept for pieces seen before (plus their text)
-OFFLOAD_CHARS = 16 * 1024  # new text beyond this is tokenized in a worker thread (≈ 3 ms and more on the loop)
+OFFLOAD_CHARS = 4 * 1024  # new text beyond this is tokenized in a worker thread (≈ 1 ms and more on the loop)
+CHUNK_CHARS = 1024  # a long message is cut into pieces of about this many characters (see _chunks)
+_WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")  # a space after a non-space, before a letter
+_LONG = "".join(f"Clause {i}: the party's term {i * 7}, (see {i}.{i % 3}) - naïve  \"quoted\"\n\nNext{i} 中文 "
+                for i in range(120))  # checks the cuts at load
 _SAMPLE = [{"role": "system", "content": "You are a helpful assistant.  Answer briefly."},
            {"role": "user", "content": "Hello there! What's 2+2?\n\nThanks."},
            {"role": "assistant", "content": " It is 4. "}, {"role": "user", "content": "And 3 + 3 ?"}]
@@ -58,6 +63,7 @@ class PromptTokenizer:
         self._cache_bytes, self._cache_limit = 0, cache_bytes
         self._pieces: dict[str, bytes] = {}
         self._split: re.Pattern | None = None
+        self._chunked = False  # long messages cut too, before a space that starts a word (see _chunks)
         cuttable = [t for t in self.tokenizer.get_added_tokens_decoder().values()
                     if not (t.lstrip or t.rstrip or t.single_word)]
         if cuttable:
@@ -65,10 +71,13 @@ class PromptTokenizer:
             names = sorted(self._pieces, key=len, reverse=True)
             self._split = re.compile("(" + "|".join(re.escape(n) for n in names) + ")")
             if self.template is not None:
-                text = self.render(_SAMPLE, None)
+                text = self.render(_SAMPLE + [{"role": "user", "content": _LONG}], None)
                 whole = _pack(self.tokenizer.encode(text, add_special_tokens=False).ids)
+                self._chunked = True
                 if self._encode_pieces(text) != whole:
-                    self._split = None  # the cut changes the tokens: whole texts only
+                    self._chunked = False  # cutting inside a message changes the tokens: at added tokens only
+                    if self._encode_pieces(text) != whole:
+                        self._split = None  # even that changes them: whole texts only
 
     # -- requests -------------------------------------------------------------------------------------------
     def tokens_for(self, chat: bool, body: dict) -> bytes:
@@ -116,7 +125,7 @@ class PromptTokenizer:
             if chat:
                 text = self.render(body.get("messages"), body.get("tools"), body.get("add_generation_prompt", True))
                 parts = self._split.split(text)[::2] if self._split is not None else [text]
-                todo = [(p, False) for p in parts if p and p not in self._cache]
+                todo = [(c, False) for p in parts if p for c in self._chunks(p) if c not in self._cache]
             else:
                 prompt = body.get("prompt", body.get("input"))
                 todo = [(prompt, True)] if isinstance(prompt, str) and "\x00" + prompt not in self._cache else []
@@ -141,8 +150,25 @@ class PromptTokenizer:
             if i % 2:  # the captured added tokens
                 out.append(pieces[part])
             elif part:
-                out.append(self._cached(part, add_special=False))
+                out += [self._cached(chunk, add_special=False) for chunk in self._chunks(part)]
         return b"".join(out)
+
+    def _chunks(self, part: str) -> list[str]:
+        """A long message cut every CHUNK_CHARS or so, just before a space that starts a word: byte-level BPE
+        pre-tokenizers always start a token there (" word"), and merges never cross it, so each chunk tokenizes
+        alone as inside the whole (checked at load on a sample). A document shared by many prompts ahead of a
+        unique question (RAG) is then tokenized once, at the same cuts every time."""
+        if not self._chunked or len(part) <= CHUNK_CHARS:
+            return [part]
+        out, start = [], 0
+        while len(part) - start > CHUNK_CHARS:
+            cut = _WORD_START.search(part, start + CHUNK_CHARS)
+            if cut is None:
+                break
+            out.append(part[start:cut.start()])
+            start = cut.start()
+        out.append(part[start:])
+        return out
 
     def _cached(self, text: str, add_special: bool) -> bytes:
         key = text if not add_special else "\x00" + text
