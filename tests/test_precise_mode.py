@@ -156,7 +156,7 @@ def test_precise_mode_settings_fail_clearly(model_dir, tmp_path, monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "zmq" else real(name, *a))
-    with pytest.raises(UsageError, match="pyzmq"):
+    with pytest.raises(UsageError, match="pyzmq package"):
         load_settings({**base, "tokenizer": str(model_dir)}, env={})
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 _M64 = (1 << 64) - 1
 SEQ_BYTES = 8
 # Field order of the positional (array-like) encoding, after the tag.
@@ -73,8 +75,6 @@ def encode_seq(seq: int) -> bytes:
 def decode_batch(payload: bytes) -> EventBatch:
     """One payload -> its events; BadMessage if the payload itself is unreadable. Events that cannot be read are
     counted in `skipped`, so one bad event does not lose the batch's others."""
-    import msgspec  # here: precise mode is optional (the `events` extra), and the strategies import this module
-
     try:
         raw = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, ValueError) as exc:

@@ -21,6 +21,7 @@ import asyncio
 import json
 import re
 import struct
+import threading
 from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
@@ -60,6 +61,7 @@ class PromptTokenizer:
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
         self._compiled = None
         self._cache: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()  # large bodies get their key built in a thread (Router.key_off_loop)
         self._cache_bytes, self._cache_limit = 0, cache_bytes
         self._pieces: dict[str, bytes] = {}
         self._split: re.Pattern | None = None
@@ -172,22 +174,24 @@ class PromptTokenizer:
 
     def _cached(self, text: str, add_special: bool) -> bytes:
         key = text if not add_special else "\x00" + text
-        got = self._cache.get(key)
-        if got is not None:
-            self._cache.move_to_end(key)
-            return got
+        with self._lock:
+            got = self._cache.get(key)
+            if got is not None:
+                self._cache.move_to_end(key)
+                return got
         got = _pack(self.tokenizer.encode(text, add_special_tokens=add_special).ids)
         self._remember(key, got)
         return got
 
     def _remember(self, key: str, data: bytes) -> None:
-        if key in self._cache:
-            return
-        self._cache[key] = data
-        self._cache_bytes += len(data) + len(key)
-        while self._cache_bytes > self._cache_limit and self._cache:
-            old_key, old = self._cache.popitem(last=False)
-            self._cache_bytes -= len(old) + len(old_key)
+        with self._lock:
+            if key in self._cache:
+                return
+            self._cache[key] = data
+            self._cache_bytes += len(data) + len(key)
+            while self._cache_bytes > self._cache_limit and self._cache:
+                old_key, old = self._cache.popitem(last=False)
+                self._cache_bytes -= len(old) + len(old_key)
 
     def _template(self):
         if self._compiled is None:

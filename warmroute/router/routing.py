@@ -8,10 +8,11 @@ reads stay true.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from warmroute.core.exact_index import BYTES_PER_BLOCK, ExactIndex, token_seed
 from warmroute.core.fleet import Fleet, FleetSettings
@@ -20,7 +21,7 @@ from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, 
 from warmroute.core.strategies import APPROXIMATE, Decision, StrategySettings, make_strategy
 from warmroute.router.errors import bad_request
 from warmroute.router.metrics import Metrics
-from warmroute.router.prompt_tokens import PromptTokenizer
+from warmroute.router.prompt_tokens import OFFLOAD_CHARS, PromptTokenizer
 from warmroute.router.settings import RouterSettings
 from warmroute.router.shared_index import IndexUpdates
 from warmroute.router.usage import EngineUsage
@@ -29,6 +30,10 @@ SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
 HOLD_POLL = 0.25  # seconds: a held request looks again at least this often
 TOKENIZED_ROUTES = CHAT_ROUTES | PROMPT_ROUTES  # what precise mode tokenizes (the others: approximate model only)
+# msgspec parses a long prompt 3x faster than json (docs/benchmarks.md, "Parsing large bodies"): the parse
+# runs in the event loop, and a thread would not help, as neither parser lets go of the GIL.
+_decode = msgspec.json.Decoder().decode
+OFF_LOOP_BYTES = 1 << 20  # bodies from this size get their key built in a thread (key_off_loop)
 
 
 def is_routed(path: str) -> bool:
@@ -72,10 +77,10 @@ class Router:
             raise bad_request("request body is empty; expected a JSON object")
         try:
             if parsed is None:
-                parsed = json.loads(body)  # the body is parsed once, here, and forwarded as the original bytes
+                parsed = _decode(body)  # the body is parsed once, here, and forwarded as the original bytes
         except RecursionError:
             raise bad_request("request body is not valid JSON: nested too deeply") from None
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        except (msgspec.DecodeError, ValueError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         try:
             key = key_for_json(path, parsed, session)
@@ -104,25 +109,34 @@ class Router:
             return self._any.choose(_NO_KEY, self.fleet)
         return self.strategy.choose(key, self.fleet)
 
+    async def key_off_loop(self, path: str, body: bytes, session: str | None) -> RoutingKey | None:
+        """The key of a large body, built in a thread: rendering a long conversation is Python that lets the
+        event loop run every few ms there (the parse itself does not); None for a small one or an unrouted path."""
+        if len(body) < OFF_LOOP_BYTES or not is_routed(path):
+            return None
+        return await asyncio.to_thread(self.key_of, path, body, session)
+
     async def tokenize_ahead(self, path: str, body: bytes) -> Any:
         """Precise mode: tokenize, off the event loop, a request's text the tokenizer has not seen (a long new
         document takes tens of milliseconds, which would stall every other request); returns the parsed body for
-        `route` (None where the body is not for a tokenized route or not JSON: `route` then says why)."""
-        if self.tokenizer is None or path not in TOKENIZED_ROUTES or not body:
+        `route` (None where there is nothing worth it, or the body is not JSON: `route` then says why)."""
+        if self.tokenizer is None or path not in TOKENIZED_ROUTES or len(body) < OFFLOAD_CHARS:
             return None
         try:
-            parsed = json.loads(body)
-        except (ValueError, RecursionError):
+            parsed = _decode(body)
+        except (msgspec.DecodeError, ValueError, RecursionError):
             return None
         if isinstance(parsed, dict):
             await self.tokenizer.warm(path in CHAT_ROUTES, parsed)
         return parsed
 
-    def route(self, path: str, body: bytes, session: str | None,
+    def route(self, path: str, body: bytes, session: str | None, key: RoutingKey | None = None,
               parsed: Any = None) -> tuple[RoutingKey | None, Decision]:
-        """Key + decision for one request, timed and counted."""
+        """Key (unless given: key_off_loop; `parsed`: the body, parsed by tokenize_ahead) + decision for one
+        request, timed and counted."""
         start = time.perf_counter()
-        key = self.key_of(path, body, session, parsed) if is_routed(path) else None
+        if key is None and is_routed(path):
+            key = self.key_of(path, body, session, parsed)
         decision = self.decide(key)
         self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
         return key, decision
