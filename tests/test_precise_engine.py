@@ -174,6 +174,9 @@ async def test_a_lost_batch_without_replay_leaves_the_model_to_decide():
     engines = await start_fleet(2, config=CONFIG, time_scale=TIME_SCALE, kv_events_port=0, kv_events_replay=False)
     router = await router_for(engines)
     exact = router.app[ROUTER].exact
+    # Without replay nothing tells a subscriber what was published before its socket connected (it connects
+    # in the background): it would be stale from the first batch on. Let it connect first.
+    await asyncio.sleep(0.5)
     try:
         async with aiohttp.ClientSession() as client:
             home = (await ask(client, router.url, chat(0, 0))).instance
