@@ -83,7 +83,7 @@ async def timed(router: Router, body: bytes, in_thread: list[float]) -> tuple[fl
     in_thread.clear()
     start = time.perf_counter()
     parsed = await router.tokenize_ahead(PATH, body) if router.tokenizer is not None else None
-    router.route(PATH, body, None, parsed)
+    router.route(PATH, body, None, parsed=parsed)
     wall = time.perf_counter() - start
     return wall, wall - sum(in_thread)
 

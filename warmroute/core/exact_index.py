@@ -71,6 +71,7 @@ class ExactIndex:
         # The instances whose events are in step with their engine (the subscribers say): only their blocks are
         # trusted; the others are routed by the approximate model.
         self.fresh: set[str] = set()
+        self.now = 0.0  # the shell's clock (monotonic seconds), set before each decision: speculation expires by it
 
     # -- membership ---------------------------------------------------------------------------------------
     def add_instance(self, name: str) -> InstanceBlocks:
@@ -184,8 +185,8 @@ class ExactIndex:
         return sum(len(b.by_engine) for b in self.instances.values())
 
 
-def exact_depths(index: ExactIndex, key: RoutingKey, n_blocks: int, approximate: dict[str, int],
-                 now: float) -> tuple[dict[str, int], dict[str, float]]:
+def exact_depths(index: ExactIndex, key: RoutingKey, n_blocks: int,
+                 approximate: dict[str, int]) -> tuple[dict[str, int], dict[str, float]]:
     """cache_aware's match depths with the exact index's where an instance is fresh, and for those instances the
     share of the prompt's tokens they hold.
 
@@ -198,7 +199,7 @@ def exact_depths(index: ExactIndex, key: RoutingKey, n_blocks: int, approximate:
     depths = dict(approximate)
     shares = {}
     for name in index.fresh:
-        matched = index.match_tokens(name, key.token_blocks, now)
+        matched = index.match_tokens(name, key.token_blocks, index.now)
         shares[name] = matched / tokens
         depth = min(n_blocks, matched * n_blocks // tokens)
         if depth:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 import os
 import random as _random
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from warmroute.core import rendezvous
@@ -368,7 +367,6 @@ class CacheAwareStrategy(Strategy):
         super().__init__(settings)
         self.popularity = Popularity()  # per deepest matched block: which prefixes are hot
         self.exact: ExactIndex | None = None  # precise mode: the engines' own reports, where fresh
-        self.clock: Callable[[], float] = time.monotonic  # the exact index's speculative entries expire by it
 
     # How the rule is computed (the rule itself is in the docstring above): what depends on the prompt's
     # holders is computed once per holder (`miss`); then one scan over the routable instances applies the guard,
@@ -383,7 +381,7 @@ class CacheAwareStrategy(Strategy):
         depths = self.match_depths(blocks, fleet) if blocks else {}
         precise: dict[str, float] = {}  # instance -> share of the prompt its engine reports holding
         if self.exact is not None and key.token_data is not None:
-            depths, precise = exact_depths(self.exact, key, len(blocks), depths, self.clock())
+            depths, precise = exact_depths(self.exact, key, len(blocks), depths)
         block_tokens = s.block_bytes // 4
         prompt = key.tokens
         alpha, held_by = self.miss_weight_for(depths, fleet)

@@ -62,6 +62,7 @@ class PromptTokenizer:
         self._compiled = None
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()  # large bodies get their key built in a thread (Router.key_off_loop)
+        self._ready: tuple[dict, bytes] | None = None  # (body, its tokens) from warm(), for tokens_for next
         self._cache_bytes, self._cache_limit = 0, cache_bytes
         self._pieces: dict[str, bytes] = {}
         self._split: re.Pattern | None = None
@@ -85,6 +86,9 @@ class PromptTokenizer:
     def tokens_for(self, chat: bool, body: dict) -> bytes:
         """The packed token ids (4 bytes each, little-endian) of a parsed request; KeyError_ for a body the
         engine could not read either (a 400)."""
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] is body:  # warm() has just done it
+            return ready[1]
         if chat:
             return self.chat(body.get("messages"), body.get("tools"), body.get("add_generation_prompt", True))
         prompt = body.get("prompt", body.get("input"))
@@ -122,7 +126,8 @@ class PromptTokenizer:
 
     async def warm(self, chat: bool, body: dict) -> None:
         """Tokenize in a worker thread (the tokenizer releases the GIL) whatever of this request is not cached,
-        when that is long enough to stall the event loop; tokens_for then finds it all cached."""
+        when that is long enough to stall the event loop; tokens_for, called next for the same body (no await in
+        between), then finds it all done."""
         try:
             if chat:
                 text = self.render(body.get("messages"), body.get("tools"), body.get("add_generation_prompt", True))
@@ -133,11 +138,13 @@ class PromptTokenizer:
                 todo = [(prompt, True)] if isinstance(prompt, str) and "\x00" + prompt not in self._cache else []
         except (KeyError_, TokenizerError, TypeError, AttributeError):
             return  # tokens_for says what is wrong with it
-        if sum(len(text) for text, _ in todo) < OFFLOAD_CHARS:
-            return
-        encoded = await asyncio.to_thread(self._encode_all, todo)
-        for (text, special), data in zip(todo, encoded):
-            self._remember("\x00" + text if special else text, data)
+        if sum(len(piece) for piece, _ in todo) >= OFFLOAD_CHARS:
+            encoded = await asyncio.to_thread(self._encode_all, todo)
+            for (piece, special), data in zip(todo, encoded):
+                self._remember("\x00" + piece if special else piece, data)
+        if chat:  # the whole of it now, from the text rendered here: tokens_for need not render it again
+            self._ready = (body, self._encode_pieces(text) if self._split is not None
+                           else self._cached(text, add_special=False))
 
     def _encode_all(self, todo: list[tuple[str, bool]]) -> list[bytes]:
         """(In a worker thread: touches no shared state.)"""

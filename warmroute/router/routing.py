@@ -107,6 +107,8 @@ class Router:
                 inst.healthy = True
         if key is None:
             return self._any.choose(_NO_KEY, self.fleet)
+        if self.exact is not None:
+            self.exact.now = time.monotonic()  # the core reads no clock
         return self.strategy.choose(key, self.fleet)
 
     async def key_off_loop(self, path: str, body: bytes, session: str | None) -> RoutingKey | None:
