@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from warmroute.core import rendezvous
 from warmroute.core.engine_load import backlog_tokens, foreign_requests
+from warmroute.core.exact_index import ExactIndex, exact_depths
 from warmroute.core.fleet import RECENT_WINDOW, Fleet, Instance
 from warmroute.core.popularity import Popularity
 from warmroute.core.routing_key import RoutingKey
@@ -38,6 +39,8 @@ LOAD_BALANCE = "load_balance"  # a load-only strategy chose (least_loaded, round
 AFFINITY = "affinity"  # the prefix's or session's own instance (prefix, session)
 # Who holds a prompt's deepest match, as cache_aware weighs its miss (CacheAwareStrategy.miss_weight_for).
 PRIVATE, SHARED, SWAMPED = "private", "shared", "swamped"
+# Where the chosen instance's match came from in precise mode (Decision.match).
+PRECISE, APPROXIMATE = "precise", "approximate"
 REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, KV_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
 
 
@@ -66,6 +69,9 @@ class Decision:
     # cache_aware kept it on the one instance holding its prefix (the private miss weight): it may wait in the
     # router for room there (core/admission.py) rather than be queued where its history would be evicted
     private: bool = False
+    # Precise mode: whether the chosen instance's match came from its engine's KV events ("precise") or from the
+    # router's cache model ("approximate"); "" where precise mode is off.
+    match: str = ""
 
     @property
     def uncached_tokens(self) -> int:
@@ -351,6 +357,7 @@ class CacheAwareStrategy(Strategy):
     def __init__(self, settings: StrategySettings | None = None, seed: int | None = None) -> None:
         super().__init__(settings)
         self.popularity = Popularity()  # per deepest matched block: which prefixes are hot
+        self.exact: ExactIndex | None = None  # precise mode: the engines' own reports, where fresh
 
     # How the rule is computed (the rule itself is in the docstring above): what depends on the prompt's
     # holders is computed once per holder (`miss`); then one scan over the routable instances applies the guard,
@@ -363,6 +370,9 @@ class CacheAwareStrategy(Strategy):
         s = self.settings
         blocks = key.blocks(s.block_bytes)
         depths = self.match_depths(blocks, fleet) if blocks else {}
+        precise: dict[str, float] = {}  # instance -> share of the prompt its engine reports holding
+        if self.exact is not None and key.token_data is not None:
+            depths, precise = exact_depths(self.exact, key, len(blocks), depths)
         block_tokens = s.block_bytes // 4
         prompt = key.tokens
         alpha, held_by = self.miss_weight_for(depths, fleet)
@@ -379,15 +389,22 @@ class CacheAwareStrategy(Strategy):
                      s.hot_balance_slack * fleet.recent_unit.value, alpha * block_tokens,
                      s.balance_slack if s.cold_to_least_loaded else -1)
         if found is None:  # everyone is at the guard: least loaded, whatever it holds
-            return self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
-        inst = found if isinstance(found, Instance) else top(key.prefix_hash(s.prefix_length), found)
-        reason = self._reason(inst, depths)
-        if reason == OVERLOAD_SPILL and held_by == SWAMPED:
-            reason = KV_SPILL
-        elif reason == OVERLOAD_SPILL and hot and self._holders_had_their_share(up, depths, fleet):
-            reason = HOT_SPREAD
-        return self._decision(inst, reason, depths, block_tokens, prompt, blocks,
-                              held_by == PRIVATE and reason == CACHE_HIT)
+            decision = self._decision(_least_loaded(up), OVERLOAD_SPILL, depths, block_tokens, prompt, blocks)
+        else:
+            inst = found if isinstance(found, Instance) else top(key.prefix_hash(s.prefix_length), found)
+            reason = self._reason(inst, depths)
+            if reason == OVERLOAD_SPILL and held_by == SWAMPED:
+                reason = KV_SPILL
+            elif reason == OVERLOAD_SPILL and hot and self._holders_had_their_share(up, depths, fleet):
+                reason = HOT_SPREAD
+            decision = self._decision(inst, reason, depths, block_tokens, prompt, blocks,
+                                      held_by == PRIVATE and reason == CACHE_HIT)
+        if self.exact is not None:
+            share = precise.get(decision.instance)
+            decision.match = APPROXIMATE if share is None else PRECISE
+            if share is not None:  # exactly what the engine reported, not rounded to the key's blocks
+                decision.matched_tokens = round(share * prompt)
+        return decision
 
     def miss_weight_for(self, depths: dict[str, int], fleet: Fleet) -> tuple[float, str]:
         """α for this request, and why: PRIVATE (one instance holds its deepest match), SHARED (several do, or
