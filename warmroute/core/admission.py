@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.routing_key import RoutingKey
-from warmroute.core.strategies import Decision, Strategy, kv_pressure
+from warmroute.core.strategies import OVERLOAD_SPILL, UNHEALTHY_FALLBACK, Decision, Strategy, kv_pressure
 
 # Why a waiting request was refused (the label values of the sheds metric).
 QUEUE_FULL = "queue_full"  # the queue's bounds were reached, by requests of no lower priority
@@ -101,6 +101,7 @@ class Waiter:
     prompt_tokens: int = 0
     why: str = BUSY
     pin: str | None = None
+    first: str | None = None  # the instance the strategy chose when it arrived (pinned or not)
     keep_until: float = 0.0  # until then only `pin` may take it; then others, once aging outweighs its loss there
     strict_until: float = 0.0  # until then the KV limit applies to it, and `pin` (if any) is preferred
     depths: dict[str, int] = field(default_factory=dict)
@@ -110,11 +111,17 @@ class Waiter:
     payload: object = None  # the shell's (the router's future, the simulator's request)
 
 
-def decide_at(strategy: Strategy, key: RoutingKey, fleet: Fleet, name: str) -> Decision:
+def decide_at(strategy: Strategy, key: RoutingKey, fleet: Fleet, name: str, first: str | None = None) -> Decision:
     """The strategy's decision for `key` when only `name` may take it: where the queue sent a waiter, with the
-    strategy's own reason, predicted match and books."""
+    strategy's own reason, predicted match and books. A waiter moved off its healthy `first` choice went elsewhere
+    because that instance was full: an overload spill (the strategy, seeing its choice masked, would call it a
+    fallback from an unhealthy instance)."""
     with fleet.only(name):
-        return strategy.choose(key, fleet)
+        decision = strategy.choose(key, fleet)
+    chosen = fleet.instances.get(first) if first is not None else None
+    if decision.reason == UNHEALTHY_FALLBACK and name != first and chosen is not None and chosen.routable:
+        decision.reason = OVERLOAD_SPILL
+    return decision
 
 
 class QueueFull(Exception):
@@ -164,7 +171,7 @@ class Admission:
         waiter = Waiter(seq=next(self._seq), priority=priority, tenant=tenant, size_bytes=size_bytes,
                         enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens,
                         uncached_tokens=decision.uncached_tokens, prompt_tokens=decision.prompt_tokens, why=why,
-                        pin=decision.instance if decision.blocks else None, keep_until=now,
+                        pin=decision.instance if decision.blocks else None, first=decision.instance, keep_until=now,
                         strict_until=now + s.patience_s, depths=depths, model=model)
         if why == KV and decision.private:
             waiter.keep_until = now + min(s.patience_s, s.hold_keep * self.fleet.mean_ttft_s)

@@ -205,7 +205,7 @@ class Router:
         self.admission.dispatched(waiter)
         self.metrics.admitted(waiter.why)
         try:
-            decision = decide_at(self.strategy, key, self.fleet, name)
+            decision = decide_at(self.strategy, key, self.fleet, name, waiter.first)
         except NoInstanceAvailable:
             decision = self.decide(key)
         return decision

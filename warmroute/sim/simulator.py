@@ -312,7 +312,7 @@ class Simulation:
         for w in assigned:
             req, turns, key = w.payload  # type: ignore[misc]
             assert w.instance is not None
-            d = decide_at(self.strategy, key, self.fleet, w.instance)
+            d = decide_at(self.strategy, key, self.fleet, w.instance, w.first)
             self.admission.dispatched(w)
             self._send(now, w.enqueued, req, turns, key, d)
 
