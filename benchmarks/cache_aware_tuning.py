@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from warmroute.core.strategies import CacheAwareStrategy, StrategySettings
+from warmroute.core.strategies import StrategySettings, make_strategy
 from warmroute.sim.report import summarize
 from warmroute.sim.simulator import Simulation, SimSettings
 from warmroute.workloads.registry import make_workload
@@ -43,10 +43,9 @@ def main() -> None:
     print(f"{'case':<50} {'setting':<44} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>6} {'spread':>6}")
     for label, workload, settings, params in CASES:
         for _, change in VARIANTS:
-            sim = Simulation(settings, make_workload(workload, seed=0, **params), "cache_aware")
-            sim.strategy = CacheAwareStrategy(StrategySettings(
-                prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
-                block_bytes=sim.block_bytes, **change))
+            strategy = make_strategy("cache_aware", StrategySettings(
+                prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold, **change))
+            sim = Simulation(settings, make_workload(workload, seed=0, **params), strategy)
             s = summarize(sim.run())
             setting = ", ".join(f"{k}={v:g}" for k, v in change.items())
             print(f"{label:<50} {setting:<44} {s.hit_rate:>8.1%} {s.ttft_p50_ms:>7.0f}ms {s.ttft_p99_ms:>7.0f}ms "

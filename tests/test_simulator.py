@@ -106,8 +106,7 @@ def test_hot_prompt_at_a_fixed_rate_is_spread_by_its_popularity(rate):
                            hold_kv_limit=1000.0)
     workload = lambda: make_workload("hot", seed=1, hot=0.6, max_tokens=2)  # noqa: E731
     guarded = Simulation(settings, workload(), "cache_aware")
-    unguarded = Simulation(settings, workload(), "cache_aware")
-    unguarded.strategy.settings = replace(unguarded.strategy.settings, hot_balance_factor=1000.0)
+    unguarded = Simulation(replace(settings, hot_balance_factor=1000.0), workload(), "cache_aware")
     shipped = Simulation(replace(settings, hold_kv_limit=SimSettings.hold_kv_limit), workload(), "cache_aware")
     on, off, as_shipped = summarize(guarded.run()), summarize(unguarded.run()), summarize(shipped.run())
     assert on.load_spread <= 1.3 < off.load_spread

@@ -82,11 +82,11 @@ def test_cache_aware_returns_to_the_instance_holding_the_longest_prefix():
 
 def test_cache_aware_prefers_a_cached_prefix_over_an_idle_instance_until_the_queue_costs_more():
     f = fleet(2)
-    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))  # isolate the cost model
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=10.0))  # isolate the cost model
     warm = route(s, f, key(SYSTEM, "q0"))
     f.finished(warm.instance, warm.uncached_tokens, got_first_token=False)
     other = next(n for n in f.instances if n != warm.instance)
-    alpha = s.settings.miss_weight  # one instance holds the prefix: a private one
+    alpha = s.settings.cache_aware.miss_weight  # one instance holds the prefix: a private one
     prompt = key(SYSTEM, "q1").tokens
     f.instances[warm.instance].queued_prefill_tokens = 0.5 * alpha * prompt  # less than α x a cold prefill
     assert s.choose(key(SYSTEM, "q1"), f).instance == warm.instance
@@ -99,7 +99,7 @@ def test_cache_aware_sticks_to_a_private_prefix_but_copies_a_shared_one():
     """The miss weight depends on who holds the prefix: the same queue in front of the holders keeps a prefix
     only one instance holds there, and sends a prefix two instances hold to a third, idle one."""
     f = fleet(3)
-    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=10.0))
     a, b, c = sorted(f.instances)
     k = key(SYSTEM, "q1")
     queue = 4 * k.tokens  # between the shared (1) and the private (16) miss weight x the prompt
@@ -115,7 +115,7 @@ def _conversation_on_the_first_of_two():
     """Two instances of 10,000 KV tokens; only the first holds a conversation's prefix and has 4 requests in
     flight there, a queue worth 4 of its prompts (between 1 and 16 x the prompt)."""
     f = fleet(2, capacity=10_000)
-    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=10.0))
     a, b = sorted(f.instances)
     k = key(SYSTEM, "q1")
     f.index.record(a, k.blocks())
@@ -140,7 +140,7 @@ def test_cache_aware_lets_a_private_prefix_go_when_its_holder_is_swamped():
     assert s.choose(k, f).instance == a
     holder.engine = EngineLoad(waiting=4, running=4, foreign_requests=4.0)  # ...2.0 x with another router's
     assert s.choose(k, f).instance == b
-    never = make_strategy("cache_aware", StrategySettings(balance_factor=100.0, sticky_kv_limit=1000.0))
+    never = make_strategy("cache_aware", StrategySettings(balance_factor=10.0, sticky_kv_limit=1000.0))
     assert never.choose(k, f).instance == a
 
 
@@ -157,7 +157,7 @@ def test_cache_aware_holds_a_private_prefix_back_while_its_holder_is_full():
     holder.inflight, holder.inflight_prompt_tokens = 0, 0  # nothing in flight: however large, it goes
     assert not s.must_wait(s.choose(k, f), f)
     holder.inflight, holder.inflight_prompt_tokens = 4, 17_000
-    never = make_strategy("cache_aware", StrategySettings(balance_factor=100.0, hold_kv_limit=1000.0))
+    never = make_strategy("cache_aware", StrategySettings(balance_factor=10.0, hold_kv_limit=1000.0))
     assert never.choose(k, f).private and not never.must_wait(never.choose(k, f), f)
     cold = s.choose(key("another system prompt " * 40), f)
     assert cold.reason == COLD and not cold.private and not s.must_wait(cold, f)
@@ -206,7 +206,7 @@ def test_cache_aware_bounded_load_guard(slack):
 
 def test_cache_aware_respects_the_concurrency_threshold():
     f = fleet(3)
-    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=2, balance_factor=100.0))
+    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=2, balance_factor=10.0))
     for _ in range(6):
         route(s, f, key(SYSTEM))
     assert [i.inflight for i in f.instances.values()] == [2, 2, 2]
@@ -237,7 +237,7 @@ def test_hot_prompt_warms_a_few_instances_and_never_breaks_the_guard():
         if hot:
             hot_instances[d.instance] += 1
         loads = [i.inflight for i in f.instances.values()]
-        assert max(loads) <= math.ceil((1 + settings.balance_factor) * sum(loads) / 4) + settings.balance_slack
+        assert max(loads) <= math.ceil((1 + settings.cache_aware.balance_factor) * sum(loads) / 4) + settings.cache_aware.balance_slack
         running.append((d.instance, d.uncached_tokens))
         if len(running) > 16:  # a steady 16 in flight: the oldest completes
             name, unc = running.pop(0)

@@ -56,7 +56,7 @@ def routable_python(instances: dict[str, Instance], serving: frozenset[str] | No
     return [i for i in instances.values() if i.healthy and not i.draining and i.name in serving]
 
 
-# Compiled where a C compiler was found (core/_scan.c): it reads the two fields at their slots once strategies.py
+# Compiled where a C compiler was found (core/_scan.c): it reads the two fields at their slots once stages/compiled.py
 # has configured _scan with Instance's layout (before that, through getattr: slower, same answer), 0.8 instead of
 # 1.6 µs at 64 instances, on every decision. The same list in the same order (tests/test_choose_equivalence.py).
 try:

@@ -45,7 +45,7 @@ class Router:
             balance_factor=settings.balance_factor, hot_balance_factor=settings.hot_balance_factor,
             miss_weight=settings.miss_weight,
             shared_miss_weight=settings.shared_miss_weight, sticky_kv_limit=settings.sticky_kv_limit,
-            hold_kv_limit=settings.hold_kv_limit, hold_keep=settings.hold_keep, block_bytes=settings.block_bytes))
+            hold_kv_limit=settings.hold_kv_limit, hold_keep=settings.hold_keep))
         self._any = make_strategy("least_loaded")
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
         self._finished: asyncio.Future[None] | None = None  # resolved when a request finishes: held ones retry

@@ -17,7 +17,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
-from warmroute.core.strategies import HOLD_TIMEOUT_S, STRATEGIES, StrategySettings
+from warmroute.core.strategies import HOLD_TIMEOUT_S, STRATEGIES, CacheAwareSettings
+
+_CA = CacheAwareSettings()
 from warmroute.errors import UsageError
 
 ENV_PREFIX = "WARMROUTE_"
@@ -135,38 +137,38 @@ class RouterSettings(BaseSettings):
         description="ConcurrencyThreshold: most in-flight requests the prefix-selected instance may have "
                     "before a request goes elsewhere.")
     balance_factor: float = Field(
-        StrategySettings.balance_factor, ge=0.0, le=10.0,
+        _CA.balance_factor, ge=0.0, le=10.0,
         description="cache_aware's bounded-load factor epsilon: no instance above (1+epsilon) x mean in-flight "
-                    f"+ {StrategySettings.balance_slack}.")
+                    f"+ {_CA.balance_slack}.")
     hot_balance_factor: float = Field(
-        StrategySettings.hot_balance_factor, ge=0.0, le=1000.0,
+        _CA.hot_balance_factor, ge=0.0, le=1000.0,
         description="cache_aware's guard for hot prefixes, delta: a prefix on at least 1/N of the recent requests "
                     "(N instances) skips the instances sent more than (1+delta) x the mean of recent requests "
-                    f"+ {StrategySettings.hot_balance_slack:g}, so it is copied to more instances instead of "
+                    f"+ {_CA.hot_balance_slack:g}, so it is copied to more instances instead of "
                     "loading a few. 1000: off.")
     miss_weight: float = Field(
-        StrategySettings.miss_weight, ge=0.0, le=1000.0,
+        _CA.miss_weight, ge=0.0, le=1000.0,
         description="cache_aware's cost of an uncached prompt token, relative to a queued one, when one "
                     "instance holds the prompt's deepest cached prefix (a conversation, a document): higher "
                     "keeps such prompts on their instance longer.")
     shared_miss_weight: float = Field(
-        StrategySettings.shared_miss_weight, ge=0.0, le=1000.0,
+        _CA.shared_miss_weight, ge=0.0, le=1000.0,
         description="The same when several instances hold it (a popular prefix) or none: lower copies a "
                     "popular prefix to more instances sooner.")
     sticky_kv_limit: float = Field(
-        StrategySettings.sticky_kv_limit, ge=0.0, le=1000.0,
+        _CA.sticky_kv_limit, ge=0.0, le=1000.0,
         description="cache_aware keeps a prompt on the one instance holding its prefix (miss_weight) only while "
                     "the prompts in flight there need at most this many times its KV cache; beyond, the engine "
                     "evicts queued histories anyway, and the prompt weighs its miss like a shared one. "
                     "1000: always sticky.")
     hold_kv_limit: float = Field(
-        StrategySettings.hold_kv_limit, ge=0.0, le=1000.0,
+        _CA.hold_kv_limit, ge=0.0, le=1000.0,
         description="cache_aware holds such a prompt in the router while the prompts in flight at its instance, "
                     "with it, would need more than this many times its KV cache (there the engine would evict its "
                     "history while it queues), and looks again whenever a request finishes (see hold_keep). "
                     "1000: never holds.")
     hold_keep: float = Field(
-        StrategySettings.hold_keep, ge=0.0, le=1000.0,
+        _CA.hold_keep, ge=0.0, le=1000.0,
         description="A held request keeps the instance first chosen for it until it has waited this many times "
                     "the fleet's mean time to first token; then it is decided again (and may go elsewhere) "
                     "whenever a request finishes. 0: decided again every time.")

@@ -11,7 +11,9 @@ from typing import Annotated
 from pydantic import TypeAdapter, ValidationError
 
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
-from warmroute.core.strategies import STRATEGIES, StrategySettings
+from warmroute.core.strategies import STRATEGIES, CacheAwareSettings
+
+_CA = CacheAwareSettings()
 from warmroute.errors import UsageError
 from warmroute.sim.report import Summary, as_json, plot, summarize, table
 from warmroute.sim.scenarios import SCENARIOS
@@ -41,13 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("router")
     r.add_argument("--prefix-length", type=int, default=4096)
     r.add_argument("--concurrency-threshold", type=int, default=32)
-    r.add_argument("--balance-factor", type=float, default=StrategySettings.balance_factor)
-    r.add_argument("--hot-balance-factor", type=float, default=StrategySettings.hot_balance_factor,
+    r.add_argument("--balance-factor", type=float, default=_CA.balance_factor)
+    r.add_argument("--hot-balance-factor", type=float, default=_CA.hot_balance_factor,
                    help="cache_aware's guard for hot prefixes (1000: off); see `warmroute serve --help`")
-    r.add_argument("--hold-kv-limit", type=float, default=StrategySettings.hold_kv_limit,
+    r.add_argument("--hold-kv-limit", type=float, default=_CA.hold_kv_limit,
                    help="cache_aware holds a conversation in the router while its instance is this full (1000: "
                         "never); see `warmroute serve --help`")
-    r.add_argument("--hold-keep", type=float, default=StrategySettings.hold_keep,
+    r.add_argument("--hold-keep", type=float, default=_CA.hold_keep,
                    help="a held request keeps its instance until it has waited this many times the fleet's mean "
                         "time to first token; see `warmroute serve --help`")
     r.add_argument("--router-kv-capacity-tokens", type=int, metavar="N",

@@ -36,17 +36,17 @@ class SimSettings:
     max_batched_tokens: int = 8192
     prefix_length: int = 4096
     concurrency_threshold: int = 32
-    balance_factor: float = StrategySettings.balance_factor
-    hot_balance_factor: float = StrategySettings.hot_balance_factor
+    balance_factor: float = 1.0
+    hot_balance_factor: float = 0.2
     requests: int = 10_000
     rate: float | None = None  # open loop (Poisson sessions per second); None with no concurrency: the trace's
     concurrency: int | None = None  # closed loop: this many sessions in flight
     speedup: float = 1.0  # trace timestamps are divided by this
     scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
     window_s: float = 10.0  # time-series bucket
-    hold_kv_limit: float = StrategySettings.hold_kv_limit
+    hold_kv_limit: float = 1.4
     hold_timeout_s: float = HOLD_TIMEOUT_S  # the router's hold_timeout: then a held request goes anyway
-    hold_keep: float = StrategySettings.hold_keep
+    hold_keep: float = 1.5
     seed: int = 0
 
     def engine_config(self, scale: int = 1) -> EngineConfig:
@@ -66,8 +66,7 @@ class SimSettings:
     def strategy_settings(self, block_bytes: int) -> StrategySettings:
         return StrategySettings(prefix_length=self.prefix_length, concurrency_threshold=self.concurrency_threshold,
                                 balance_factor=self.balance_factor, hot_balance_factor=self.hot_balance_factor,
-                                hold_kv_limit=self.hold_kv_limit, hold_keep=self.hold_keep,
-                                block_bytes=block_bytes)
+                                hold_kv_limit=self.hold_kv_limit, hold_keep=self.hold_keep)
 
 
 @dataclass
@@ -340,9 +339,9 @@ class Simulation:
 
 def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim: Simulation) -> Strategy:
     if name == "oracle":
-        from warmroute.sim.references import OracleStrategy
-        return OracleStrategy(settings, {n: i.model for n, i in sim.instances.items()})
+        from warmroute.sim.references import oracle
+        return oracle(settings, {n: i.model for n, i in sim.instances.items()})
     if name == "sglang_like":
-        from warmroute.sim.references import SglangLikeStrategy
-        return SglangLikeStrategy(settings)
+        from warmroute.sim.references import sglang_like
+        return sglang_like(settings)
     return make_strategy(name, settings, seed=seed)
