@@ -41,7 +41,7 @@ def main() -> None:
         for name, factor in VARIANTS:
             rows = []
             for seed in range(args.seeds):
-                s = Simulation(SimSettings(instances=4, seed=seed, hot_balance_factor=factor, **sim),
+                s = Simulation(SimSettings(instances=4, seed=seed, **sim).changed("hot_balance_factor", factor),
                                make_workload(workload, seed=seed, **params), "cache_aware")
                 rows.append(summarize(s.run()))
             mean = lambda f: statistics.mean(f(r) for r in rows)  # noqa: E731

@@ -36,7 +36,8 @@ from warmroute.core.stages.routable import routable
 __all__ = ["AFFINITY", "CACHE_HIT", "COLD", "HOT_SPREAD", "KV_SPILL", "LOAD_BALANCE", "OVERLOAD_SPILL", "REASONS",
            "UNHEALTHY_FALLBACK", "Decision", "ModelNotServed", "NoInstanceAvailable", "PRIVATE", "SHARED", "SWAMPED",
            "kv_pressure", "_scan", "CacheAwareSettings", "StrategySettings", "Strategy", "CacheAwareStrategy",
-           "STRATEGIES", "StrategySpec", "CACHE_AWARE", "make_strategy", "Handles", "HOLD_TIMEOUT_S"]
+           "STRATEGIES", "StrategySpec", "CACHE_AWARE", "make_strategy", "Handles", "merge_layers", "nest_flat_names", "own_setting",
+           "OWN_SETTINGS"]
 
 
 class CacheAwareSettings(BaseModel):
@@ -92,8 +93,6 @@ class CacheAwareSettings(BaseModel):
         description="Seconds a request may be held (hold_kv_limit) before it goes to its instance anyway.")
 
 
-HOLD_TIMEOUT_S = CacheAwareSettings.model_fields["hold_timeout"].default  # the shells' default hold limit
-
 # Strategies with knobs of their own: the field of StrategySettings that holds them.
 OWN_SETTINGS: dict[str, type[BaseModel]] = {"cache_aware": CacheAwareSettings}
 
@@ -120,6 +119,12 @@ class StrategySettings(BaseModel):
     def _nest_flat_names(cls, data: Any) -> Any:
         return nest_flat_names(data)
 
+    def strategy_settings(self) -> StrategySettings:
+        """Only the strategy settings (of a model that extends this one, like the router's)."""
+        if type(self) is StrategySettings:
+            return self
+        return StrategySettings(**{n: getattr(self, n) for n in StrategySettings.model_fields})
+
 
 def nest_flat_names(data: Any) -> Any:
     """{'balance_factor': 2} -> {'cache_aware': {'balance_factor': 2}}: a strategy's own setting named alone."""
@@ -132,6 +137,19 @@ def nest_flat_names(data: Any) -> Any:
             nested = out.get(field)
             nested = nested.model_dump(exclude_unset=True) if isinstance(nested, BaseModel) else dict(nested or {})
             out[field] = {**flat, **nested}
+    return out
+
+
+def merge_layers(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Layers of settings (plain or nested names) merged, later ones winning setting by setting, also inside a
+    strategy's nested settings."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for k, v in nest_flat_names(layer).items():
+            if k in OWN_SETTINGS and isinstance(out.get(k), dict) and isinstance(v, dict):
+                out[k] = {**out[k], **v}
+            else:
+                out[k] = v
     return out
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey, key_for_json, key_for_raw
-from warmroute.core.strategies import Decision, StrategySettings, make_strategy
+from warmroute.core.strategies import Decision, make_strategy
 from warmroute.router.errors import bad_request
 from warmroute.router.metrics import Metrics
 from warmroute.router.settings import RouterSettings
@@ -40,12 +40,7 @@ class Router:
                                          feedback=settings.engine_feedback))
         for b in settings.backends:
             self.fleet.add(b.name, b.kv_capacity_tokens)
-        self.strategy = make_strategy(settings.strategy, StrategySettings(
-            prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
-            balance_factor=settings.balance_factor, hot_balance_factor=settings.hot_balance_factor,
-            miss_weight=settings.miss_weight,
-            shared_miss_weight=settings.shared_miss_weight, sticky_kv_limit=settings.sticky_kv_limit,
-            hold_kv_limit=settings.hold_kv_limit, hold_keep=settings.hold_keep))
+        self.strategy = make_strategy(settings.strategy, settings.strategy_settings())
         self._any = make_strategy("least_loaded")
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
         self._finished: asyncio.Future[None] | None = None  # resolved when a request finishes: held ones retry
@@ -99,14 +94,14 @@ class Router:
         time to first token, while it takes requests), then deciding again each time; at most hold_timeout
         seconds, then the latest decision stands. Returns the decision to send and the seconds waited (0.0: it
         did not wait). Nothing is sent while it waits; a client that leaves cancels the wait."""
-        if key is None or self.settings.hold_timeout <= 0 or not self.strategy.must_wait(decision, self.fleet):
+        if key is None or self.settings.cache_aware.hold_timeout <= 0 or not self.strategy.must_wait(decision, self.fleet):
             return decision, 0.0
         loop = asyncio.get_running_loop()
         start = loop.time()
         first, outcome = decision.instance, "timeout"
         self.metrics.holding(+1)
         try:
-            while (left := start + self.settings.hold_timeout - loop.time()) > 0:
+            while (left := start + self.settings.cache_aware.hold_timeout - loop.time()) > 0:
                 if self._finished is None or self._finished.done():
                     self._finished = loop.create_future()
                 await asyncio.wait((self._finished,), timeout=min(left, HOLD_POLL))

@@ -14,12 +14,12 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import RoutingKey, key_for_json
-from warmroute.core.strategies import (HOLD_TIMEOUT_S, Decision, NoInstanceAvailable, Strategy, StrategySettings,
-                                       make_strategy)
+from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy,
+                                       merge_layers)
 from warmroute.engine.model import EngineConfig, EngineModel
 from warmroute.workloads.base import Workload
 from warmroute.workloads.request import Session, WorkloadRequest
@@ -34,19 +34,15 @@ class SimSettings:
     feedback: bool = True  # correct the router's index from the cached tokens each engine reports
     max_running: int = 64
     max_batched_tokens: int = 8192
-    prefix_length: int = 4096
-    concurrency_threshold: int = 32
-    balance_factor: float = 1.0
-    hot_balance_factor: float = 0.2
+    # The router's strategy settings, as `warmroute serve` takes them (the hold timeout included: then a held
+    # request goes anyway).
+    routing: StrategySettings = field(default_factory=StrategySettings)
     requests: int = 10_000
     rate: float | None = None  # open loop (Poisson sessions per second); None with no concurrency: the trace's
     concurrency: int | None = None  # closed loop: this many sessions in flight
     speedup: float = 1.0  # trace timestamps are divided by this
     scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
     window_s: float = 10.0  # time-series bucket
-    hold_kv_limit: float = 1.4
-    hold_timeout_s: float = HOLD_TIMEOUT_S  # the router's hold_timeout: then a held request goes anyway
-    hold_keep: float = 1.5
     seed: int = 0
 
     def engine_config(self, scale: int = 1) -> EngineConfig:
@@ -57,16 +53,16 @@ class SimSettings:
         if scale == 1:
             return cfg
         t = cfg.timing
-        from dataclasses import replace
         timing = replace(t, prefill_ms_per_token=t.prefill_ms_per_token / scale,
                          context_ms_per_token=t.context_ms_per_token / scale,
                          prefill_context_ms=t.prefill_context_ms / scale, decode_growth=t.decode_growth / scale)
         return replace(cfg, timing=timing, kv_capacity_tokens=cfg.kv_capacity_tokens * scale)
 
-    def strategy_settings(self, block_bytes: int) -> StrategySettings:
-        return StrategySettings(prefix_length=self.prefix_length, concurrency_threshold=self.concurrency_threshold,
-                                balance_factor=self.balance_factor, hot_balance_factor=self.hot_balance_factor,
-                                hold_kv_limit=self.hold_kv_limit, hold_keep=self.hold_keep)
+    def changed(self, name: str, value: object) -> SimSettings:
+        """A copy with one setting changed: the simulator's own, or a strategy setting by its plain name."""
+        if name in {f.name for f in fields(self)}:
+            return replace(self, **{name: value})
+        return replace(self, routing=StrategySettings(**merge_layers(self.routing.model_dump(), {name: value})))
 
 
 @dataclass
@@ -125,8 +121,7 @@ class Simulation:
         if pooled:
             self.strategy = make_strategy("least_loaded")
         elif isinstance(strategy, str):
-            self.strategy = make_strategy_for_sim(strategy, settings.strategy_settings(self.block_bytes),
-                                                  settings.seed, self)
+            self.strategy = make_strategy_for_sim(strategy, settings.routing, settings.seed, self)
         else:
             self.strategy = strategy
         self._heap: list[tuple[float, int, int, object]] = []
@@ -273,10 +268,10 @@ class Simulation:
                 return
         else:
             d = kept
-        if now - arrival < self.s.hold_timeout_s and self.strategy.must_wait(d, self.fleet):
+        if now - arrival < self.s.routing.cache_aware.hold_timeout and self.strategy.must_wait(d, self.fleet):
             self._held.append((arrival, req, turns, d))  # looked at again when a request finishes (_on_step_done)
             return
-        self._last_instance_by_prefix[key.prefix_hash(self.s.prefix_length)] = d.instance
+        self._last_instance_by_prefix[key.prefix_hash(self.s.routing.prefix_length)] = d.instance
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None,
                                              d.kv_tokens)
