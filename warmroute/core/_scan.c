@@ -231,8 +231,8 @@ done:
  * the function that fills it (configure). */
 static PyObject *hash_fn = NULL, *name_bytes = NULL, *encode = NULL;
 /* The same xxh3 function of the xxhash library, called directly where rendezvous.py found its address (the
- * library's XXH3_64bits_withSeed, exported by the xxhash package's extension): ~10 ns a weight instead of ~60
- * through its Python wrapper. NULL: call hash_fn. configure checks the two agree before using it. */
+ * library's XXH3_64bits_withSeed, exported by the xxhash package's extension), which skips the Python
+ * wrapper's call overhead. NULL: call hash_fn. configure checks the two agree before using it. */
 typedef uint64_t (*xxh3_seeded)(const void *data, size_t len, uint64_t seed);
 static xxh3_seeded native_xxh3 = NULL;
 
