@@ -169,8 +169,7 @@ class CountRelease(PrefixMatch):
 def count_release(k: float) -> Strategy:
     s = tuned(NO_HOLD_NAME)
     s.name = f"count release {k:g}x mean"
-    s.pipeline.facts[0] = CountRelease(s.pipeline.facts[0], k)
-    s.pipeline._observers = [f.observe for f in s.pipeline.facts]
+    s.pipeline = s.pipeline.replaced("prefix_match", CountRelease(s.pipeline.stage("prefix_match"), k))
     return s
 
 

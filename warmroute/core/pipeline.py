@@ -109,13 +109,24 @@ class Pipeline:
             raise ValueError("a pipeline needs a picker")
         self.facts, self.filters, self.scorers, self.pickers = list(facts), list(filters), list(scorers), list(pickers)
         self.fast = fast
-        self._explainers = [*self.facts, *self.filters, *self.scorers, *self.pickers]
+        self._stages = [*self.facts, *self.filters, *self.scorers, *self.pickers]
+        # Bound methods of the stages that do something there, looked up once: this runs on every decision.
         self._observers = [f.observe for f in self.facts]
         self._preparers = [f.prepare for f in self.filters if type(f).prepare is not Filter.prepare]
+        self._explainers = [s.explain for s in self._stages if type(s).explain is not Stage.explain]
+        self._pick = self.pickers[-1].pick
+
+    def replaced(self, name: str, stage: Stage) -> Pipeline:
+        """A copy with the stage registered as `name` replaced by `stage` (of the same kind), to try a variant."""
+        swap = lambda stages: [stage if s.name == name else s for s in stages]  # noqa: E731
+        out = Pipeline(swap(self.facts), swap(self.filters), swap(self.scorers), swap(self.pickers))
+        if [type(s) for s in out._stages] == [type(s) for s in self._stages]:
+            out.fast = self.fast  # the compiled path reads only the request (and the unchanged filters)
+        return out
 
     def stage(self, name: str) -> Any:
         """The stage registered under `name` in this pipeline (KeyError if none)."""
-        for s in self._explainers:
+        for s in self._stages:
             if s.name == name:
                 return s
         raise KeyError(name)
@@ -129,9 +140,9 @@ class Pipeline:
         found = self.fast(req) if self.fast is not None else self.narrow(req)
         if found is None:  # a filter left nobody: it decides
             return self._emptied_by(req).when_empty(req)
-        chosen = found if isinstance(found, Instance) else self.pickers[-1].pick(req, found)
-        for stage in self._explainers:
-            why = stage.explain(req, chosen)
+        chosen = found if isinstance(found, Instance) else self._pick(req, found)
+        for explain in self._explainers:
+            why = explain(req, chosen)
             if why is not None:
                 return chosen, why
         raise RuntimeError("no stage explained the decision")  # the last picker always should

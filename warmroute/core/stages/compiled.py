@@ -78,7 +78,8 @@ def compiled_path(pipeline: Pipeline) -> FastPath | None:
     def fast(req: Request) -> Instance | list[Instance] | None:
         is_hot = req.hot
         return scan(req.up, new(ScanParams, (
-            guard.threshold, guard.factor, guard.slack, is_hot, hot.factor, hot.slack_recent(req) if is_hot else 0.0,
+            guard.threshold, guard.factor, guard.slack, is_hot, hot.factor,
+            hot.slack * req.fleet.recent_unit.value if is_hot else 0.0,  # HotShare.slack_recent
             req.miss, req.miss_all, req.prompt, req.fleet.mean_uncached_tokens, req.alpha * req.block_tokens,
             least_slack)))
 
