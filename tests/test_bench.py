@@ -67,9 +67,21 @@ def test_summary_from_plain_records():
     assert s["hit_rate"] == {"fleet": 0.25, "client": 0.5}
     assert s["instances"] == {"requests": {"a": 2, "b": 4, "c": 4}, "load_spread": 1.6}
     assert s["by_class"]["shared"]["requests"] == 10
+    assert s["prediction_error_tokens"] == {"requests": 0, "median_abs": None, "p90_abs": None, "mean": None}
     assert list(s) == ["label", "target", "workload", "mode", "duration_s", "requests", "errors", "ttft_ms",
-                       "e2e_ms", "throughput", "hit_rate", "instances", "by_class", "warnings"]
+                       "e2e_ms", "throughput", "hit_rate", "prediction_error_tokens", "instances", "by_class",
+                       "warnings"]
     assert render_table([BenchResult("x", "t", "w", "m", 1.0, recs)]).columns[1].header == "x"
+
+
+def test_prediction_error_is_predicted_minus_reported_cached_tokens_in_the_engines_count():
+    recs = [record(prompt=200, cached=100), record(prompt=200, cached=0), record(prompt=100, cached=100),
+            record(prompt=100, cached=None), record(error="timeout")]
+    for r, predicted in zip(recs, (0.5, 0.25, 0.0, 1.0, 1.0)):
+        r.predicted_hit = predicted
+    assert [r.prediction_error_tokens for r in recs] [:4] == [0.0, 50.0, -100.0, None]
+    s = BenchResult("x", "t", "w", "m", 1.0, recs).summary()
+    assert s["prediction_error_tokens"] == {"requests": 3, "median_abs": 50.0, "p90_abs": 90.0, "mean": -16.7}
 
 
 # -- over HTTP: a small stand-in engine ------------------------------------------------------------------------
@@ -231,6 +243,8 @@ def test_demo_runs_a_strategy_and_stops_its_processes(monkeypatch, capsys):
     (result,) = out["results"]
     assert result["label"] == "cache_aware" and result["requests"] > 0
     assert result["hit_rate"]["fleet"] is not None and result["instances"]["requests"]
+    # the router's x-warmroute-predicted-hit header met the engine's usage report on every measured request
+    assert result["prediction_error_tokens"]["requests"] == result["requests"]
     assert len(started) == 2 and all(c.proc.poll() is not None for c in started)
 
 

@@ -67,6 +67,10 @@ async def test_predicted_hits_the_engine_evicted_shrink_the_index_until_predicti
         predicted_total = _sample(text, 'warmroute_predicted_cached_tokens_total{backend="e0"}')
         prompt_total = _sample(text, 'warmroute_engine_prompt_tokens_total{backend="e0"}')
         assert 0 < cached_total < predicted_total < prompt_total
+        # Each response's error lands in the histogram; the overpredicted ones above zero.
+        errors = _sample(text, 'warmroute_prediction_error_ratio_count{mode="approximate"}')
+        at_most_zero = _sample(text, 'warmroute_prediction_error_ratio_bucket{le="0.0",mode="approximate"}')
+        assert errors >= DOCS * 2 and errors - at_most_zero >= 10
         assert 0 < _sample(text, "warmroute_index_capacity_scale ") < 1 / 8
     finally:
         await router.stop()

@@ -13,6 +13,7 @@ from warmroute.bench.stats import RequestRecord
 from warmroute.workloads import WorkloadRequest
 
 INSTANCE_HEADER = "x-warmroute-instance"
+PREDICTED_HEADER = "x-warmroute-predicted-hit"
 
 
 def streaming_body(req: WorkloadRequest, model: str | None) -> dict[str, Any]:
@@ -32,6 +33,7 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: WorkloadReque
         async with session.post(base_url + req.path, json=streaming_body(req, model),
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             rec.instance = resp.headers.get(INSTANCE_HEADER)
+            rec.predicted_hit = _ratio(resp.headers.get(PREDICTED_HEADER))
             if resp.status != 200:
                 await resp.read()
                 rec.error = f"http_{resp.status}"
@@ -74,6 +76,14 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, start: 
     rec.output_tokens = rec.output_tokens or chunks
     if rec.ttft_s is None:
         rec.error = "no_content"
+
+
+def _ratio(value: str | None) -> float | None:
+    try:
+        ratio = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return ratio if ratio is not None and 0.0 <= ratio <= 1.0 else None
 
 
 def _has_content(event: dict[str, Any]) -> bool:

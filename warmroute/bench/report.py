@@ -32,6 +32,13 @@ def _shares(counts: dict[str, int]) -> str:
     return " ".join(f"{100 * n / total:.0f}" for n in counts.values()) + " %" if total else "-"
 
 
+def _prediction(p: dict[str, Any]) -> str:
+    """Predicted minus reported cached tokens per request; the signed mean shows a bias."""
+    if not p["requests"]:
+        return "-"
+    return f"{p['median_abs']:,.0f} / {p['p90_abs']:,.0f} tok (mean {p['mean']:+,.0f})"
+
+
 def _errors(errors: dict[str, int]) -> str:
     return ", ".join(f"{k} {n}" for k, n in errors.items()) or "0"
 
@@ -49,6 +56,7 @@ ROWS: list[Row] = [
     ("output tokens", lambda s: _num(s["throughput"]["output_tokens_per_s"], " tok/s")),
     ("token hit rate (fleet)", lambda s: pct(s["hit_rate"]["fleet"])),
     ("token hit rate (client)", lambda s: pct(s["hit_rate"]["client"])),
+    ("prediction error |p50| / |p90|", lambda s: _prediction(s["prediction_error_tokens"])),
     ("load spread (max/mean)", lambda s: _num(s["instances"]["load_spread"], "x")),
     ("requests per instance", lambda s: _shares(s["instances"]["requests"])),
 ]

@@ -20,10 +20,18 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     instance: str | None = None  # x-warmroute-instance response header
     error: str | None = None  # kind of failure ("http_503", "timeout", "connect", ...), None if it succeeded
+    predicted_hit: float | None = None  # x-warmroute-predicted-hit: share of the prompt the router predicted cached
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.e2e_s is not None
+
+    @property
+    def prediction_error_tokens(self) -> float | None:
+        """Router-predicted minus engine-reported cached tokens, in the engine's tokens (None if either is unknown)."""
+        if self.predicted_hit is None or self.cached_tokens is None or not self.prompt_tokens:
+            return None
+        return self.predicted_hit * self.prompt_tokens - self.cached_tokens
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -99,11 +107,19 @@ class BenchResult:
             "throughput": {"requests_per_s": _r(len(ok) / window, 3),
                            "output_tokens_per_s": _r(sum(r.output_tokens for r in ok) / window, 1)},
             "hit_rate": {"fleet": _r(self.fleet_hit_rate, 4), "client": _r(self.client_hit_rate, 4)},
+            "prediction_error_tokens": self.prediction_error(),
             "instances": {"requests": self.instance_requests,
                           "load_spread": _r(load_spread(self.instance_requests, self.instances), 3)},
             "by_class": self.by_class(),
             "warnings": list(self.warnings),
         }
+
+    def prediction_error(self) -> dict[str, Any]:
+        """How far the router's predicted cached tokens were from what the engines reported, per request."""
+        errors = [e for r in self.ok if (e := r.prediction_error_tokens) is not None]
+        size = [abs(e) for e in errors]
+        return {"requests": len(errors), "median_abs": _r(percentile(size, 50)), "p90_abs": _r(percentile(size, 90)),
+                "mean": _r(sum(errors) / len(errors) if errors else None)}
 
     def by_class(self) -> dict[str, dict[str, Any]]:
         out = {}

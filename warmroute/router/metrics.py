@@ -26,6 +26,8 @@ NO_INSTANCE = "none"  # backend label of requests answered before any instance w
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Predicted minus reported cached share of a prompt: negative when the engine held more than the router thought.
+_ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
 
 
@@ -79,6 +81,11 @@ class Metrics:
         self.predicted_cached_tokens = Counter("warmroute_predicted_cached_tokens",
                                                "Prompt tokens the router predicted cached for the same responses, "
                                                "scaled to the engine's count", ["backend"], registry=r)
+        self.prediction_error = Histogram("warmroute_prediction_error_ratio",
+                                          "Per response: the share of the prompt the router predicted cached on "
+                                          "the chosen instance minus the share the engine reported cached, by "
+                                          "how the prediction was made (approximate: the router's cache model)",
+                                          ["mode"], buckets=_ERROR_BUCKETS, registry=r)
         self.feedback = Counter("warmroute_index_feedback",
                                 "Engine reports by verdict on the index's prediction (confirmed, overpredicted, "
                                 "underpredicted)", ["backend", "verdict"], registry=r)
@@ -168,13 +175,15 @@ class Metrics:
         self.retries.labels(instance, kind).inc()
 
     def engine_usage(self, name: str, prompt_tokens: int, cached_tokens: int, predicted_tokens: float,
-                     verdict: str | None) -> None:
+                     verdict: str | None, mode: str = "approximate") -> None:
         if name not in self._engine:
             return
         prompt, cached, predicted = self._engine[name]
         prompt.inc(prompt_tokens)
         cached.inc(cached_tokens)
         predicted.inc(predicted_tokens)
+        if prompt_tokens > 0:
+            self.prediction_error.labels(mode).observe((predicted_tokens - cached_tokens) / prompt_tokens)
         if verdict is not None:
             self._verdicts[name, verdict].inc()
 

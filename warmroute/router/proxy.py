@@ -33,7 +33,8 @@ log = logging.getLogger("warmroute.router")
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                         "proxy-connection", "proxy-authenticate", "proxy-authorization"})
 _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect"}
-_NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "x-warmroute-instance", "x-warmroute-reason"}
+_NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "x-warmroute-instance", "x-warmroute-reason",
+                                    "x-warmroute-predicted-hit"}
 CLIENT_CLOSED = 499  # status label of a request whose client went away (nginx's convention)
 
 
@@ -256,6 +257,8 @@ class Proxy:
         if self.settings.decision_headers:
             resp.headers["x-warmroute-instance"] = decision.instance
             resp.headers["x-warmroute-reason"] = decision.reason
+            # what the router expects the engine to report cached, so a client can measure its prediction
+            resp.headers["x-warmroute-predicted-hit"] = f"{decision.matched_ratio:.4f}"
         return resp
 
     async def _relay(self, request: web.Request, resp: web.StreamResponse, upstream: UpstreamResponse,

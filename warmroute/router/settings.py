@@ -186,7 +186,8 @@ class RouterSettings(BaseSettings, StrategySettings):
     max_body_bytes: Annotated[int, Field(ge=KiB, le=GiB)] = Field(
         32 * MiB, description="Largest request body accepted (accepts 32MiB, ...); larger gets 413.")
     decision_headers: bool = Field(
-        True, description="Add x-warmroute-instance and x-warmroute-reason to every proxied response.")
+        True, description="Add x-warmroute-instance, x-warmroute-reason and x-warmroute-predicted-hit (the share of "
+                    "the prompt predicted cached there) to every proxied response.")
     access_log: bool = Field(
         False, description="One JSON line per request on stdout: time, client address, method, path, status, "
                            "duration, bytes, and for proxied requests the instance, the routing reason, the "
