@@ -7,6 +7,8 @@ import pytest
 from warmroute.core import rendezvous
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import key_for_json
+from warmroute.core.pipeline import Request, Scorer
+from warmroute.core.stages import SCORERS
 from warmroute.core.strategies import (CACHE_HIT, COLD, KV_SPILL, OVERLOAD_SPILL, UNHEALTHY_FALLBACK,
                                        NoInstanceAvailable, StrategySettings, make_strategy)
 
@@ -272,3 +274,42 @@ def test_random_is_reproducible_with_a_seed():
 def test_unknown_strategy():
     with pytest.raises(ValueError, match="unknown strategy"):
         make_strategy("fastest")
+
+
+class _Prefers(Scorer):
+    """A scorer registered by a test: instance `favourite` costs nothing, every other one a second."""
+
+    name = "prefers"
+
+    def __init__(self, favourite: str) -> None:
+        self.favourite = favourite
+
+    def score(self, req, candidates):
+        return [0.0 if i.name == self.favourite else 1.0 for i in candidates]
+
+
+def test_a_registered_scorer_is_named_by_the_scorers_setting_and_runs_stage_by_stage(monkeypatch):
+    monkeypatch.setitem(SCORERS, "prefers", lambda s, h: _Prefers("i2"))
+    f = fleet()
+    settings = StrategySettings(scorers={"estimated_ttft": 1.0, "prefers": 2.0})
+    s = make_strategy("cache_aware", settings)
+    assert [(x.name, x.weight) for x in s.pipeline.scorers] == [("estimated_ttft", 1.0), ("prefers", 2.0)]
+    assert s.pipeline.fast is None  # only cache_aware's own stages run compiled
+    d = s.choose(key(SYSTEM), f)
+    assert d.instance == "i2" and d.reason == COLD
+    with pytest.raises(ValueError, match="unknown scorer 'absent'"):
+        StrategySettings(scorers="estimated_ttft=1,absent=1")
+
+
+def test_the_trace_says_which_stage_removed_which_instance():
+    f = fleet()
+    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=3))
+    f.instances["i1"].inflight = 3  # at the ConcurrencyThreshold: the load guard removes it
+    f.instances["i3"].healthy = False
+    req = Request(key(SYSTEM), f, f.routable())
+    s.pipeline.run(req)
+    trace = dict(s.pipeline.trace(req))
+    assert trace["routable"] == ["i0", "i1", "i2"]
+    assert trace["load_guard"] == ["i0", "i2"]
+    assert trace["hot_share"] == ["i0", "i2"]  # not hot: keeps them all
+    assert set(trace["least_loaded_ties"]) <= {"i0", "i2"}

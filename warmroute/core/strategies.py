@@ -21,14 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from warmroute.core.decision import (AFFINITY, CACHE_HIT, COLD, HOT_SPREAD, KV_SPILL, LOAD_BALANCE, OVERLOAD_SPILL,
                                      REASONS, UNHEALTHY_FALLBACK, Decision, ModelNotServed, NoInstanceAvailable)
 from warmroute.core.fleet import Fleet
-from warmroute.core.pipeline import Facts, Filter, Picker, Pipeline, Request, Scorer
+from warmroute.core.pipeline import Facts, Filter, Picker, Pipeline, Request, Scorer, Stage
 from warmroute.core.routing_key import RoutingKey
-from warmroute.core.stages import STAGES, Handles
+from warmroute.core.stages import SCORERS, STAGES, Handles
 from warmroute.core.stages.compiled import _scan, compiled_path
 from warmroute.core.stages.prefix_match import PRIVATE, SHARED, SWAMPED, kv_pressure
 from warmroute.core.stages.routable import routable
@@ -91,6 +91,33 @@ class CacheAwareSettings(BaseModel):
     hold_timeout: float = Field(
         5.0, ge=0.0, le=3600,
         description="Seconds a request may be held (hold_kv_limit) before it goes to its instance anyway.")
+    scorers: dict[str, float] = Field(
+        default_factory=lambda: {"estimated_ttft": 1.0},
+        description="The scorers that cost each instance, with their weights (NAME=WEIGHT,...; in YAML a "
+                    "mapping); their costs are added. Registered: " + ", ".join(SCORERS) + ". Only the "
+                    "default runs compiled.")
+
+    @field_validator("scorers", mode="before")
+    @classmethod
+    def _parse_scorers(cls, v: Any) -> Any:
+        """'estimated_ttft=1,other=0.5' (a flag or variable) as a mapping; a bare name weighs 1."""
+        if not isinstance(v, str):
+            return v
+        out = {}
+        for part in (p.strip() for p in v.split(",")):
+            name, sep, weight = part.partition("=")
+            out[name.strip()] = weight.strip() if sep else 1.0
+        return out
+
+    @field_validator("scorers")
+    @classmethod
+    def _known_scorers(cls, v: dict[str, float]) -> dict[str, float]:
+        unknown = [n for n in v if n not in SCORERS]
+        if unknown or not v:
+            raise ValueError(f"unknown scorer {unknown[0]!r}" if unknown else "at least one scorer is needed")
+        if any(not (0.0 <= w <= 1000.0) for w in v.values()):
+            raise ValueError("weights must be from 0 to 1000")
+        return v
 
 
 # Strategies with knobs of their own: the field of StrategySettings that holds them.
@@ -235,14 +262,17 @@ class StrategySpec:
     records_prefixes: bool = False
 
     def build(self, name: str, settings: StrategySettings, handles: Handles) -> Strategy:
-        made = [stage for stage in (STAGES[n](settings, handles) for n in self.stages) if stage is not None]
+        made: list[Stage] = []
+        for n in self.stages:
+            stage = STAGES[n](settings, handles)
+            made += stage if isinstance(stage, list) else [] if stage is None else [stage]
         pipeline = Pipeline([s for s in made if isinstance(s, Facts)], [s for s in made if isinstance(s, Filter)],
                             [s for s in made if isinstance(s, Scorer)], [s for s in made if isinstance(s, Picker)])
         pipeline.fast = compiled_path(pipeline)
         return self.cls(name, settings, pipeline, self.records_prefixes)
 
 
-CACHE_AWARE = StrategySpec(("prefix_match", "load_guard", "hot_share", "estimated_ttft", "tie_slack",
+CACHE_AWARE = StrategySpec(("prefix_match", "load_guard", "hot_share", "scorers", "tie_slack",
                             "least_loaded_ties", "rendezvous"), CacheAwareStrategy, records_prefixes=True)
 STRATEGIES: dict[str, StrategySpec] = {
     "cache_aware": CACHE_AWARE,

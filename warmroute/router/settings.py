@@ -355,6 +355,8 @@ def valid_range(name: str) -> str:
     """'must be an integer from 1,024 to 65,536' and the like, from the field's own constraints."""
     field = field_of(name)
     ann = field.annotation
+    if name == "scorers":
+        return "NAME=WEIGHT pairs, comma-separated (weights from 0 to 1000)"
     if getattr(ann, "__origin__", None) is Literal:
         return "must be one of " + ", ".join(ann.__args__)
     if ann is bool:
@@ -463,6 +465,8 @@ def _default_text(name: str) -> str:
         return "none"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v:g}" for k, v in value.items())
     if name.endswith("_bytes") and isinstance(value, int) and value >= MiB:
         return _size(value)
     return str(value)

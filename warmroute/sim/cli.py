@@ -25,7 +25,8 @@ REFERENCES = ("oracle", "pooled", "sglang_like")
 SWEEPABLE = {**{f.name: f.type for f in dataclasses.fields(SimSettings)
                 if f.name in ("instances", "kv_capacity_tokens", "router_kv_capacity_tokens", "max_running", "rate",
                               "concurrency", "speedup")},
-             **{name: str(field_of(name).annotation) for name in setting_names(StrategySettings)}}
+             **{name: str(field_of(name).annotation) for name in setting_names(StrategySettings)
+                if field_of(name).annotation in (int, float, bool)}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """The stage registry: every filter, scorer and picker a strategy can name, each built from the strategy's settings.
 
-A new scorer is one module here plus one line in STAGES; a strategy lists stages by name
-(warmroute.core.strategies). What each stage is: warmroute/core/pipeline.py.
+A new scorer is one module here plus one line in SCORERS; cache_aware then runs it where its `scorers` setting
+names it (with a weight). Other stages go in STAGES, and a strategy lists them by name (warmroute.core.strategies).
+What each kind of stage is: warmroute/core/pipeline.py.
 """
 
 from __future__ import annotations
@@ -31,15 +32,28 @@ class Handles:
     depths: DepthSource = index_depths
 
 
-# name -> factory(settings, handles), None where the settings turn the stage off; `settings` is a
-# StrategySettings (warmroute.core.strategies).
-STAGES: dict[str, Callable[[Any, Handles], Stage | None]] = {
+Factory = Callable[[Any, Handles], "Stage | list[Stage] | None"]
+
+# name -> factory(settings, handles); `settings` is a StrategySettings (warmroute.core.strategies).
+SCORERS: dict[str, Factory] = {
+    "estimated_ttft": lambda s, h: EstimatedTtft(),
+}
+
+
+def _weighted(name: str, weight: float, s: Any, h: Handles) -> Stage:
+    scorer = SCORERS[name](s, h)
+    scorer.weight = weight
+    return scorer
+
+
+# As SCORERS; a factory may return None where the settings turn its stage off, or several stages.
+STAGES: dict[str, Factory] = {
     "prefix_match": lambda s, h: PrefixMatch(s.cache_aware.miss_weight, s.cache_aware.shared_miss_weight,
                                              s.cache_aware.sticky_kv_limit, h.depths),
     "load_guard": lambda s, h: LoadGuard(s.concurrency_threshold, s.cache_aware.balance_factor,
                                          s.cache_aware.balance_slack),
     "hot_share": lambda s, h: HotShare(s.cache_aware.hot_balance_factor, s.cache_aware.hot_balance_slack),
-    "estimated_ttft": lambda s, h: EstimatedTtft(),
+    "scorers": lambda s, h: [_weighted(n, w, s, h) for n, w in s.cache_aware.scorers.items()],
     "tie_slack": lambda s, h: TieSlack(),
     "least_loaded_ties": lambda s, h: (LeastLoadedTies(s.cache_aware.balance_slack)
                                        if s.cache_aware.cold_to_least_loaded else None),
