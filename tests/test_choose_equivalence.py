@@ -6,13 +6,12 @@ their Python versions.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from warmroute.core import rendezvous, strategies
+from warmroute.core import rendezvous
 from warmroute.core.engine_load import EngineLoad
 from warmroute.core.fleet import RECENT_WINDOW, Fleet, FleetSettings, Instance
 from warmroute.core.pipeline import Request

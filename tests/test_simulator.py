@@ -2,8 +2,6 @@ import json
 import subprocess
 import sys
 
-from dataclasses import replace
-
 import pytest
 
 from warmroute.core.strategies import CacheAwareSettings, StrategySettings
