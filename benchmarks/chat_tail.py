@@ -128,7 +128,8 @@ def survival_discounted(blocks, fleet: Fleet) -> dict[str, int]:
     for name, depth in depths.items():
         x = pressure(fleet, name, depth * fleet.block_tokens)
         keep = min(depth, shared)
-        out[name] = keep + round((depth - keep) * min(1.0, max(0.0, (SURVIVAL_HIGH - x) / (SURVIVAL_HIGH - SURVIVAL_LOW))))
+        survives = min(1.0, max(0.0, (SURVIVAL_HIGH - x) / (SURVIVAL_HIGH - SURVIVAL_LOW)))
+        out[name] = keep + round((depth - keep) * survives)
     return out
 
 

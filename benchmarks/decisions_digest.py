@@ -16,12 +16,16 @@ from warmroute.sim import cli
 from warmroute.sim.simulator import Simulation
 
 CASES = {  # the simulator commands of docs/benchmarks.md (the 'mixed-tight' one puts the guards to work)
-  "mixed": "--workload mixed --instances 4 --kv-capacity-tokens 30000 --max-running 32 --rate 12 --requests 3000",
-  "hot": "--workload hot --instances 4 --kv-capacity-tokens 30000 --max-running 32 --rate 32 --requests 4000",
-  "chat": "--workload chat --param min_turns=6 --param max_turns=12 --param reply_tokens=300 --max-tokens 2 --instances 4 --kv-capacity-tokens 13312 --max-running 8 --concurrency 32 --requests 3000",
-  "hot06": "--workload hot --param hot=0.6 --instances 4 --kv-capacity-tokens 10240 --max-running 8 --max-tokens 2 --rate 25 --requests 3000",
-  "shared-scale": "--workload shared --instances 7 --rate 4 --requests 3000 --kv-capacity-tokens 60000 --scale-at 400:+1 --scale-at 700:-1",
-  "mixed-tight": "--workload mixed --instances 4 --kv-capacity-tokens 30000 --max-running 32 --rate 12 --requests 1500 --prefix-length 1024 --concurrency-threshold 4 --balance-factor 0.5",
+    "mixed": "--workload mixed --instances 4 --kv-capacity-tokens 30000 --max-running 32 --rate 12 --requests 3000",
+    "hot": "--workload hot --instances 4 --kv-capacity-tokens 30000 --max-running 32 --rate 32 --requests 4000",
+    "chat": "--workload chat --param min_turns=6 --param max_turns=12 --param reply_tokens=300 --max-tokens 2 "
+            "--instances 4 --kv-capacity-tokens 13312 --max-running 8 --concurrency 32 --requests 3000",
+    "hot06": "--workload hot --param hot=0.6 --instances 4 --kv-capacity-tokens 10240 --max-running 8 --max-tokens 2 "
+             "--rate 25 --requests 3000",
+    "shared-scale": "--workload shared --instances 7 --rate 4 --requests 3000 --kv-capacity-tokens 60000 "
+                    "--scale-at 400:+1 --scale-at 700:-1",
+    "mixed-tight": "--workload mixed --instances 4 --kv-capacity-tokens 30000 --max-running 32 --rate 12 "
+                   "--requests 1500 --prefix-length 1024 --concurrency-threshold 4 --balance-factor 0.5",
 }
 STRATEGIES = ("cache_aware", "oracle", "prefix", "session", "least_loaded", "round_robin", "random", "sglang_like")
 

@@ -239,7 +239,8 @@ def test_hot_prompt_warms_a_few_instances_and_never_breaks_the_guard():
         if hot:
             hot_instances[d.instance] += 1
         loads = [i.inflight for i in f.instances.values()]
-        assert max(loads) <= math.ceil((1 + settings.cache_aware.balance_factor) * sum(loads) / 4) + settings.cache_aware.balance_slack
+        guard = settings.cache_aware
+        assert max(loads) <= math.ceil((1 + guard.balance_factor) * sum(loads) / 4) + guard.balance_slack
         running.append((d.instance, d.uncached_tokens))
         if len(running) > 16:  # a steady 16 in flight: the oldest completes
             name, unc = running.pop(0)

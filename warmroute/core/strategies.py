@@ -36,8 +36,8 @@ from warmroute.core.stages.routable import routable
 __all__ = ["AFFINITY", "CACHE_HIT", "COLD", "HOT_SPREAD", "KV_SPILL", "LOAD_BALANCE", "OVERLOAD_SPILL", "REASONS",
            "UNHEALTHY_FALLBACK", "Decision", "ModelNotServed", "NoInstanceAvailable", "PRIVATE", "SHARED", "SWAMPED",
            "kv_pressure", "_scan", "CacheAwareSettings", "StrategySettings", "Strategy", "CacheAwareStrategy",
-           "STRATEGIES", "StrategySpec", "CACHE_AWARE", "make_strategy", "Handles", "merge_layers", "nest_flat_names", "own_setting",
-           "OWN_SETTINGS"]
+           "STRATEGIES", "StrategySpec", "CACHE_AWARE", "make_strategy", "Handles", "merge_layers",
+           "nest_flat_names", "own_setting", "OWN_SETTINGS"]
 
 
 class CacheAwareSettings(BaseModel):

@@ -41,7 +41,8 @@ class PrefixMatch(Facts):
 
     def __init__(self, miss_weight: float, shared_miss_weight: float, sticky_kv_limit: float,
                  depths: DepthSource = index_depths) -> None:
-        self.miss_weight, self.shared_miss_weight, self.sticky_kv_limit = miss_weight, shared_miss_weight, sticky_kv_limit
+        self.miss_weight, self.shared_miss_weight = miss_weight, shared_miss_weight
+        self.sticky_kv_limit = sticky_kv_limit
         self.depths = depths
 
     def observe(self, req: Request) -> None:
