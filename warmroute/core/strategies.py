@@ -27,6 +27,7 @@ from warmroute.core.decision import (AFFINITY, CACHE_HIT, COLD, HOT_SPREAD, KV_S
                                      REASONS, UNHEALTHY_FALLBACK, Decision, ModelNotServed, NoInstanceAvailable)
 from warmroute.core.fleet import Fleet
 from warmroute.core.pipeline import Facts, Filter, Picker, Pipeline, Request, Scorer, Stage
+from warmroute.core.popularity import Popularity
 from warmroute.core.routing_key import RoutingKey
 from warmroute.core.stages import SCORERS, STAGES, Handles
 from warmroute.core.stages.compiled import _scan, compiled_path
@@ -219,7 +220,8 @@ class Strategy:
 
 class CacheAwareStrategy(Strategy):
     """Lowest estimated time to first token, never at the cost of drowning an instance (its stages: the
-    registry's prefix_match, load_guard, hot_share, estimated_ttft, tie_slack, least_loaded_ties, rendezvous).
+    registry's prefix_match, load_guard, hot_share, the `scorers` setting's (estimated_ttft), tie_slack,
+    least_loaded_ties, rendezvous; docs/architecture.md).
 
     A prompt kept on the one instance holding its prefix at the private miss weight (`Decision.private`) is
     held back in the router while the prompts in flight there, with it, would need more than `hold_kv_limit`
@@ -229,7 +231,8 @@ class CacheAwareStrategy(Strategy):
     """
 
     @property
-    def popularity(self) -> Any:
+    def popularity(self) -> Popularity:
+        """Which prefixes are hot (hot_share's)."""
         return self.pipeline.stage("hot_share").popularity
 
     def decision(self, req: Request, instance: str, reason: str) -> Decision:
