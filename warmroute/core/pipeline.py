@@ -115,6 +115,7 @@ class Pipeline:
         self._preparers = [f.prepare for f in self.filters if type(f).prepare is not Filter.prepare]
         self._explainers = [s.explain for s in self._stages if type(s).explain is not Stage.explain]
         self._pick = self.pickers[-1].pick
+        self._narrowers = self.pickers[:-1]
 
     def replaced(self, name: str, stage: Stage) -> Pipeline:
         """A copy with the stage registered as `name` replaced by `stage` (of the same kind), to try a variant."""
@@ -151,12 +152,14 @@ class Pipeline:
         """Filters, scorers and all pickers but the last, stage by stage: what the compiled path computes (which
         returns a lone candidate as itself, and leaves the last picker out then)."""
         candidates = req.up
+        if not self.scorers and not self.filters and not self._narrowers:  # a one-picker pipeline: all of them
+            return candidates
         for f in self.filters:
             candidates = f.filter(req, candidates)
             if not candidates:
                 return None
         costs = self.costs(req, candidates) if self.scorers else None
-        for p in self.pickers[:-1]:
+        for p in self._narrowers:
             if len(candidates) == 1:
                 break
             candidates, costs = p.narrow(req, candidates, costs)
@@ -190,7 +193,7 @@ class Pipeline:
             if not candidates:
                 return out
         costs = self.costs(req, candidates) if self.scorers else None
-        for p in self.pickers[:-1]:
+        for p in self._narrowers:
             candidates, costs = p.narrow(req, candidates, costs)
             out.append((p.name, [i.name for i in candidates]))
         return out
