@@ -19,7 +19,8 @@ Workloads are offered as closed loops (N sessions, each sending its next request
 traces on their own clock, or (`hot-open`) as an open loop at a fixed rate: in a closed loop a faster router
 gets more requests, so its TTFTs are taken at a higher load than the others'; at a fixed rate all face the same.
 
-Writes docs/peers.md (the exact command line on top) and out/peers.json (everything measured).
+Writes out/peers.md (the exact command line on top) and out/peers.json (everything measured); pass
+`--report docs/peers.md` to replace the published report (a trial run never overwrites it).
 """
 
 from __future__ import annotations
@@ -718,7 +719,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--overhead-pairs", type=int, default=40, help="request pairs per workload for router overhead")
     p.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv", help="virtualenv for the peers")
     p.add_argument("--no-install", action="store_true", help="use the peers already in --peers-venv")
-    p.add_argument("--report", type=Path, default=ROOT / "docs" / "peers.md")
+    p.add_argument("--report", type=Path, default=ROOT / "out" / "peers.md",
+                   help="where the Markdown report goes (docs/peers.md to replace the published one)")
     p.add_argument("--json", type=Path, default=ROOT / "out" / "peers.json")
     p.add_argument("--logs", type=Path, help="keep every engine's and router's log in this folder")
     p.add_argument("--dry-run", action="store_true", help="print how each workload is sized and loaded, run nothing")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from fake_upstream import Upstream
+from fake_upstream import JSON_TYPE, Upstream
 
 
 @pytest.fixture
@@ -24,5 +24,5 @@ async def up_b():
 
 @pytest.fixture
 async def client():
-    async with aiohttp.ClientSession(auto_decompress=False) as s:
+    async with aiohttp.ClientSession(auto_decompress=False, headers=JSON_TYPE) as s:
         yield s

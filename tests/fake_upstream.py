@@ -13,6 +13,7 @@ from warmroute.router.server import RunningRouter, start_router
 from warmroute.router.settings import load_settings
 
 Behaviour = Callable[[web.Request], Awaitable[web.StreamResponse]]
+JSON_TYPE = {"Content-Type": "application/json"}  # what clients send; other media types get a 415
 
 
 class Upstream:
@@ -29,7 +30,7 @@ class Upstream:
         self.url = ""
 
     async def start(self, port: int = 0, ssl_context: ssl.SSLContext | None = None) -> Upstream:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024**2)  # as large as the router lets through
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_route("*", "/{tail:.*}", self._any)

@@ -9,7 +9,7 @@ import logging
 import aiohttp
 import pytest
 
-from fake_upstream import CHAT, Upstream, router_for
+from fake_upstream import CHAT, JSON_TYPE, Upstream, router_for
 from warmroute.router.access_log import LOGGER
 
 SECRET = "prompt-text-that-must-not-be-logged"
@@ -30,7 +30,7 @@ async def test_one_json_line_per_request_with_the_decision(lines):
     up = await Upstream("a").start()
     router = await router_for(up, access_log=True)
     try:
-        async with aiohttp.ClientSession() as client:
+        async with aiohttp.ClientSession(headers=JSON_TYPE) as client:
             body = {**CHAT, "messages": [{"role": "user", "content": SECRET * 50}]}
             async with client.post(f"{router.url}/v1/chat/completions?api_key=hunter2", json=body,
                                    headers={"Authorization": "Bearer sk-secret"}) as r:
@@ -59,7 +59,7 @@ async def test_off_by_default(lines):
     up = await Upstream("a").start()
     router = await router_for(up)
     try:
-        async with aiohttp.ClientSession() as client:
+        async with aiohttp.ClientSession(headers=JSON_TYPE) as client:
             async with client.post(f"{router.url}/v1/chat/completions", json=CHAT) as r:
                 assert r.status == 200
     finally:

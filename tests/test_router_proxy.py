@@ -87,16 +87,17 @@ async def test_headers_pass_both_ways_minus_hop_by_hop(up_a, client):
 async def test_client_named_addresses_are_ignored(up_a, client):
     router = await router_for(up_a)
     try:
-        async with client.get(router.url + "//evil.example/steal", headers={"Host": "evil.example",
-                                                                             "X-Forwarded-Host": "evil"}) as r:
+        async with client.post(router.url + "/tokenize", headers={"Host": "evil.example",
+                                                                   "X-Forwarded-Host": "evil"}) as r:
             assert r.status == 200
-        assert up_a.seen[-1][1] == "//evil.example/steal"  # the path went to the configured instance
+        assert up_a.seen[-1][1] == "/tokenize"  # the request went to the configured instance
 
         reader, writer = await asyncio.open_connection("127.0.0.1", router.port)  # absolute-form target
-        writer.write(b"GET http://evil.example/abs?q=1 HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n")
+        writer.write(b"GET http://evil.example/tokenize?q=1 HTTP/1.1\r\nHost: evil.example\r\n"
+                     b"Connection: close\r\n\r\n")
         assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200")
         writer.close()
-        assert up_a.seen[-1][1] == "/abs?q=1"
+        assert up_a.seen[-1][1] == "/tokenize?q=1"
     finally:
         await router.stop()
 
@@ -111,15 +112,15 @@ async def test_decision_headers_can_be_switched_off(up_a, client):
         await router.stop()
 
 
-async def test_other_paths_go_to_the_least_loaded_instance(up_a, up_b, client):
+async def test_unrouted_inference_paths_go_to_the_least_loaded_instance(up_a, up_b, client):
     router = await router_for(up_a, up_b)
     try:
         router.app[ROUTER].fleet.instances["a"].inflight = 5  # pretend a is busy
-        async with client.get(router.url + "/v1/unknown/thing?q=1") as r:
+        async with client.post(router.url + "/tokenize?q=1", json={"prompt": "x"}) as r:
             assert r.status == 200
             assert r.headers["x-warmroute-instance"] == "b"
             assert r.headers["x-warmroute-reason"] == "load_balance"
-        assert up_b.seen[-1][:2] == ("GET", "/v1/unknown/thing?q=1")
+        assert up_b.seen[-1][:2] == ("POST", "/tokenize?q=1")
     finally:
         await router.stop()
 
@@ -217,7 +218,7 @@ async def test_large_answers_arrive_whole_through_the_direct_relay(up_a, client,
     try:
         for chunked in ("0", "1"):
             direct.clear()
-            async with client.post(router.url + f"/v1/other?chunked={chunked}", data=b"{}") as r:
+            async with client.post(router.url + f"/tokenize?chunked={chunked}", data=b"{}") as r:
                 assert r.status == 200 and await r.read() == body
                 assert ("Content-Length" in r.headers) == (chunked == "0")
                 assert (r.headers.get("Transfer-Encoding") == "chunked") == (chunked == "1")

@@ -20,7 +20,7 @@ def load(cli: dict | None = None, env: dict | None = None, config=None):
 def test_defaults_and_backend_names():
     s = load({"backends": [URL, "big=http://10.0.0.2:8000/", "http://[::1]:7"]})
     assert [(b.name, b.url) for b in s.backends] == [
-        ("instance-0", URL), ("big", "http://10.0.0.2:8000"), ("instance-2", "http://[::1]:7")]
+        ("127.0.0.1-9", URL), ("big", "http://10.0.0.2:8000"), ("1-7", "http://[::1]:7")]
     assert (s.host, s.port, s.strategy) == ("127.0.0.1", 8080, "cache_aware")
     assert (s.max_body_bytes, s.index_memory_bytes, s.block_bytes) == (32 * 2**20, 256 * 2**20, 64)
     assert s.decision_headers and s.failures_before_ejection == 3 and s.health_interval == 2.0
@@ -99,7 +99,7 @@ def test_precedence_cli_over_env_over_file_over_default(tmp_path):
     assert not s.decision_headers  # env beats default
     assert (s.prefix_length, s.port) == (2048, 7000)  # file beats default
     assert s.health_interval == 2.0  # default
-    assert [(b.name, b.kv_capacity_tokens) for b in s.backends] == [("instance-0", None), ("big", 2_000_000)]
+    assert [(b.name, b.kv_capacity_tokens) for b in s.backends] == [("10.0.0.1-8000", None), ("big", 2_000_000)]
 
 
 def test_a_strategys_settings_nest_under_its_name_and_keep_their_plain_names(tmp_path):
@@ -131,7 +131,7 @@ def test_a_strategys_bad_setting_is_named_by_its_flag(tmp_path):
 
 def test_env_backends_are_comma_separated():
     s = load(env={"WARMROUTE_BACKENDS": f"x={URL}, http://127.0.0.1:10"})
-    assert [(b.name, b.url) for b in s.backends] == [("x", URL), ("instance-1", "http://127.0.0.1:10")]
+    assert [(b.name, b.url) for b in s.backends] == [("x", URL), ("127.0.0.1-10", "http://127.0.0.1:10")]
 
 
 def test_config_file_errors_are_one_line(tmp_path):

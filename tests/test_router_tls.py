@@ -27,13 +27,16 @@ def openssl(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, Path]:
-    """A private CA; a server certificate for 127.0.0.1 and a client certificate, both signed by it."""
+    """A private CA; server certificates for 127.0.0.1 and for the name engines.test (only), and a client
+    certificate, all signed by it."""
     d = tmp_path_factory.mktemp("pki")
     f = {n: d / f"{n}.pem" for n in ("ca", "ca_key", "server", "server_key", "client", "client_key")}
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=warmroute test CA",
             "-keyout", str(f["ca_key"]), "-out", str(f["ca"]))
+    f["named"], f["named_key"] = d / "named.pem", d / "named_key.pem"
     for who, subject, ext in (("server", "/CN=127.0.0.1", "subjectAltName=IP:127.0.0.1"),
-                              ("client", "/CN=warmroute", "extendedKeyUsage=clientAuth")):
+                              ("client", "/CN=warmroute", "extendedKeyUsage=clientAuth"),
+                              ("named", "/CN=engines.test", "subjectAltName=DNS:engines.test")):
         csr, extfile = d / f"{who}.csr", d / f"{who}.ext"
         extfile.write_text(ext + "\n")
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", str(f[f"{who}_key"]),
@@ -118,3 +121,36 @@ def test_bad_tls_files_stop_start_up_with_one_line(pki, overrides, message):
     with pytest.raises(UsageError) as err:
         load_settings({"backends": ["https://127.0.0.1:1"], **values}, env={})
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+async def test_dns_expanded_https_instances_verify_the_host_name_not_the_address(pki):
+    """Issue #22 item 11: with dns_refresh_interval on, https://engines.test becomes one instance per address;
+    TLS must still send engines.test as SNI and check the certificate against it (it has no IP name), and the
+    instance must see Host: engines.test, on the proxied path and the control plane's health checks alike."""
+    from aiohttp.test_utils import TestServer
+
+    from warmroute.router.app import build_app
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(pki["named"], pki["named_key"])
+    up = await Upstream("a").start(ssl_context=ctx)
+
+    async def resolver(host: str, port: int) -> list[str]:
+        assert host == "engines.test"
+        return ["127.0.0.1"]
+
+    settings = load_settings({"backends": [f"pool=https://engines.test:{up.port}"], "port": 0,
+                              "dns_refresh_interval": 60, "tls_ca_file": str(pki["ca"]), "health_interval": 3600,
+                              "engine_metrics": False, "models_interval": 0}, env={})
+    server = TestServer(build_app(settings, resolver=resolver), host="127.0.0.1")
+    await server.start_server()
+    try:
+        assert server.app[ROUTER].fleet.instances["pool"].healthy  # the health check's TLS checked the name
+        async with aiohttp.ClientSession() as client:
+            async with client.post(str(server.make_url("/v1/chat/completions")), json=CHAT) as r:
+                assert r.status == 200 and r.headers["x-warmroute-instance"] == "pool"
+        assert up.seen[-1][1] == "/v1/chat/completions"
+        assert up.seen[-1][2]["Host"] == f"engines.test:{up.port}"
+    finally:
+        await server.close()
+        await up.stop()

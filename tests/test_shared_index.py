@@ -91,7 +91,10 @@ async def test_replicas_learn_each_others_prefixes(redis_url):
                 await asyncio.sleep(0.02)
             assert await ask(b) == (first, "cache_hit")  # b knows where a put the prefix
             assert (await ask(lone))[1] == "cold"  # a replica without Redis does not
-            assert a.app[ROUTER].shared.received >= 0 and b.app[ROUTER].fleet.index.entries(first) > 0
+            assert b.app[ROUTER].fleet.index.entries(first) > 0
+            while a.app[ROUTER].shared.received == 0:  # and a hears b's decision in turn
+                assert time.monotonic() < deadline + 5, "router a never heard of router b's decision"
+                await asyncio.sleep(0.02)
     finally:
         for r in (a, b, lone):
             await r.stop()

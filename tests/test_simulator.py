@@ -150,7 +150,34 @@ def test_scale_up_moves_about_one_over_n_plus_one_of_prefixes():
     assert "instance-7" in r.requests_per_instance and r.requests_per_instance["instance-7"] > 0
     s = summarize(r)
     assert s.hit_rate_dips[0]["before"] is not None
-    assert "moved" in table([s])
+    assert "went to another instance" in table([s])
+
+
+def test_moved_prefixes_and_the_dip_are_measured_per_strategy_from_its_decisions():
+    """Issue #22 item 13: the share of prefixes moved by a scale event came from where rendezvous would place each
+    prefix cold (the same for every strategy), and 'recovered in 10 s' was printed without any dip."""
+    by = {name: run(name, workload="shared", requests=3000, scale_events=[(150.0, +1)], instances=7)
+          for name in ("prefix", "random")}
+    (_, prefix_moved), = by["prefix"].prefixes_moved
+    (_, random_moved), = by["random"].prefixes_moved
+    assert random_moved > 0.6 > 0.3 > prefix_moved  # random scatters a prefix whatever the fleet does
+    dip = summarize(by["random"]).hit_rate_dips[0]
+    line = next(ln for ln in table([summarize(by["random"])]).splitlines() if "scale event" in ln)
+    if dip["lowest"] >= 0.95 * dip["before"]:
+        assert dip["recovery_s"] == 0.0 and "no dip" in line and "recovered in" not in line
+    else:
+        assert "no dip" not in line
+
+
+def test_no_dip_is_said_as_such():
+    from warmroute.sim.report import _dip
+    from warmroute.sim.simulator import RequestRecord, SimResult
+
+    records = [RequestRecord(float(t), "instance-0", 100, "cache_hit", sent=float(t)) for t in range(0, 60)]
+    for r in records:
+        r.first_token, r.done, r.cached_tokens, r.prompt_tokens = r.arrival + 0.1, r.arrival + 0.2, 80, 100
+    result = SimResult("cache_aware", records, 60.0, {"instance-0": 60}, 0, 0, 0, [(30.0, 0.0)], 10.0)
+    assert _dip(result, 30.0)["recovery_s"] == 0.0  # a flat hit rate: it never dipped, nothing to recover from
 
 
 def test_scale_down_drains_the_removed_instance():
@@ -216,3 +243,17 @@ def test_long_chats_keep_their_history_warm_like_sticky_routing(seed):
     workload = make_workload("chat", seed=seed, max_tokens=2, min_turns=6, max_turns=12, reply_tokens=300)
     hit = {s: summarize(Simulation(settings, workload, s).run()).hit_rate for s in ("cache_aware", "sglang_like")}
     assert hit["cache_aware"] >= 0.5 and hit["cache_aware"] >= 0.85 * hit["sglang_like"]
+
+
+def test_a_scenario_row_with_no_finished_request_prints_a_dash():
+    """Issue #22 item 14: a missing TTFT p50 (nothing finished) used to raise TypeError in the row's format."""
+    import dataclasses
+
+    from warmroute.sim.cli import _scenario_row
+    from warmroute.sim.report import Summary
+
+    empty = Summary(strategy="random", requests=3, ttft_p50_ms=None, ttft_p99_ms=None, e2e_p50_s=None,
+                    throughput_rps=0.0, output_tokens_per_s=0.0, hit_rate=0.0, load_spread=None, spilled=0.0,
+                    rejected=0, prefixes_moved=[], hit_rate_dips=[], ttft_p50_ms_by_class={})
+    row = _scenario_row("c1", {"random": empty, "cache_aware": dataclasses.replace(empty, strategy="cache_aware")})
+    assert "random: hit 0% p50 -ms" in row and "cache_aware: hit 0% p50 -ms" in row

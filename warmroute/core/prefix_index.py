@@ -61,6 +61,13 @@ class _Membership:
         del self._wanted[name], self._capacity[name]
         self._rebalance()
 
+    def clear_instance(self, name: str) -> None:
+        """The instance dropped its whole cache (a prefix-cache reset, vLLM's AllBlocksCleared): forget it all."""
+        if name in self._slot:
+            wanted = self._wanted[name]
+            self.remove_instance(name)
+            self.add_instance(name, wanted)
+
     def _rebalance(self) -> None:
         share = self.max_entries // max(1, len(self._slot))
         for name in self._slot:

@@ -1,7 +1,8 @@
 """Request -> routing key: the text the engine will cache, in order, plus what must seed its hash.
 
 The key is what decides cache sharing inside the engine: the rendered conversation (roles and text of every
-message, tool definitions first, as chat templates place them), the completion prompt (text or token ids),
+message, tool definitions first, as chat templates place them; an Anthropic Messages request as vLLM turns it
+into a chat request), the completion prompt (text or token ids),
 or, for SageMaker-style /invocations, the raw body. The model name and any cache salt seed the hash, so
 prompts for different models or salts never look alike. The emulated engine renders prompts with the same
 functions, so router and engine agree on what a prefix is.
@@ -26,8 +27,9 @@ CHAT_ROUTES = frozenset({"/v1/chat/completions"})
 PROMPT_ROUTES = frozenset({"/v1/completions"})
 EMBEDDING_ROUTES = frozenset({"/v1/embeddings"})
 RESPONSES_ROUTES = frozenset({"/v1/responses"})
+ANTHROPIC_ROUTES = frozenset({"/v1/messages"})  # vLLM's Anthropic Messages API (coding agents)
 RAW_ROUTES = frozenset({"/invocations"})
-ROUTED_PATHS = CHAT_ROUTES | PROMPT_ROUTES | EMBEDDING_ROUTES | RESPONSES_ROUTES | RAW_ROUTES
+ROUTED_PATHS = CHAT_ROUTES | PROMPT_ROUTES | EMBEDDING_ROUTES | RESPONSES_ROUTES | ANTHROPIC_ROUTES | RAW_ROUTES
 
 
 class KeyError_(ValueError):
@@ -76,11 +78,7 @@ def content_text(content: Any) -> str:
             if isinstance(part, str):
                 parts.append(part)
             elif isinstance(part, dict):
-                if isinstance(part.get("text"), str):
-                    parts.append(part["text"])
-                elif part.get("type") in ("image_url", "input_image", "input_audio", "image"):
-                    # Non-text parts still occupy the prompt; identify them by their reference.
-                    parts.append(f"<{part.get('type')}:{json.dumps(part, sort_keys=True)[:256]}>")
+                parts.append(part["text"] if isinstance(part.get("text"), str) else _part_digest(part))
             else:
                 raise KeyError_("message content parts must be strings or objects")
         return "".join(parts)
@@ -89,15 +87,39 @@ def content_text(content: Any) -> str:
     raise KeyError_("message content must be a string or a list of content parts")
 
 
-def render_messages(messages: Any, tools: Any = None) -> str:
-    """A chat conversation as the text the engine will prefill: tools, then each role and its text."""
+def _part_digest(part: dict) -> str:
+    """A non-text part (an image, audio, a tool call or result) occupies the prompt: identify it by a digest of
+    the whole part, since two base64 images can share any prefix of their encoding."""
+    raw = json.dumps(part, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return f"<{part.get('type')}:{xxhash.xxh3_128_hexdigest(raw.encode('utf-8', 'surrogatepass'))}>"
+
+
+def check_message(m: Any, i: int) -> None:
+    """What the OpenAI API itself rejects, so that it is never forwarded: a message without a role, or without
+    content (an assistant message that calls tools may leave it null)."""
+    if not isinstance(m, dict):
+        raise KeyError_(f"messages[{i}] must be an object")
+    role = m.get("role")
+    if not isinstance(role, str):
+        raise KeyError_(f"messages[{i}].role is required and must be a string")
+    if m.get("content") is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
+        raise KeyError_(f"messages[{i}].content is required")
+
+
+def render_messages(messages: Any, tools: Any = None, strict: bool = False) -> str:
+    """A chat conversation as the text the engine will prefill: tools, then each role and its text. `strict`:
+    also reject what the OpenAI API rejects (an empty list, a message without role or content)."""
     if not isinstance(messages, list):
         raise KeyError_("'messages' must be a list of message objects")
+    if strict and not messages:
+        raise KeyError_("'messages' must contain at least one message")
     out = []
     if tools:
         out.append("<|tools|>\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "\n")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict):
+        if strict:
+            check_message(m, i)
+        elif not isinstance(m, dict):
             raise KeyError_(f"messages[{i}] must be an object")
         role = m.get("role", "user")
         if not isinstance(role, str):
@@ -145,9 +167,34 @@ def render_responses_input(body: dict) -> str:
 
 
 # -- extraction -----------------------------------------------------------------------------------------------
+def render_anthropic(body: dict) -> str:
+    """Anthropic Messages API as vLLM serves it: the request becomes a chat request (system first, tools as
+    functions) and goes through the same template, so it renders, and shares a cache, like the chat route."""
+    conversation = render_messages(body.get("messages"), strict=True)  # checked as the client numbered them
+    system = body.get("system")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise KeyError_("'tools' must be a list of tool objects")
+    head = [{"role": "system", "content": system}] if system else []
+    return render_messages(head, [_as_function(t) for t in tools or ()]) + conversation
+
+
+def _as_function(tool: Any) -> Any:
+    if not isinstance(tool, dict) or "name" not in tool:
+        return tool  # a server tool (web search...) or malformed: keyed as given
+    fn = {"name": tool["name"]}
+    if "description" in tool:
+        fn["description"] = tool["description"]
+    if "input_schema" in tool:
+        fn["parameters"] = tool["input_schema"]
+    return {"type": "function", "function": fn}
+
+
 def _seed(body: dict) -> tuple[int, str | None]:
     model = body.get("model")
-    model = model if isinstance(model, str) else ""
+    if model is not None and not isinstance(model, str):
+        raise KeyError_("'model' must be a string")
+    model = model or ""
     salt = body.get("cache_salt")
     lora = body.get("lora_adapter") or body.get("adapter")
     return seed_of(model, salt if isinstance(salt, str) else "", lora if isinstance(lora, str) else ""), model or None
@@ -162,7 +209,7 @@ def key_for_json(path: str, body: Any, session: str | None = None) -> RoutingKey
     if path in CHAT_ROUTES:
         if "messages" not in body:
             raise KeyError_("missing required field 'messages'")
-        text = render_messages(body["messages"], body.get("tools"))
+        text = render_messages(body["messages"], body.get("tools"), strict=True)
         return RoutingKey(seed, text.encode("utf-8", "surrogatepass"), text, session, model)
     if path in PROMPT_ROUTES or path in EMBEDDING_ROUTES:
         field_name = "prompt" if path in PROMPT_ROUTES else "input"
@@ -170,8 +217,8 @@ def key_for_json(path: str, body: Any, session: str | None = None) -> RoutingKey
             raise KeyError_(f"missing required field '{field_name}'")
         text, data = render_prompt(body[field_name])
         return RoutingKey(seed, data, text if text is not None else data, session, model)
-    if path in RESPONSES_ROUTES:
-        text = render_responses_input(body)
+    if path in RESPONSES_ROUTES or path in ANTHROPIC_ROUTES:
+        text = render_responses_input(body) if path in RESPONSES_ROUTES else render_anthropic(body)
         return RoutingKey(seed, text.encode("utf-8", "surrogatepass"), text, session, model)
     raise KeyError_(f"no routing key is defined for {path}")
 

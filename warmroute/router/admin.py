@@ -5,12 +5,16 @@
   POST   /admin/instances               add {"name", "url", "kv_capacity_tokens"?}; 201 once health-checked
   POST   /admin/instances/{name}/drain  no new requests; removed once its in-flight requests finish (202)
   DELETE /admin/instances/{name}        removed now (open streams still finish, uncounted)
+  POST   /admin/reset_prefix_cache      every instance's (or ?instance=NAME's) POST /reset_prefix_cache; the
+                                        router forgets what it believed each instance that reset held
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -29,6 +33,7 @@ def add_admin_routes(app: web.Application, token: str) -> None:
     app.router.add_post("/admin/instances", add_instance)
     app.router.add_post("/admin/instances/{name}/drain", drain_instance)
     app.router.add_delete("/admin/instances/{name}", delete_instance)
+    app.router.add_post("/admin/reset_prefix_cache", reset_prefix_cache)
 
 
 def _auth(request: web.Request) -> Membership:
@@ -89,3 +94,39 @@ async def delete_instance(request: web.Request) -> web.Response:
     entry = _one(membership, name)
     membership.remove(name)
     return web.json_response({**entry, "removed": True})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """Fan an engine control operation out to the fleet (clients can never reach it: app.py answers 404), and
+    keep the index true: an instance that reset holds nothing the router believed it held."""
+    membership = _auth(request)
+    only = request.query.get("instance")
+    names = [only] if only is not None else list(membership.urls)
+    if only is not None:
+        _one(membership, only)
+    if membership.session is None:
+        raise ApiError(503, "the router is still starting", "service_unavailable")
+    statuses = await asyncio.gather(*(_post(membership, n, "/reset_prefix_cache") for n in names))
+    results = {}
+    for name, status in zip(names, statuses):
+        reset = status is not None and 200 <= status < 300
+        if reset:
+            membership.fleet.index.clear_instance(name)
+        results[name] = {"status": status, "reset": reset}
+    ok = all(r["reset"] for r in results.values())
+    return web.json_response({"reset": ok, "instances": results}, status=200 if ok else 502)
+
+
+async def _post(membership: Membership, name: str, path: str) -> int | None:
+    """POST to one instance; its status, or None if it could not be reached."""
+    assert membership.session is not None
+    url = membership.urls.get(name)
+    if url is None:
+        return None
+    timeout = aiohttp.ClientTimeout(total=membership.settings.health_timeout * 5)
+    try:
+        async with membership.session.post(url + path, timeout=timeout) as r:
+            await r.read()
+            return r.status
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return None

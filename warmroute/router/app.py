@@ -1,14 +1,16 @@
 """The router's HTTP surface: which path does what, and the safety net that turns every error into JSON.
 
-  POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /invocations
+  POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/messages, /invocations
                       routed by prefix (routing.py decides, proxy.py forwards)
+  FORWARDED_PATHS     the rest of the inference API (/tokenize, score, rerank, pooling...): least loaded
   GET  /v1/models     the healthy instances' model lists, merged
   GET  /health, /ping the router's own health (200 while an instance is healthy, else 503)
   GET  /metrics       Prometheus text
   GET  /livez         200 while the process serves, whatever the engines' state (liveness probes)
   GET  /dashboard     live status page (and /dashboard/state, its JSON), unless `dashboard` is off
   /admin/instances    the admin API (admin.py), only when `admin_token` is set (else /admin/* is a 404)
-  anything else       forwarded to the least-loaded instance
+  anything else       404: an engine's control endpoints (/reset_prefix_cache, /sleep, ...) are never
+                      reachable through the router; the admin API fans them out (admin.py)
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
-from warmroute.core.routing_key import ROUTED_PATHS
+from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS
 from warmroute.core.strategies import ModelNotServed, NoInstanceAvailable
 from warmroute.router import access_log as access
 from warmroute.router import dashboard as dash
@@ -53,18 +58,33 @@ DISCOVERY = web.AppKey("discovery", Discovery)
 ACTIVITY = web.AppKey("activity", dash.Activity)
 SIBLINGS = web.AppKey("siblings", dash.Siblings)  # the other workers' dashboard snapshots
 CATALOG = web.AppKey("catalog", ModelCatalog)  # which models each instance serves
+SERVER_NAMES = web.AppKey("server_names", dict)  # (address, port) -> host name of https:// instances (DNS)
 LINKS = web.AppKey("links", object)  # Links | None: this worker's sockets to its siblings (server.py)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The inference API that carries no prompt to route on (vLLM's and the OpenAI API's names): forwarded to the
+# least-loaded instance. Every other path is a 404, never forwarded.
+FORWARDED_PATHS = frozenset({
+    "/tokenize", "/detokenize", "/v1/messages/count_tokens",
+    "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/pooling", "/classify",
+    "/v1/audio/transcriptions", "/v1/audio/translations",
+})
+# Content-Encoding of request bodies that aiohttp decompresses as it reads them (brotli and zstd only where
+# their packages are installed); the body then goes upstream decompressed, without the header.
+_DECODED = {"", "identity", "gzip", "deflate"} | ({"br"} if HAS_BROTLI else set()) | ({"zstd"} if HAS_ZSTD else set())
 
 
 # -- handlers -------------------------------------------------------------------------------------------------
 async def proxied(request: web.Request) -> web.StreamResponse:
     """Every proxied path: read the body, decide, forward."""
     app = request.app
+    _check_content_headers(request)
     body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
     router = app[ROUTER]
-    key, decision = router.route(request.path, body, request.headers.get(SESSION_HEADER))
+    session = request.headers.get(SESSION_HEADER)
+    key = await router.key_off_loop(request.path, body, session)
+    key, decision = router.route(request.path, body, session, key)
     if decision.private:  # its instance may be too full to take it now: wait in the router (Router.hold)
         decision, waited = await router.hold(key, decision)
         if waited:
@@ -73,19 +93,43 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     return await app[PROXY].forward(request, body, key, decision)
 
 
+def _check_content_headers(request: web.Request) -> None:
+    """415 for a body the router cannot read as the route requires: an encoding aiohttp does not decode, or
+    (on a JSON route) a media type that is not JSON; no Content-Type at all is taken as JSON, as engines do."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in _DECODED:
+        raise ApiError(415, f"unsupported Content-Encoding {encoding[:40]!r}; supported: "
+                            f"{', '.join(sorted(e for e in _DECODED if e))}")
+    if request.path in ROUTED_PATHS and request.path not in RAW_ROUTES and request.method == "POST":
+        media = request.headers.get("Content-Type", "application/json").partition(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise ApiError(415, f"Content-Type must be application/json on {request.path}, not {media[:60]!r}")
+
+
 async def _read_body(request: web.Request, limit: int, timeout: float) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
+    """The whole body (decompressed, if it came compressed), with at most `timeout` seconds between two of
+    its pieces: a slow upload is fine, a stalled one is not."""
+    if request.content_length is not None and request.content_length > limit and \
+            "Content-Encoding" not in request.headers:
         raise too_large(limit)  # refuse before reading it
     try:
         if request.content.is_eof():  # the whole body arrived with the headers (the usual case): no timer
-            return await request.read()
-        async with asyncio.timeout(timeout):  # a client that stalls mid-body does not hold a handler forever
-            return await request.read()  # aiohttp enforces client_max_size (= limit) on chunked bodies
+            return await request.read()  # aiohttp enforces client_max_size (= limit), decompressed too
+        chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout_at(loop.time() + timeout) as gap:
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
+                gap.reschedule(loop.time() + timeout)
+        return b"".join(chunks)
     except TimeoutError:
-        raise ApiError(408, f"request body not received within idle_timeout ({timeout:g} s)") from None
+        raise ApiError(408, f"request body stalled: nothing received for idle_timeout ({timeout:g} s)") from None
     except web.HTTPRequestEntityTooLarge:
         raise too_large(limit) from None
-    except aiohttp.ClientPayloadError:
+    except (aiohttp.ClientPayloadError, HttpProcessingError, RequestPayloadError):  # cut short, or undecodable
         raise bad_request("request body was cut short or malformed") from None
 
 
@@ -101,8 +145,10 @@ async def models(request: web.Request) -> web.Response:
     timeout = request.app[SETTINGS].health_timeout  # as light as a health check
     lists = await asyncio.gather(*(fetch_models(proxy.session, proxy.urls[n], auth, timeout) for n in names))
     seen: dict[str, dict] = {}
+    learn = request.app[SETTINGS].models_interval > 0  # 0: what instances serve is never read, so never narrows
     for name, entries in zip(names, lists):
-        request.app[CATALOG].learn(name, entries)
+        if learn:
+            request.app[CATALOG].learn(name, entries)
         for m in entries or ():
             if isinstance(m, dict) and isinstance(m.get("id"), str):
                 seen.setdefault(m["id"], m)
@@ -128,6 +174,12 @@ async def livez(request: web.Request) -> web.Response:
     """Liveness: the event loop answers. Never depends on the engines (that is /health's job). `pid` tells
     which worker process answered (`workers` > 1)."""
     return web.json_response({"status": "alive", "pid": os.getpid()})
+
+
+async def not_found(request: web.Request) -> web.Response:
+    """A path outside the inference API: never forwarded (an engine's control endpoints live on such paths)."""
+    raise ApiError(404, "unknown path: the router forwards only the inference API (/v1/chat/completions, "
+                        "/v1/completions, /v1/messages, /invocations, ...)", "not_found_error")
 
 
 async def admin_off(request: web.Request) -> web.Response:
@@ -194,7 +246,8 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[SCRAPER] = scraper = EngineScraper(router.fleet, urls, settings, metrics_)
     app[CATALOG] = catalog = ModelCatalog(router.fleet, urls, settings)
     app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper, catalog)
-    app[DISCOVERY] = Discovery(membership, settings, resolver)
+    app[SERVER_NAMES] = server_names = {}
+    app[DISCOVERY] = Discovery(membership, settings, resolver, server_names)
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
     app[SIBLINGS] = dash.Siblings()
     app[LINKS] = links
@@ -212,9 +265,9 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
         add_admin_routes(app, settings.admin_token.get_secret_value())
     else:  # never forward the router's own admin paths to an engine
         app.router.add_route("*", "/admin/{tail:.*}", admin_off)
-    for path in sorted(ROUTED_PATHS):  # plain routes: found by a dict lookup, before the catch-all's regex
+    for path in sorted(ROUTED_PATHS | FORWARDED_PATHS):  # plain routes: found by a dict lookup
         app.router.add_route("*", path, proxied)
-    app.router.add_route("*", "/{tail:.*}", proxied)  # everything else
+    app.router.add_route("*", "/{tail:.*}", not_found)  # everything else
     return app
 
 
@@ -230,8 +283,9 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     """The pooled client session, the health loop and the engine scrapes live exactly as long as the app
     (past in-flight requests)."""
     proxy = app[PROXY]
-    proxy.session = session = make_session(app[SETTINGS])
-    proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout, tls=upstream_tls(app[SETTINGS]))
+    proxy.session = session = make_session(app[SETTINGS], app[SERVER_NAMES])
+    proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout, tls=upstream_tls(app[SETTINGS]),
+                                     server_names=app[SERVER_NAMES])
     await app[DISCOVERY].start(session)  # the backends file and DNS names, before the first health round
     settings = app[SETTINGS]
     k8s = None

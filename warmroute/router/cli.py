@@ -17,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = load_settings(cli_values(args), args.config)  # UsageError -> one line, exit 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from warmroute.router.discovery import check_backends_file
     from warmroute.router.server import serve  # imported after validation: bad flags fail fast
+
+    check_backends_file(settings)
 
     return serve(settings)

@@ -21,7 +21,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,11 +32,13 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from warmroute.core.fleet import Fleet
+from warmroute.errors import UsageError
 from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.health import Health
 from warmroute.router.metrics import Metrics
 from warmroute.router.models import ModelCatalog
 from warmroute.router.settings import Backend, RouterSettings, parse_backends
+from warmroute.router.upstream import ServerNames
 from warmroute.router.background import cancel_all
 
 log = logging.getLogger("warmroute.router")
@@ -68,8 +70,9 @@ def with_host(url: str, address: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", "")).rstrip("/")
 
 
-def read_backends_file(path: str | Path) -> list[Backend]:
-    """A list of backends (URL, NAME=URL or mappings), bare or under `backends:`; ValueError if unreadable."""
+def read_backends_file(path: str | Path, static: Sequence[Backend] = ()) -> list[Backend]:
+    """A list of backends (URL, NAME=URL or mappings), bare or under `backends:`; ValueError if unreadable, or if
+    a name is repeated, in the file or among the `static` backends (a name is never silently dropped)."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -82,10 +85,22 @@ def read_backends_file(path: str | Path) -> list[Backend]:
         backends = TypeAdapter(list[Backend]).validate_python(parse_backends(data))
     except (ValueError, ValidationError) as exc:
         raise ValueError(f"backends file {path}: {str(exc).splitlines()[0]}") from None
-    names = [b.name for b in backends]
-    if len(names) != len(set(names)):
-        raise ValueError(f"backends file {path}: backend names must be unique")
+    names = [b.name for b in backends] + [b.name for b in static]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"backends file {path}: backend names must be unique (with --backend too); repeated: "
+                         f"{', '.join(dupes)} (a name not given is the URL's host, port and path)")
     return backends
+
+
+def check_backends_file(settings: RouterSettings) -> None:
+    """At start-up, before the port is bound: a backends file that exists must read (UsageError otherwise);
+    one that does not exist yet is waited for."""
+    if settings.backends_file and os.path.exists(settings.backends_file):
+        try:
+            read_backends_file(settings.backends_file, settings.backends)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
 
 @dataclass
@@ -209,10 +224,12 @@ class Membership:
 class Discovery:
     """The config source: static backends + backends_file, expanded through DNS; its polling loops."""
 
-    def __init__(self, membership: Membership, settings: RouterSettings, resolver: Resolver = resolve) -> None:
+    def __init__(self, membership: Membership, settings: RouterSettings, resolver: Resolver = resolve,
+                 server_names: ServerNames | None = None) -> None:
         self.membership = membership
         self.settings = settings
         self.resolver = resolver
+        self.server_names = server_names if server_names is not None else {}  # read by the upstream clients
         self._file_mtime: float | None = None
         self._file_backends: list[Backend] = []
         self._dns: dict[str, list[str]] = {}  # configured name -> addresses last resolved
@@ -267,15 +284,9 @@ class Discovery:
             return
         self._file_mtime = mtime
         try:
-            backends = read_backends_file(path)
+            self._file_backends = read_backends_file(path, self.settings.backends)
         except ValueError as exc:
-            log.warning("%s; keeping the last list", exc)
-            return
-        static = {b.name for b in self.settings.backends}
-        self._file_backends = [b for b in backends if b.name not in static]
-        for b in backends:
-            if b.name in static:
-                log.warning("backends file %s: %s is already a static backend; ignored", path, b.name)
+            log.error("%s; keeping the last list", exc)
 
     async def _watch_file(self) -> None:
         while True:
@@ -331,7 +342,10 @@ class Discovery:
                                 if n not in taken or self._owned_by(b.name, n))
                     current[addr] = self._slots[b.name, addr] = name
                     taken.add(name)
+            parts = urlsplit(b.url)
             for addr in addresses:
+                if parts.scheme == "https":  # TLS checks the certificate against the name, not the address
+                    self.server_names[addr, parts.port or 443] = parts.hostname or ""
                 out.append(b.model_copy(update={"name": current[addr], "url": with_host(b.url, addr)}))
         return out
 

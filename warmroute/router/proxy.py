@@ -24,7 +24,7 @@ from warmroute.router.errors import ApiError
 from warmroute.router.health import Health
 from warmroute.router.routing import Router, Ticket, is_routed
 from warmroute.router.settings import RouterSettings, upstream_tls
-from warmroute.router.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamResponse
+from warmroute.router.upstream import ConnectError, ServerNames, UpstreamError, UpstreamPool, UpstreamResponse
 from warmroute.router.usage import UsageTap
 
 log = logging.getLogger("warmroute.router")
@@ -32,7 +32,8 @@ log = logging.getLogger("warmroute.router")
 # Hop-by-hop headers (RFC 9110 7.6.1) describe one connection, not the message: never forwarded.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                         "proxy-connection", "proxy-authenticate", "proxy-authorization"})
-_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect"}
+# Content-Encoding: aiohttp decompressed the body as it read it (app.py), so it goes up as plain bytes.
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
 _NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "x-warmroute-instance", "x-warmroute-reason",
                                     "x-warmroute-predicted-hit"}
 CLIENT_CLOSED = 499  # status label of a request whose client went away (nginx's convention)
@@ -98,9 +99,9 @@ def _target(request: web.Request) -> str:
     return raw if raw.startswith("/") else request.rel_url.raw_path_qs  # absolute-form: keep its path
 
 
-def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
+def make_session(settings: RouterSettings, server_names: ServerNames | None = None) -> aiohttp.ClientSession:
     """The control plane's client (health checks, engine scrapes, /v1/models); proxied requests go through
-    the leaner UpstreamPool (upstream.py)."""
+    the leaner UpstreamPool (upstream.py). `server_names`: as UpstreamPool's."""
     tls = upstream_tls(settings)
     connector = aiohttp.TCPConnector(
         limit=0, limit_per_host=0, ssl=True if tls is None else tls,
@@ -112,7 +113,22 @@ def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
         auto_decompress=False,  # relay the bytes as the engine sent them
         skip_auto_headers=("User-Agent", "Accept-Encoding"),  # send only what the client sent
         cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
+        middlewares=(_named_tls(server_names),) if server_names is not None else (),
     )
+
+
+def _named_tls(server_names: ServerNames) -> aiohttp.ClientMiddlewareType:
+    """An https:// instance reached by the address its host name resolved to: SNI, certificate check and Host
+    header use the name (as UpstreamPool does), not the address."""
+
+    async def middleware(req: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType) -> aiohttp.ClientResponse:
+        name = server_names.get((req.url.host or "", req.url.port or 443)) if req.url.scheme == "https" else None
+        if name is not None:
+            req.server_hostname = name
+            req.headers["Host"] = name if req.url.port in (None, 443) else f"{name}:{req.url.port}"
+        return await handler(req)
+
+    return middleware
 
 
 class Proxy:
@@ -145,10 +161,13 @@ class Proxy:
 
     async def _forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
                        decision: Decision) -> web.StreamResponse:
-        """Send to the decision's instance; if it fails before any byte reached the client (no connection, no
-        first byte within first_byte_timeout, connection dropped before answering), once more to the next
-        choice, never the same instance twice in a row."""
+        """Send to the decision's instance; if it fails before any byte reached the client, once more to the next
+        choice (never the same instance twice in a row) as the `retry` setting allows: connect (no connection
+        could be opened), no_answer (also: no first byte within first_byte_timeout, or the connection dropped
+        before answering; that connection is closed before the retry, so the engine aborts the request), off."""
+        policy = self.settings.retry
         for attempt in (0, 1):
+            last = attempt == 1 or policy == "off"
             request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
             ticket = self.router.dispatch(decision, defer_record=True)
             try:
@@ -157,12 +176,12 @@ class Proxy:
                 self.router.metrics.upstream_error(decision.instance, "connect")
                 self.health.connection_failed(decision.instance)  # so the next choice avoids it
                 self.router.unrecord(decision)
-                if attempt == 1:
+                if last:
                     raise ApiError(502, f"could not connect to instance {decision.instance}", "upstream_error",
                                    instance=decision.instance) from None
                 error = None
-            except _NoAnswer as exc:
-                if attempt == 1:
+            except _NoAnswer as exc:  # its connection is closed already (_open)
+                if last or policy == "connect":
                     raise exc.error from None
                 error = exc.error
             except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler

@@ -8,9 +8,10 @@ reads stay true.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
+
+import msgspec
 
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey, key_for_json, key_for_raw
@@ -24,6 +25,10 @@ from warmroute.router.usage import EngineUsage
 SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
 HOLD_POLL = 0.25  # seconds: a held request looks again at least this often
+# msgspec parses a long prompt 3x faster than json (docs/benchmarks.md, "Parsing large bodies"): the parse
+# runs in the event loop, and a thread would not help, as neither parser lets go of the GIL.
+_decode = msgspec.json.Decoder().decode
+OFF_LOOP_BYTES = 1 << 20  # bodies from this size get their key built in a thread (key_off_loop)
 
 
 def is_routed(path: str) -> bool:
@@ -53,10 +58,10 @@ class Router:
         if not body:
             raise bad_request("request body is empty; expected a JSON object")
         try:
-            parsed = json.loads(body)  # the body is parsed once, here, and forwarded as the original bytes
+            parsed = _decode(body)  # the body is parsed once, here, and forwarded as the original bytes
         except RecursionError:
             raise bad_request("request body is not valid JSON: nested too deeply") from None
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        except (msgspec.DecodeError, ValueError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         try:
             return key_for_json(path, parsed, session)
@@ -79,10 +84,19 @@ class Router:
             return self._any.choose(_NO_KEY, self.fleet)
         return self.strategy.choose(key, self.fleet)
 
-    def route(self, path: str, body: bytes, session: str | None) -> tuple[RoutingKey | None, Decision]:
-        """Key + decision for one request, timed and counted."""
+    async def key_off_loop(self, path: str, body: bytes, session: str | None) -> RoutingKey | None:
+        """The key of a large body, built in a thread: rendering a long conversation is Python that lets the
+        event loop run every few ms there (the parse itself does not); None for a small one or an unrouted path."""
+        if len(body) < OFF_LOOP_BYTES or not is_routed(path):
+            return None
+        return await asyncio.to_thread(self.key_of, path, body, session)
+
+    def route(self, path: str, body: bytes, session: str | None,
+              key: RoutingKey | None = None) -> tuple[RoutingKey | None, Decision]:
+        """Key (unless given: key_off_loop) + decision for one request, timed and counted."""
         start = time.perf_counter()
-        key = self.key_of(path, body, session) if is_routed(path) else None
+        if key is None and is_routed(path):
+            key = self.key_of(path, body, session)
         decision = self.decide(key)
         self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
         return key, decision

@@ -11,6 +11,7 @@ nest under its name in YAML (`cache_aware: {balance_factor: 2}`) and keep their 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import ssl
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
+import xxhash
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -54,6 +56,8 @@ class Backend(BaseModel):
     @field_validator("url")
     @classmethod
     def _check_url(cls, v: str) -> str:
+        if not v.isprintable() or " " in v:  # urlsplit silently drops CR, LF and tab: refuse them here
+            raise ValueError(f"backend URL {v!r} must not contain spaces or control characters")
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
             raise ValueError(f"backend URL {v!r} must look like http://HOST:PORT[/PATH]")
@@ -78,8 +82,25 @@ def parse_backends(value: Any) -> list[dict]:
         if not isinstance(item, dict):
             raise ValueError(f"entry {i} must be URL, NAME=URL, or a mapping with name, url, kv_capacity_tokens, "
                              "models")
-        out.append({"name": f"instance-{i}", **item})
+        if "name" not in item and isinstance(item.get("url"), str):
+            item = {"name": name_from_url(item["url"]), **item}
+        out.append(item)
     return out
+
+
+def name_from_url(url: str) -> str:
+    """A backend's default name, from its URL alone (host, port, path): the same in every list it appears in
+    and whatever else the list holds, so the index stays pointed at the right host."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    raw = "-".join(str(p) for p in (parts.hostname, port, parts.path.strip("/")) if p)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", raw).strip("-._") or "backend"
+    if len(name) > 63:  # long host names and paths: a readable head and a digest of the whole
+        name = f"{name[:54].rstrip('-._')}-{xxhash.xxh32_hexdigest(raw.encode())}"
+    return name
 
 
 def parse_size(value: Any) -> Any:
@@ -98,7 +119,8 @@ class RouterSettings(BaseSettings, StrategySettings):
 
     backends: Annotated[list[Backend], NoDecode] = Field(
         default_factory=list,
-        description="Upstream instances: URL or NAME=URL (names default to instance-0, instance-1, ...). "
+        description="Upstream instances: URL or NAME=URL (a name defaults to the URL's host, port and path: "
+                    "http://10.0.0.5:8000 is 10.0.0.5-8000). "
                     "Repeat the flag; in env, separate with commas; in YAML, a list of URLs or of "
                     "mappings with name, url and kv_capacity_tokens.")
     backends_file: str | None = Field(
@@ -163,6 +185,12 @@ class RouterSettings(BaseSettings, StrategySettings):
     first_byte_timeout: float = Field(
         120.0, ge=0.1, le=3600,
         description="Seconds from sending a request to the upstream's first body byte.")
+    retry: Literal["off", "connect", "no_answer"] = Field(
+        "no_answer",
+        description="When a request goes to a second instance (once at most, never the same one twice): "
+                    "connect: only when no connection could be opened (nothing was sent); no_answer: also when "
+                    "the instance took it but sent nothing back (first_byte_timeout, or it dropped the connection), "
+                    "after closing that connection so the engine stops computing it; off: never.")
     idle_timeout: float = Field(60.0, ge=0.1, le=3600,
                                 description="Seconds allowed between two chunks of an upstream response.")
     client_header_timeout: float = Field(
@@ -231,7 +259,8 @@ class RouterSettings(BaseSettings, StrategySettings):
         names = [b.name for b in v]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
+            raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)} (a name not given is "
+                             "the URL's host, port and path: the same URL twice, or give each NAME=URL)")
         return v
 
     @model_validator(mode="after")
@@ -248,6 +277,16 @@ class RouterSettings(BaseSettings, StrategySettings):
             except (OSError, ssl.SSLError) as exc:
                 why = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
                 raise ValueError(f"invalid setting {name} ({flag_of(name)}): cannot load it: {why}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _optional_packages(self) -> RouterSettings:
+        """A setting that needs an optional package fails here, before the port is bound, naming the extra."""
+        for name, module, extra in (("redis_url", "redis", "redis"),
+                                    ("kubernetes_service", "kubernetes_asyncio", "kubernetes")):
+            if getattr(self, name) is not None and importlib.util.find_spec(module) is None:
+                raise ValueError(f"invalid setting {name} ({flag_of(name)}): it needs the {module} package: "
+                                 f"pip install 'warmroute[{extra}]'")
         return self
 
     @model_validator(mode="after")
@@ -503,7 +542,7 @@ def configuration_markdown() -> str:
         "",
         "```yaml",
         "backends:",
-        "  - http://10.0.0.1:8000            # named instance-0",
+        "  - http://10.0.0.1:8000            # named 10.0.0.1-8000",
         "  - name: big",
         "    url: http://10.0.0.2:8000",
         "    kv_capacity_tokens: 1500000     # this instance's own KV-cache capacity",

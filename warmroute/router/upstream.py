@@ -34,6 +34,9 @@ _RESUME_AT = 64 * 1024
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # Content-Length even when empty, as clients send it
 
 
+ServerNames = dict[tuple[str, int], str]  # (address, port) of an https:// instance -> the host name it serves
+
+
 class ConnectError(Exception):
     """No connection could be opened: nothing was sent."""
 
@@ -53,19 +56,24 @@ class Origin:
     base_path: str  # the base URL's path, prepended to every request's target
     authorization: str | None  # Basic credentials from the URL's user info, if any
 
+    server_name: str | None = None  # TLS: the name sent as SNI and verified, when the host is an address
+
     @classmethod
-    def from_url(cls, url: str) -> Origin:
+    def from_url(cls, url: str, server_names: ServerNames | None = None) -> Origin:
+        """`server_names`: (address, port) -> host name, for instances reached by an address their host name
+        resolved to (discovery.py): TLS and the Host header then use the name, not the address."""
         parts = urlsplit(url)
         tls = parts.scheme == "https"
         host = parts.hostname or ""
         port = parts.port or (443 if tls else 80)
-        shown = f"[{host}]" if ":" in host else host
+        name = server_names.get((host, port)) if server_names and tls else None
+        shown = name or (f"[{host}]" if ":" in host else host)
         host_header = shown if port == (443 if tls else 80) else f"{shown}:{port}"
         auth = None
         if parts.username is not None:
             creds = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
             auth = "Basic " + base64.b64encode(creds).decode()
-        return cls(host, port, tls, host_header, parts.path.rstrip("/"), auth)
+        return cls(host, port, tls, host_header, parts.path.rstrip("/"), auth, name)
 
 
 class UpstreamResponse:
@@ -325,7 +333,8 @@ class UpstreamPool:
     """Keep-alive connections per instance, newest reused first, closed after `keepalive_timeout` idle."""
 
     def __init__(self, connect_timeout: float, keepalive_timeout: float = 4.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, server_names: ServerNames | None = None) -> None:
+        self.server_names = server_names  # shared with discovery, which fills it
         self.connect_timeout = connect_timeout
         self.keepalive_timeout = keepalive_timeout  # below uvicorn's 5 s (vLLM): never reuse one it is closing
         self._origins: dict[str, Origin] = {}
@@ -341,7 +350,7 @@ class UpstreamPool:
         the headers were not in by `deadline` (the loop's clock)."""
         origin = self._origins.get(base_url)
         if origin is None:
-            origin = self._origins[base_url] = Origin.from_url(base_url)
+            origin = self._origins[base_url] = Origin.from_url(base_url, self.server_names)
         head = _request_head(method, origin, target, headers, len(body))
         head_only = method == "HEAD"
         conn = self._take(origin)
@@ -371,7 +380,9 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(limit):
                 _, conn = await loop.create_connection(lambda: _Connection(self, origin), origin.host, origin.port,
-                                                       ssl=context, server_hostname=origin.host if context else None)
+                                                       ssl=context,
+                                                       server_hostname=(origin.server_name or origin.host) if context
+                                                       else None)
         except TimeoutError:
             if cut_by_deadline:
                 raise

@@ -15,7 +15,7 @@ from warmroute.core.strategies import STRATEGIES, StrategySettings
 from warmroute.router.settings import (RouterSettings, add_setting_arguments, describe_errors, field_of,
                                        setting_names, strategy_settings_from)
 from warmroute.errors import UsageError
-from warmroute.sim.report import Summary, as_json, plot, summarize, table
+from warmroute.sim.report import Summary, as_json, fmt, plot, summarize, table
 from warmroute.sim.scenarios import SCENARIOS
 from warmroute.sim.simulator import SimResult, SimSettings, Simulation
 from warmroute.workloads.base import Workload
@@ -208,7 +208,7 @@ def _scenario_row(label: str, s: dict[str, Summary]) -> str:
     base = s.get("random")
     parts = [f"{label:<36}"]
     for name, v in s.items():
-        part = f"{name}: hit {v.hit_rate:.0%} p50 {v.ttft_p50_ms:.0f}ms"
+        part = f"{name}: hit {v.hit_rate:.0%} p50 {fmt(v.ttft_p50_ms, '.0f')}ms"
         if base and name != "random" and base.ttft_p50_ms and v.ttft_p50_ms is not None:
             part += (f" ({v.ttft_p50_ms / base.ttft_p50_ms - 1:+.0%} TTFT, "
                      f"{v.throughput_rps / base.throughput_rps - 1:+.0%} thr)")

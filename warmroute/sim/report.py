@@ -23,8 +23,8 @@ class Summary:
     load_spread: float | None  # busiest instance's requests / mean
     spilled: float  # fraction of decisions sent away from the preferred instance for load (overload or KV spills)
     rejected: int
-    prefixes_moved: list[tuple[float, float]]
-    hit_rate_dips: list[dict]  # per scale event: before, lowest after, recovery seconds
+    prefixes_moved: list[tuple[float, float | None]]
+    hit_rate_dips: list[dict]  # per scale event: before, lowest after, recovery seconds (0: no dip)
     ttft_p50_ms_by_class: dict[str, float | None]  # per request class of the workload ("hot", "shared", ...)
 
 
@@ -58,8 +58,9 @@ def hit_rate_series(r: SimResult) -> list[tuple[float, float]]:
 
 
 def _dip(r: SimResult, t: float) -> dict:
-    """Hit rate in the 3 windows before a scale event, the lowest window after, and the time until a window
-    is back within 95% of before."""
+    """Hit rate in the 3 windows before a scale event, the lowest window after, and the time from the event
+    until a window is back within 95% of before once it has dipped below that (0.0: it never dipped; None:
+    not within the run)."""
     series = hit_rate_series(r)
     before = [h for s, h in series if t - 3 * r.window_s <= s < t]
     after = [(s, h) for s, h in series if s >= t]
@@ -67,11 +68,14 @@ def _dip(r: SimResult, t: float) -> dict:
         return {"at_s": t, "before": None, "lowest": None, "recovery_s": None}
     level = sum(before) / len(before)
     lowest = min(h for _, h in after)
-    recovered = next((s + r.window_s - t for s, h in after if h >= 0.95 * level), None)
+    dipped = next((i for i, (_, h) in enumerate(after) if h < 0.95 * level), None)
+    recovered = 0.0 if dipped is None else \
+        next((s + r.window_s - t for s, h in after[dipped + 1:] if h >= 0.95 * level), None)
     return {"at_s": t, "before": level, "lowest": lowest, "recovery_s": recovered}
 
 
-def _fmt(v: float | None, spec: str) -> str:
+def fmt(v: float | None, spec: str) -> str:
+    """A figure that may be missing (no request finished): '-' then, never a TypeError."""
     return "-" if v is None else format(v, spec)
 
 
@@ -80,14 +84,16 @@ def table(summaries: list[Summary], title: str = "") -> str:
            f"{'spread':>6} {'spilled':>7}"
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for s in summaries:
-        lines.append(f"{s.strategy:<12} {_fmt(s.ttft_p50_ms, '8.0f')}ms {_fmt(s.ttft_p99_ms, '7.0f')}ms "
+        lines.append(f"{s.strategy:<12} {fmt(s.ttft_p50_ms, '8.0f')}ms {fmt(s.ttft_p99_ms, '7.0f')}ms "
                      f"{s.throughput_rps:7.2f} {s.output_tokens_per_s:8.0f} {s.hit_rate:8.1%} "
-                     f"{_fmt(s.load_spread, '6.2f')} {s.spilled:7.1%}")
+                     f"{fmt(s.load_spread, '6.2f')} {s.spilled:7.1%}")
     for s in summaries:
         for (t, moved), dip in zip(s.prefixes_moved, s.hit_rate_dips):
-            rec = "not within the run" if dip["recovery_s"] is None else f"{dip['recovery_s']:.0f} s"
-            lines.append(f"{s.strategy}: scale event at {t:.0f} s moved {moved:.1%} of prefixes; hit rate "
-                         f"{_fmt(dip['before'], '.1%')} -> lowest {_fmt(dip['lowest'], '.1%')}, recovered in {rec}")
+            rec = "no dip below 95% of before" if dip["recovery_s"] == 0.0 else "not recovered within the run" \
+                if dip["recovery_s"] is None else f"recovered in {dip['recovery_s']:.0f} s"
+            lines.append(f"{s.strategy}: scale event at {t:.0f} s: {fmt(moved, '.1%')} of the prefixes sent again "
+                         f"went to another instance; hit rate {fmt(dip['before'], '.1%')} -> lowest "
+                         f"{fmt(dip['lowest'], '.1%')}, {rec}")
     return "\n".join(lines)
 
 

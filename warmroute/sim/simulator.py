@@ -88,7 +88,8 @@ class SimResult:
     hit_tokens: int
     query_tokens: int
     rejected: int = 0
-    prefixes_moved: list[tuple[float, float]] = field(default_factory=list)  # (time, fraction) per scale event
+    # Per scale event: (time, share of the prefixes requested again after it that went to another instance)
+    prefixes_moved: list[tuple[float, float | None]] = field(default_factory=list)
     window_s: float = 10.0
 
     @property
@@ -134,7 +135,9 @@ class Simulation:
         self._rejected = 0
         self._last_instance_by_prefix: dict[int, str] = {}
         self._held: list[tuple[float, WorkloadRequest, Iterator[WorkloadRequest] | None, Decision]] = []  # router
-        self._moved: list[tuple[float, float]] = []
+        # Per scale event: its time, where each prefix seen before it last went, and where each of those first
+        # went after it (the decisions made, so each strategy is measured on its own).
+        self._moves: list[tuple[float, dict[int, str], dict[int, str]]] = []
 
     # -- fleet membership ----------------------------------------------------------------------------------
     def _add_instance(self) -> _Instance:
@@ -148,7 +151,6 @@ class Simulation:
         return inst
 
     def _scale(self, now: float, delta: int) -> None:
-        before = self._placements()
         if delta > 0:
             self._add_instance()
         else:
@@ -158,15 +160,19 @@ class Simulation:
             victim = live[-1]
             victim.draining = True
             self.fleet.remove(victim.name)  # no new requests; running ones finish on the model
-        after = self._placements()
-        moved = sum(before[k] != after[k] for k in before) / len(before) if before else 0.0
-        self._moved.append((now, moved))
+        self._moves.append((now, dict(self._last_instance_by_prefix), {}))
 
-    def _placements(self) -> dict[int, str]:
-        """Where each prefix seen so far would be placed cold: the rendezvous owner over routable instances."""
-        from warmroute.core import rendezvous
-        names = [i.name for i in self.fleet.routable()]
-        return {k: rendezvous.top(k, names) for k in self._last_instance_by_prefix}
+    def _note_prefix(self, prefix: int, instance: str) -> None:
+        self._last_instance_by_prefix[prefix] = instance
+        for _, before, after in self._moves:
+            if prefix in before and prefix not in after:
+                after[prefix] = instance
+
+    def _moved(self) -> list[tuple[float, float | None]]:
+        """Per scale event, the share of the prefixes sent again after it whose first request after it went to
+        another instance than their last one before it (None: none was sent again)."""
+        return [(t, sum(after[k] != before[k] for k in after) / len(after) if after else None)
+                for t, before, after in self._moves]
 
     # -- event loop ------------------------------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: object) -> None:
@@ -208,7 +214,7 @@ class Simulation:
             per_instance[r.instance] += 1
         end = max((r.done or r.arrival) for r in self.records) if self.records else 0.0
         return SimResult(self.strategy_name, self.records, end, per_instance, hits, queries, self._rejected,
-                         self._moved, self.s.window_s)
+                         self._moved(), self.s.window_s)
 
     def _start_sessions(self, sessions: Iterator[Session], rng: random.Random,
                         budget: list[int]) -> Callable[[float], object] | None:
@@ -271,7 +277,7 @@ class Simulation:
         if now - arrival < self.s.routing.cache_aware.hold_timeout and self.strategy.must_wait(d, self.fleet):
             self._held.append((arrival, req, turns, d))  # looked at again when a request finishes (_on_step_done)
             return
-        self._last_instance_by_prefix[key.prefix_hash(self.s.routing.prefix_length)] = d.instance
+        self._note_prefix(key.prefix_hash(self.s.routing.prefix_length), d.instance)
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None,
                                              d.kv_tokens)
