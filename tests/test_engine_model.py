@@ -84,19 +84,24 @@ def test_overrides_replace_prefill_rate_and_itl() -> None:
     assert m.step().duration == pytest.approx(0.020)
 
 
-def test_evicts_least_recently_used_blocks_first() -> None:
+def test_evicts_from_the_front_of_the_free_queue_as_vllm_does() -> None:
     m = engine(capacity_blocks=8)
     for seq_id, chain in (("a", [1, 2]), ("b", [3, 4]), ("c", [5, 6])):
-        m.submit(seq_id, chain, prompt_tokens=9, max_tokens=1)
+        m.submit(seq_id, chain, prompt_tokens=9, max_tokens=1)  # 3 blocks: 2 full prompt blocks + the rest
         run(m)
-    m.submit("a2", [1, 2], prompt_tokens=9, max_tokens=1)  # touch a's chain: now most recent
+    m.submit("a2", [1, 2], prompt_tokens=9, max_tokens=1)  # a's chain taken again: freed last, most recent
     run(m)
-    assert m.cache.lru_order() == [4, 3, 6, 5, 2, 1]  # tail first: a chain is evicted from its end
-    m.submit("d", [7, 8], prompt_tokens=9, max_tokens=1)  # needs 3 blocks, 2 are free: evict one
+    assert m.pool.lru_order() == [4, 3, 6, 5, 2, 1]  # tail first: a chain is evicted from its end
+    # d takes the queue's front, whatever it holds (vLLM does not prefer the empty blocks behind it):
+    # b's two cached blocks and an empty one
+    m.submit("d", [7, 8], prompt_tokens=9, max_tokens=1)
     run(m)
-    assert 4 not in m.cache and all(b in m.cache for b in (1, 2, 3, 5, 6))
-    m.submit("b2", [3, 4], prompt_tokens=9, max_tokens=1)
-    assert first_token(m, "b2") == 4  # b's head block survived its tail
+    assert 4 not in m.pool and 3 not in m.pool and all(b in m.pool for b in (1, 2, 5, 6, 7, 8))
+    m.submit("e", [], prompt_tokens=3, max_tokens=1)  # one block: c's tail
+    run(m)
+    assert 6 not in m.pool and 5 in m.pool
+    m.submit("c2", [5, 6], prompt_tokens=9, max_tokens=1)
+    assert first_token(m, "c2") == 4  # c's head block survived its tail
 
 
 def test_blocks_in_use_are_never_evicted() -> None:
@@ -107,11 +112,11 @@ def test_blocks_in_use_are_never_evicted() -> None:
     first_token(m, "a")
     m.submit("b", [3], prompt_tokens=5, max_tokens=3)  # needs 2 blocks, 1 free: evicts x's block
     first_token(m, "b")
-    assert 9 not in m.cache and 1 in m.cache and 2 in m.cache
+    assert 9 not in m.pool and 1 in m.pool and 2 in m.pool
     m.submit("c", [5], prompt_tokens=5, max_tokens=3)  # no unpinned block left to evict: c waits
     m.step()
     assert (m.num_running, m.num_waiting) == (2, 1)
-    assert 1 in m.cache and 2 in m.cache and m.kv_usage == 1.0
+    assert 1 in m.pool and 2 in m.pool and m.kv_usage == 1.0
 
 
 def test_identical_prompts_admitted_together_do_not_hit_each_other() -> None:
@@ -210,8 +215,8 @@ def test_cancel_frees_blocks_and_keeps_computed_ones_cached() -> None:
     assert m.kv_usage > 0 and m.num_waiting == 1
     assert m.cancel("b") and m.num_waiting == 0
     assert m.cancel("a") and m.idle
-    assert m.kv_usage == 0 and m.cache.reserved == 0
-    assert m.cache.lru_order() == [2, 1]  # computed, now evictable
+    assert m.kv_usage == 0 and m.pool.num_free_blocks == m.pool.num_blocks
+    assert m.pool.lru_order() == [2, 1]  # computed, now evictable
     assert not m.cancel("a")
     assert m.stats.requests_cancelled == 2
     assert m.step() == StepResult()

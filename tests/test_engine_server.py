@@ -104,6 +104,35 @@ async def test_repeated_prompt_reports_cached_tokens_and_answers_sooner(fleet: F
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # each instance has its own cache
 
 
+async def test_the_prompt_is_the_model_s_tokens(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    """usage.prompt_tokens is the tokenizer's count of the rendered template, and a /v1/completions prompt of
+    the same token ids (or of the rendered text) hits the blocks the chat request computed: the cache is of
+    tokens, whichever route and form brought them."""
+    tokenizer = fleet.servers[0].tokenizer
+    body = chat("what is in the policy?", max_tokens=1)
+    ids = tokenizer.chat_ids(body)
+    assert ids == tokenizer.encode(tokenizer.render_chat(body["messages"]), add_special_tokens=False)
+    status, reply = await post(http, fleet.urls[0] + "/v1/chat/completions", body)
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(ids)
+    full = (len(ids) - 1) // 16 * 16
+    for prompt in (ids, [ids], tokenizer.render_chat(body["messages"])):
+        status, reply = await post(http, fleet.urls[0] + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        assert status == 200 and reply["usage"]["prompt_tokens_details"]["cached_tokens"] == full, prompt
+    shorter = ids[: len(ids) - 40]  # shares all but the blocks the last 40 tokens touch
+    _, reply = await post(http, fleet.urls[0] + "/v1/completions", {"prompt": shorter, "max_tokens": 1})
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(shorter) - 1) // 16 * 16
+
+
+async def test_cache_salt_separates_caches(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    url = fleet.urls[1] + "/v1/chat/completions"
+    cached = []
+    for salt in ("tenant-a", "tenant-b", "tenant-a", None):
+        body = chat("salted", max_tokens=1, **({"cache_salt": salt} if salt else {}))
+        _, reply = await post(http, url, body)
+        cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == cached[1] == cached[3] == 0 and cached[2] > 600
+
+
 async def test_metrics_count_prefix_tokens_under_vllm_names(fleet: Fleet, http: aiohttp.ClientSession) -> None:
     url = fleet.urls[0]
     prompt_tokens = cached_tokens = 0
@@ -133,12 +162,19 @@ async def test_bad_requests_get_a_json_400(fleet: Fleet, http: aiohttp.ClientSes
     async with http.post(url + "/v1/chat/completions", data=b"{not json") as resp:
         assert resp.status == 400
         assert (await resp.json())["error"]["type"] == "invalid_request_error"
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     for path, body in (("/v1/chat/completions", {"messages": "hi"}),
                        ("/v1/chat/completions", [1, 2]),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": 7}),
+                       ("/v1/completions", {"prompt": ["one", "two"]}),
+                       ("/v1/completions", {"prompt": [1, -2]}),
+                       ("/v1/completions", {"prompt": {"text": "x"}}),
                        ("/v1/completions", {"max_tokens": 3}),
                        ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
                        ("/v1/completions", {"prompt": "x", "stream": "yes"}),
-                       ("/v1/completions", {"prompt": "x" * 300_000})):  # more than the KV cache holds
+                       ("/v1/completions", {"prompt": "x" * 300_000}),  # more than the KV cache holds
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 10_000_000}]})):
         status, reply = await post(http, url + path, body)
         assert status == 400 and reply["error"]["message"], (path, body)
     assert fleet.servers[0].model.stats.requests_submitted == 0
@@ -176,11 +212,13 @@ async def test_client_disconnect_cancels_the_sequence(http: aiohttp.ClientSessio
         await fleet.close()
 
 
-def test_cli_rejects_bad_settings_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_rejects_bad_settings_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     assert main(["engine", "--count", "2", "--port", "65535"]) == 2
     assert main(["engine", "--block-size", "0"]) == 2
+    assert main(["engine", "--tokenizer", str(tmp_path)]) == 2  # no tokenizer.json there
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and all(line.startswith("warmroute engine: error: ") for line in err)
+    assert len(err) == 3 and all(line.startswith("warmroute engine: error: ") for line in err)
+    assert "cannot load a tokenizer" in err[2]
 
 
 async def test_requests_arriving_during_a_decode_stretch_pay_their_full_prefill(
@@ -193,9 +231,11 @@ async def test_requests_arriving_during_a_decode_stretch_pay_their_full_prefill(
         url = fleet.urls[0] + "/v1/chat/completions"
         long_run = asyncio.create_task(post(http, url, chat("long", max_tokens=400)))
         await asyncio.sleep(0.5)  # its prefill is done: the driver is in fused decode stretches
-        prompt = "unique words never cached before " * 480  # ≈ 4,000 tokens: 30 + 0.25 ms each ≈ 1 s
-        expected_s = 0.5 * config.timing.step_ms(config.timing.prefill_ms(4000, 4000), True, 1) / 1000
+        prompt = "unique words never cached before " * 480  # ≈ 5,300 tokens: 30 + 0.25 ms each ≈ 1.4 s
         for i in range(3):
+            tokenizer = fleet.servers[0].tokenizer  # the new tokens: the system prompt is cached
+            n = len(tokenizer.chat_ids(chat(f"{i} {prompt}"))) - len(tokenizer.chat_ids(chat("")))
+            expected_s = 0.5 * config.timing.step_ms(config.timing.prefill_ms(n, n), True, 1) / 1000
             t0 = time.perf_counter()
             async with http.post(url, json=chat(f"{i} {prompt}", max_tokens=2, stream=True)) as resp:
                 await resp.content.readline()

@@ -35,6 +35,23 @@ def test_judge_compares_in_blocks_with_one_block_of_tolerance(predicted, reporte
     assert (v.kind, v.predicted_blocks, v.reported_blocks) == (kind, predicted, reported)
 
 
+@pytest.mark.parametrize("predicted,engine_prompt,prompt,want", [
+    (0, None, 400, 1 + 2),  # one router block, and the engine's 32-token rounding is two router blocks
+    (100, None, 1600, 1 + 2 + 5),  # and 5% of a 100-block prediction
+    (100, 2000, 1600, 1 + 2 + 5),  # the engine's 32 tokens are 25.6 router tokens: still two blocks
+    (40, 800, 1600, 1 + 4 + 2),  # an engine counting half the router's tokens: its block is 4 router blocks
+])
+def test_tolerance_covers_the_engines_block_rounding_and_the_token_ratio(predicted, engine_prompt, prompt, want):
+    assert fb.tolerance_blocks(predicted, engine_prompt, prompt, BT) == want
+
+
+def test_a_report_within_an_engine_block_confirms_a_prediction_one_block_would_not():
+    tolerance = fb.tolerance_blocks(40, 1000, 1000, BT)
+    assert fb.judge(40, 37).kind == fb.OVERPREDICTED
+    assert fb.judge(40, 37, tolerance).kind == fb.CONFIRMED
+    assert fb.judge(40, 40 - tolerance - 1, tolerance).kind == fb.OVERPREDICTED
+
+
 # -- the capacity scale ------------------------------------------------------------------------------------------
 OVER = fb.Verdict(fb.OVERPREDICTED, 10, 0)
 UNDER = fb.Verdict(fb.UNDERPREDICTED, 0, 10)

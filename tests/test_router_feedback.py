@@ -13,7 +13,7 @@ from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
 
-ENGINE_KV = 4096  # tokens: about four of the documents below
+ENGINE_KV = 4096  # tokens: about three of the documents below (~1,370 real tokens each; the router guesses ~750)
 ROUTER_KV = 64 * ENGINE_KV
 DOCS = 6  # cycled in order: the engine's LRU cache never holds the next one
 

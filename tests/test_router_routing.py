@@ -180,80 +180,102 @@ def _metric(router, name: str, **labels) -> float:
 
 
 async def test_a_held_request_waits_for_room_and_goes_when_a_request_finishes():
+    """The former hold, now a case of the admission queue: the conversation waits for its own instance."""
     router, key, tickets = _swamped_router()
     decision = router.decide(key)
-    assert decision.instance == "a" and router.strategy.must_wait(decision, router.fleet)
-    held = asyncio.create_task(router.hold(key, decision))
+    assert decision.instance == "a" and decision.private
+    held = asyncio.create_task(router.admit(key, decision))
     await asyncio.sleep(0.05)
-    assert not held.done() and _metric(router, "warmroute_held_requests") == 1
+    assert not held.done() and _metric(router, "warmroute_queue_waiting", priority="0", tenant="") == 1
     tickets[0].finish()  # 0.87x + the prompt: room now
     sent, waited = await asyncio.wait_for(held, 1.0)
     assert sent.instance == "a" and sent.private and 0.05 <= waited < 1.0
-    assert _metric(router, "warmroute_held_requests") == 0
-    assert _metric(router, "warmroute_hold_seconds_count", outcome="same") == 1
+    assert _metric(router, "warmroute_queue_waiting", priority="0", tenant="") == 0
+    assert _metric(router, "warmroute_admissions_total", how="kv") == 1
+    assert _metric(router, "warmroute_queue_wait_seconds_count", priority="0", tenant="", outcome="admitted") == 1
+    assert router.admission.idle()
 
 
-async def test_a_held_request_goes_anyway_after_hold_timeout():
-    router, key, _ = _swamped_router(hold_timeout=0.3)
+async def test_a_held_request_goes_elsewhere_after_hold_timeout():
+    """Past hold_timeout the KV limit no longer binds it: `a` still has request slots, and takes it."""
+    router, key, _ = _swamped_router(hold_timeout=0.3, hold_keep=100.0)
+    router.fleet.mean_ttft_s = 1.0
     loop = asyncio.get_running_loop()
     start = loop.time()
-    sent, waited = await asyncio.wait_for(router.hold(key, router.decide(key)), 2.0)
+    sent, waited = await asyncio.wait_for(router.admit(key, router.decide(key)), 2.0)
     assert sent.instance == "a" and 0.29 <= waited <= loop.time() - start < 1.0
-    assert _metric(router, "warmroute_hold_seconds_count", outcome="timeout") == 1
 
 
-async def test_a_client_that_leaves_while_held_leaves_nothing_behind():
+async def test_a_client_that_leaves_while_queued_leaves_nothing_behind():
     router, key, tickets = _swamped_router()
-    held = asyncio.create_task(router.hold(key, router.decide(key)))
+    held = asyncio.create_task(router.admit(key, router.decide(key)))
     await asyncio.sleep(0.05)
     held.cancel()
     with pytest.raises(asyncio.CancelledError):
         await held
-    assert _metric(router, "warmroute_held_requests") == 0
+    assert _metric(router, "warmroute_queue_waiting", priority="0", tenant="") == 0
+    assert _metric(router, "warmroute_sheds_total", reason="client_closed", priority="0") == 1
     for t in tickets:
         t.finish()
     a = router.fleet.instances["a"]
-    assert a.inflight == 0 and a.inflight_prompt_tokens == 0  # the held request was never counted in flight
+    assert a.inflight == 0 and a.inflight_prompt_tokens == 0 and router.admission.idle()
 
 
-async def test_hold_kv_limit_1000_or_hold_timeout_0_never_holds():
-    for settings in ({"hold_kv_limit": 1000.0}, {"hold_timeout": 0.0}):
+async def test_hold_kv_limit_1000_or_admission_off_never_waits():
+    for settings in ({"hold_kv_limit": 1000.0}, {"admission": False}):
         router, key, _ = _swamped_router(**settings)
         decision = router.decide(key)
-        assert await asyncio.wait_for(router.hold(key, decision), 0.1) == (decision, 0.0)
+        assert await asyncio.wait_for(router.admit(key, decision), 0.1) == (decision, 0.0)
 
 
-@pytest.mark.parametrize("hold_keep", [0.0, 10.0])
-async def test_a_held_request_keeps_its_instance_for_hold_keep_seconds(hold_keep):
-    """While held, the conversation's prefix moves (the index now says only `b` holds it, and `b` is idle).
-    Decided again at the next wake-up (hold_keep 0), it goes to `b` at once; keeping its first decision
-    (hold_keep 10 x the fleet's mean time to first token, 1 s), it waits for room on `a` and goes there when a
-    request finishes."""
-    router, key, tickets = _swamped_router(hold_keep=hold_keep)
-    router.fleet.mean_ttft_s = 1.0
-    held = asyncio.create_task(router.hold(key, router.decide(key)))
-    await asyncio.sleep(0.05)
-    router.fleet.index.forget("a", key.blocks())
-    router.fleet.index.record("b", key.blocks())
-    router._wake_held()  # as if a request had finished somewhere, without making room on `a`
-    await asyncio.sleep(0.05)
-    if hold_keep == 0.0:
-        sent, _ = await asyncio.wait_for(held, 1.0)
-        assert sent.instance == "b" and _metric(router, "warmroute_hold_seconds_count", outcome="moved") == 1
-    else:
-        assert not held.done()
-        tickets[0].finish()
-        sent, _ = await asyncio.wait_for(held, 1.0)
-        assert sent.instance == "a" and _metric(router, "warmroute_hold_seconds_count", outcome="same") == 1
+async def test_a_full_fleet_queues_then_refuses_with_429_past_its_bounds_and_deadline():
+    router = make_router(concurrency_threshold=1, queue_max_requests=1, queue_timeout=0.3)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
+    key = router.key_of("/v1/chat/completions", body, None)
+    tickets = [router.dispatch(Decision(n, CACHE_HIT)) for n in "ab"]  # a and b each at the threshold
+    first = asyncio.create_task(router.admit(key, router.decide(key), size_bytes=len(body)))
+    await asyncio.sleep(0.02)
+    with pytest.raises(ApiError) as full:
+        await router.admit(key, router.decide(key))
+    assert full.value.status == 429 and full.value.headers["Retry-After"] == "1"
+    with pytest.raises(ApiError) as late:
+        await asyncio.wait_for(first, 2.0)
+    assert late.value.status == 429 and "queue_timeout" in late.value.message
+    assert _metric(router, "warmroute_sheds_total", reason="queue_full", priority="0") == 1
+    assert _metric(router, "warmroute_sheds_total", reason="deadline", priority="0") == 1
+    for t in tickets:
+        t.finish()
+    assert router.admission.idle() and all(i.inflight == 0 for i in router.fleet.instances.values())
 
 
-async def test_a_held_request_leaves_an_instance_that_stops_taking_requests():
-    """Even within hold_keep: its instance going unhealthy sends it where it is decided now."""
-    router, key, _ = _swamped_router(hold_keep=10.0)
-    router.fleet.mean_ttft_s = 1.0
-    held = asyncio.create_task(router.hold(key, router.decide(key)))
-    await asyncio.sleep(0.05)
-    router.fleet.instances["a"].healthy = False
-    router._wake_held()
-    sent, _ = await asyncio.wait_for(held, 1.0)
-    assert sent.instance == "b" and _metric(router, "warmroute_hold_seconds_count", outcome="moved") == 1
+async def test_a_higher_priority_request_takes_a_lower_ones_place_in_a_full_queue():
+    router = make_router(concurrency_threshold=1, queue_max_requests=1)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
+    key = router.key_of("/v1/chat/completions", body, None)
+    tickets = [router.dispatch(Decision(n, CACHE_HIT)) for n in "ab"]
+    low = asyncio.create_task(router.admit(key, router.decide(key), priority=-1))
+    await asyncio.sleep(0.02)
+    high = asyncio.create_task(router.admit(key, router.decide(key), priority=1))
+    with pytest.raises(ApiError) as refused:
+        await asyncio.wait_for(low, 1.0)
+    assert refused.value.status == 429 and "higher-priority" in refused.value.message
+    tickets[0].finish()
+    sent, waited = await asyncio.wait_for(high, 1.0)
+    assert waited > 0 and router.admission.reserved == {}
+    tickets[1].finish()
+    assert router.admission.idle()
+
+
+async def test_waiters_get_503_when_every_instance_goes_down():
+    router = make_router(concurrency_threshold=1)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
+    key = router.key_of("/v1/chat/completions", body, None)
+    for n in "ab":
+        router.dispatch(Decision(n, CACHE_HIT))
+    waiting = asyncio.create_task(router.admit(key, router.decide(key)))
+    await asyncio.sleep(0.02)
+    for inst in router.fleet.instances.values():
+        inst.healthy = False
+    with pytest.raises(ApiError) as gone:
+        await asyncio.wait_for(waiting, 2.0)
+    assert gone.value.status == 503 and router.admission.idle()

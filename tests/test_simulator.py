@@ -98,9 +98,12 @@ def test_hot_prompt_on_small_caches_is_copied_not_concentrated(seed):
 def test_hot_prompt_at_a_fixed_rate_is_spread_by_its_popularity(rate):
     """At a load where queues stay short, every hot-prompt request is cheapest on the instances that already
     hold it, so the cost rule alone kept it on two of four (request counts 1.4-1.6x the mean). The guard for
-    hot prefixes copies it further (1.20-1.25 measured over six seeds), at the same hit rate. The guard is
-    compared on its own (no holding in the router: unguarded, a hot prompt's holders fill up and holding then
-    changes that variant); with the shipped settings holding changes next to nothing here."""
+    hot prefixes copies it further (1.20-1.25 measured over six seeds), at nearly the same hit rate: its copies
+    cost 0-1.5 points over seeds 1-3 at both rates with the engine's vLLM-like free queue, which evicts a cached
+    block when it reaches the queue's front even while empty blocks wait behind it (0-0.6 points with the
+    earlier cache model, which evicted only when no empty block was left). The guard is compared on its own (no
+    holding in the router: unguarded, a hot prompt's holders fill up and holding then changes that variant);
+    with the shipped settings holding changes next to nothing here."""
     settings = SimSettings(instances=4, requests=3000, rate=rate, kv_capacity_tokens=10240, max_running=8, seed=1,
                            routing=StrategySettings(hold_kv_limit=1000.0))
     workload = lambda: make_workload("hot", seed=1, hot=0.6, max_tokens=2)  # noqa: E731
@@ -109,7 +112,7 @@ def test_hot_prompt_at_a_fixed_rate_is_spread_by_its_popularity(rate):
     shipped = Simulation(settings.changed("hold_kv_limit", CacheAwareSettings().hold_kv_limit), workload(), "cache_aware")
     on, off, as_shipped = summarize(guarded.run()), summarize(unguarded.run()), summarize(shipped.run())
     assert on.load_spread <= 1.3 < off.load_spread
-    assert on.hit_rate > off.hit_rate - 0.01
+    assert on.hit_rate > off.hit_rate - 0.02
     assert as_shipped.hit_rate == pytest.approx(on.hit_rate, abs=0.002)
     assert as_shipped.ttft_p99_ms == pytest.approx(on.ttft_p99_ms, rel=0.02)
 

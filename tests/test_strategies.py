@@ -146,53 +146,6 @@ def test_cache_aware_lets_a_private_prefix_go_when_its_holder_is_swamped():
     assert never.choose(k, f).instance == a
 
 
-def test_cache_aware_holds_a_private_prefix_back_while_its_holder_is_full():
-    """A conversation kept on the one instance holding its history is marked private, and must wait (in the
-    router) while the prompts in flight there, with it, would need more than hold_kv_limit x its KV cache;
-    never when nothing is in flight there, never for a prompt others hold too or nobody holds."""
-    f, s, a, b, k, holder = _conversation_on_the_first_of_two()
-    holder.inflight_prompt_tokens = 14_000 - k.tokens  # with it: exactly 1.4 x its KV cache
-    d = s.choose(k, f)
-    assert d.instance == a and d.reason == CACHE_HIT and d.private and not s.must_wait(d, f)
-    holder.inflight_prompt_tokens += 1
-    assert s.must_wait(s.choose(k, f), f)
-    holder.inflight, holder.inflight_prompt_tokens = 0, 0  # nothing in flight: however large, it goes
-    assert not s.must_wait(s.choose(k, f), f)
-    holder.inflight, holder.inflight_prompt_tokens = 4, 17_000
-    never = make_strategy("cache_aware", StrategySettings(balance_factor=10.0, hold_kv_limit=1000.0))
-    assert never.choose(k, f).private and not never.must_wait(never.choose(k, f), f)
-    cold = s.choose(key("another system prompt " * 40), f)
-    assert cold.reason == COLD and not cold.private and not s.must_wait(cold, f)
-    f.index.record(b, k.blocks())  # both hold it now: a shared prefix is never held back
-    shared = s.choose(k, f)
-    assert not shared.private and not s.must_wait(shared, f)
-    for other in ("prefix", "least_loaded", "round_robin"):  # only cache_aware holds requests back
-        other_s = make_strategy(other)
-        assert not other_s.must_wait(other_s.choose(k, f), f)
-
-
-def test_a_held_request_keeps_its_decision_for_hold_keep_times_the_mean_ttft():
-    """The fleet's mean time to first token: a plain mean of the first 100 measurements, then a running one;
-    a held decision is kept while the wait is under hold_keep (1.5) x that mean and its instance takes requests."""
-    f = fleet(2)
-    s = make_strategy("cache_aware")
-    a = sorted(f.instances)[0]
-    d = s.choose(key(SYSTEM), f)
-    assert not s.keeps(d, f, 0.0)  # nothing measured yet: decided again at once
-    for seconds in (0.5, 1.5):
-        f.first_token(a, 0, seconds)
-    assert f.mean_ttft_s == pytest.approx(1.0)
-    f.first_token(a, 0)  # not measured: the mean stands
-    assert f.mean_ttft_s == pytest.approx(1.0)
-    assert s.keeps(d, f, 1.49) and not s.keeps(d, f, 1.5)
-    f.instances[d.instance].draining = True
-    assert not s.keeps(d, f, 0.0)
-    for _ in range(1000):
-        f.first_token(a, 0, 3.0)
-    assert f.mean_ttft_s == pytest.approx(3.0, rel=1e-3)
-    assert not make_strategy("least_loaded").keeps(d, f, 0.0)
-
-
 @pytest.mark.parametrize("slack", [0, 2])
 def test_cache_aware_bounded_load_guard(slack):
     f = fleet(4)

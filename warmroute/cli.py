@@ -15,11 +15,14 @@ from warmroute.errors import UsageError
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("warmroute.router.cli", "run the prefix-aware routing proxy"),
+    "epp": ("warmroute.gateway.cli", "run as the endpoint picker of an Envoy gateway (ext_proc, Gateway API "
+                                     "Inference Extension)"),
     "engine": ("warmroute.engine.cli", "run emulated OpenAI-compatible inference instances"),
     "bench": ("warmroute.bench.cli", "drive a workload through an endpoint and report TTFT, throughput, hit rate"),
     "demo": ("warmroute.bench.demo", "start a local emulated fleet and compare routing strategies on it"),
     "simulate": ("warmroute.sim.cli", "simulate a fleet in virtual time and compare strategies"),
-    "make-tiny-model": ("warmroute.realengine.cli", "write a tiny random-weight GGUF model for llama.cpp"),
+    "fleet": ("warmroute.realengine.fleet_cli", "start a local fleet of real vLLM instances on this machine's CPUs"),
+    "make-tiny-model": ("warmroute.realengine.cli", "write a tiny random-weight model (GGUF for llama.cpp, HF for vLLM)"),
 }
 
 

@@ -13,6 +13,7 @@ from warmroute.bench.stats import RequestRecord
 from warmroute.workloads import WorkloadRequest
 
 INSTANCE_HEADER = "x-warmroute-instance"
+TENANT_HEADER = "x-tenant"  # the router's default tenant_header
 PREDICTED_HEADER = "x-warmroute-predicted-hit"
 
 
@@ -28,9 +29,10 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: WorkloadReque
                t0: float, timeout_s: float) -> RequestRecord:
     """Issue `req` and measure it; never raises for a failed request (the record says what went wrong)."""
     start = time.perf_counter()
-    rec = RequestRecord(tag=req.tag, start_s=start - t0)
+    rec = RequestRecord(tag=req.tag, start_s=start - t0, tenant=req.tenant)
+    headers = {TENANT_HEADER: req.tenant} if req.tenant else None
     try:
-        async with session.post(base_url + req.path, json=streaming_body(req, model),
+        async with session.post(base_url + req.path, json=streaming_body(req, model), headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             rec.instance = resp.headers.get(INSTANCE_HEADER)
             rec.predicted_hit = _ratio(resp.headers.get(PREDICTED_HEADER))

@@ -64,8 +64,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_for(workload: Workload, concurrency: int) -> FleetPlan:
-    ws = workload.working_set_tokens(concurrency)
-    return FleetPlan(kv_capacity_tokens=max(4096, ws // INSTANCES), concurrency=concurrency)
+    ws = workload.working_set_tokens(concurrency) * engine_tokens_per_estimated_token(workload)
+    return FleetPlan(kv_capacity_tokens=max(4096, int(ws) // INSTANCES), concurrency=concurrency)
+
+
+def engine_tokens_per_estimated_token(workload: Workload, sample: int = 200) -> float:
+    """How many tokens the emulated engine's tokenizer makes of what the workload sizes at ~4 bytes a token,
+    over its first requests, so that the engines' caches (counted in their own tokens) hold the share of the
+    working set the demo says."""
+    from warmroute.core.routing_key import key_for_json
+    from warmroute.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    engine = estimated = 0
+    for session in workload.sessions():
+        for r in session.requests:
+            ids = (tokenizer.chat_ids(r.body) if "messages" in r.body
+                   else tokenizer.completion_ids(r.body.get("prompt")))
+            engine += len(ids)
+            estimated += key_for_json(r.path, r.body).tokens
+            sample -= 1
+        if sample <= 0:
+            break
+    return engine / estimated if estimated else 1.0
 
 
 def run(args: argparse.Namespace) -> int:

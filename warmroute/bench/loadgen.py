@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -43,6 +43,7 @@ class BenchSettings:
     engine_metrics: list[str] = field(default_factory=list)  # /metrics URLs of the instances behind target
     label: str = ""
     progress: bool = False
+    route: Callable[[WorkloadRequest], str] | None = None  # a client that picks each request's base URL itself
 
     def mode(self, workload: Workload) -> str:
         if self.rate:
@@ -203,7 +204,8 @@ class _Run:
         measured = self.now() >= self.warm_end
         start = self.now()
         try:
-            rec = await send(self.session, self.target, req, model=self.model, t0=self.t0, timeout_s=self.s.timeout_s)
+            target = self.s.route(req) if self.s.route else self.target
+            rec = await send(self.session, target, req, model=self.model, t0=self.t0, timeout_s=self.s.timeout_s)
         except asyncio.CancelledError:  # still running when the drain ended: a failure to report, not to hide
             self.records.append((measured, RequestRecord(req.tag, start, error="unfinished")))
             raise

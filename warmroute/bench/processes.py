@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,14 +22,16 @@ from warmroute.errors import UsageError
 
 
 class Child:
-    def __init__(self, name: str, args: list[str], log_dir: Path, module: str = "warmroute") -> None:
-        """Run `python -m MODULE ARGS` in its own session, output to NAME.log in log_dir."""
+    def __init__(self, name: str, args: list[str], log_dir: Path, module: str = "warmroute",
+                 python: str = sys.executable, env: dict[str, str] | None = None) -> None:
+        """Run `PYTHON -m MODULE ARGS` in its own session, output to NAME.log in log_dir; `env` is added to
+        this process's environment."""
         self.name = name
         self.log = log_dir / f"{name}.log"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
+            self.proc = subprocess.Popen([python, "-m", module, *args], stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, env={**os.environ, **(env or {})})
 
     def __enter__(self) -> Child:
         return self
@@ -37,13 +40,22 @@ class Child:
         self.stop()
 
     def stop(self, grace_s: float = 3.0) -> None:
+        """SIGTERM to the child's whole session (engines have worker processes of their own), SIGKILL to what is
+        left after `grace_s`."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        self.signal_group(signal.SIGKILL)  # also any grandchild the child left behind
+        self.proc.wait()
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # its own session: the group id is its pid
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def log_text(self) -> str:
         try:

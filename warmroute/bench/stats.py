@@ -20,6 +20,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     instance: str | None = None  # x-warmroute-instance response header
     error: str | None = None  # kind of failure ("http_503", "timeout", "connect", ...), None if it succeeded
+    tenant: str = ""  # the workload request's tenant (sent as x-tenant)
     predicted_hit: float | None = None  # x-warmroute-predicted-hit: share of the prompt the router predicted cached
 
     @property

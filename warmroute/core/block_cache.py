@@ -1,9 +1,8 @@
 """The prefix-cache model: which full KV blocks a server holds, by chained block hash.
 
-One class serves three users, so they cannot drift apart:
-  * the emulated engine (pins the blocks of running sequences, as vLLM's block manager does),
-  * the router's prefix index (one BlockCache per instance, no pins: an estimate of the engine's cache),
-  * the simulator (through the engine model).
+The router's prefix index keeps one BlockCache per instance, without pins: its estimate of that engine's
+cache. (The pinning API models a block manager's in-use blocks; the emulated engine has its own, vLLM-like
+pool in warmroute/engine/block_pool.py, so that the router's model is tested against one it did not write.)
 
 Eviction is LRU over unpinned blocks. Chains are touched tail-first, so a parent block is always at least
 as recent as its children and is evicted after them: a cached chain is always a prefix, never a hole.

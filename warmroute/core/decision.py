@@ -37,7 +37,7 @@ class Decision:
     prompt_tokens: int = 0
     blocks: Sequence[int] = ()  # the chain to record for the chosen instance
     # Kept on the one instance holding its prefix at the private miss weight: it may wait in the router for room
-    # there (Strategy.must_wait) rather than be queued where its history would be evicted.
+    # there (core/admission.py) rather than be queued where its history would be evicted.
     private: bool = False
 
     @property

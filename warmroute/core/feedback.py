@@ -2,8 +2,9 @@
 
 The engine reports cached tokens (`usage.prompt_tokens_details.cached_tokens`, llama.cpp's `timings.cache_n`)
 in its own tokens; the index predicts whole blocks of the router's routing key. So the report is converted
-to the share of the prompt it covers, then to router blocks, and compared with one block of tolerance:
-vLLM never counts the last prompt token as cached and engines round to their own block size.
+to the share of the prompt it covers, then to router blocks, and compared with a tolerance (`tolerance_blocks`):
+vLLM never counts the last prompt token as cached, engines round down to their own block size, and a prompt's
+parts tokenize at different rates, so the whole prompt's ratio misplaces a cached prefix's end a little.
 
 Pure values in, a verdict out; `Fleet.feedback` applies it to the index.
 """
@@ -17,6 +18,8 @@ OVERPREDICTED = "overpredicted"  # the index predicted blocks the engine no long
 UNDERPREDICTED = "underpredicted"  # the engine had blocks the index had forgotten
 VERDICTS = (CONFIRMED, OVERPREDICTED, UNDERPREDICTED)
 TOLERANCE_BLOCKS = 1
+ENGINE_BLOCK_TOKENS = 32  # the engine's rounding, in its tokens: vLLM's GPU default is 16, its CPU backend 32+
+RATIO_SLACK = 0.05  # share of the predicted match lost to converting by the whole prompt's token ratio
 # The router's capacity figures (kv_capacity_tokens) are scaled by one learnt factor. A misconfiguration is
 # usually one number for the whole fleet (the default capacity, or the KV bytes per token behind it), and
 # wrong predictions are rare events, so every instance's reports train the one factor. It moves by a relative
@@ -47,10 +50,20 @@ def reported_blocks(cached_tokens: int, engine_prompt_tokens: int | None, prompt
     return max(0, min(chain_blocks, int(cached_tokens // block_tokens)))
 
 
-def judge(predicted_blocks: int, reported: int) -> Verdict:
-    if reported < predicted_blocks - TOLERANCE_BLOCKS:
+def tolerance_blocks(predicted_blocks: int, engine_prompt_tokens: int | None, prompt_tokens: int,
+                     block_tokens: int) -> int:
+    """How far a report may fall from the prediction and still confirm it: one router block, one engine block
+    (in router blocks) and a share of the prediction. Without it, reports from an engine with a real tokenizer
+    judged about 30% of correct predictions wrong and shrank an index that was right (docs/feedback.md)."""
+    ratio = prompt_tokens / engine_prompt_tokens if engine_prompt_tokens else 1.0
+    engine_block = -(-ENGINE_BLOCK_TOKENS * ratio // block_tokens)
+    return TOLERANCE_BLOCKS + int(engine_block) + int(RATIO_SLACK * predicted_blocks)
+
+
+def judge(predicted_blocks: int, reported: int, tolerance: int = TOLERANCE_BLOCKS) -> Verdict:
+    if reported < predicted_blocks - tolerance:
         return Verdict(OVERPREDICTED, predicted_blocks, reported)
-    if reported > predicted_blocks + TOLERANCE_BLOCKS:
+    if reported > predicted_blocks + tolerance:
         return Verdict(UNDERPREDICTED, predicted_blocks, reported)
     return Verdict(CONFIRMED, predicted_blocks, reported)
 

@@ -8,7 +8,8 @@ the load-balancing policy). The I/O shell and the simulator report what happens 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from warmroute.core import feedback as fb
@@ -123,6 +124,19 @@ class Fleet:
         serving = self.serving(model) if model is not None else None
         return routable_of(self.instances, serving)
 
+    @contextmanager
+    def only(self, name: str) -> Iterator[None]:
+        """For one synchronous choice, every instance but `name` looks draining (so any strategy chooses it,
+        with its own reasons and books)."""
+        others = [i for n, i in self.instances.items() if n != name and not i.draining]
+        for i in others:
+            i.draining = True
+        try:
+            yield
+        finally:
+            for i in others:
+                i.draining = False
+
     # -- which instance serves which model ------------------------------------------------------------------
     def set_models(self, name: str, models: frozenset[str] | None) -> None:
         """What an instance serves (None: unknown). Instances of one fleet may serve different models (or
@@ -219,9 +233,11 @@ class Fleet:
         had predicted `predicted_tokens`: correct the index's idea of that instance's cache. `queued_ahead`:
         requests sent there before this one that had no first token yet when it was sent."""
         bt = self.block_tokens
-        reported = fb.reported_blocks(cached_tokens, engine_prompt_tokens, prompt_tokens or len(blocks) * bt,
-                                      bt, len(blocks))
-        verdict = fb.judge(predicted_tokens // bt, reported)
+        prompt_tokens = prompt_tokens or len(blocks) * bt
+        reported = fb.reported_blocks(cached_tokens, engine_prompt_tokens, prompt_tokens, bt, len(blocks))
+        predicted = predicted_tokens // bt
+        tolerance = fb.tolerance_blocks(predicted, engine_prompt_tokens, prompt_tokens, bt)
+        verdict = fb.judge(predicted, reported, tolerance)
         if name not in self.instances or not self.settings.feedback:
             return verdict
         # The chain itself is held now either way (the engine just computed it), so it stays recorded; a wrong

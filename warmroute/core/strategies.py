@@ -6,7 +6,7 @@ doing no I/O, so the HTTP router and the simulator make exactly the same decisio
   cache_aware  (default) lowest estimated time to first token, from the prefix index and queued prefill,
                under a bounded-load guard; ties and cold prefixes placed by rendezvous on the prefix. A
                conversation kept on its instance may wait in the router while that instance is full
-               (must_wait; the shell does the waiting: router/routing.py Router.hold, sim/simulator.py).
+               (core/admission.py decides; the shells, router/routing.py and sim/simulator.py, wait).
   prefix       the reference's behaviour: rendezvous on the first PrefixLength characters, spilling along
                that prefix's own rendezvous order past ConcurrencyThreshold.
   session      rendezvous on the session id (x-session-id header or `user` field).
@@ -91,7 +91,8 @@ class CacheAwareSettings(BaseModel):
                     "whenever a request finishes. 0: decided again every time.")
     hold_timeout: float = Field(
         5.0, ge=0.0, le=3600,
-        description="Seconds a request may be held (hold_kv_limit) before it goes to its instance anyway.")
+        description="Seconds a request waiting on hold_kv_limit waits for its own instance with that limit "
+                    "applied; then its own instance, or any other, takes it as soon as it has a free slot.")
     scorers: dict[str, float] = Field(
         default_factory=lambda: {"estimated_ttft": 1.0},
         description="The scorers that cost each instance, with their weights (NAME=WEIGHT,...; in YAML a "
@@ -190,8 +191,7 @@ def own_setting(name: str) -> tuple[str, str] | None:
 
 
 class Strategy:
-    """A named pipeline. `choose` runs it over the routable instances; `must_wait` and `keeps` let a strategy
-    hold a request back in the shell (only cache_aware does)."""
+    """A named pipeline: `choose` runs it over the routable instances."""
 
     def __init__(self, name: str, settings: StrategySettings, pipeline: Pipeline, records_prefixes: bool = False
                  ) -> None:
@@ -208,26 +208,15 @@ class Strategy:
     def decision(self, req: Request, instance: str, reason: str) -> Decision:
         return Decision(instance, reason, 0, req.prompt)
 
-    def must_wait(self, decision: Decision, fleet: Fleet) -> bool:
-        """Whether the request should wait in the router before going to `decision`'s instance (and then be
-        decided again)."""
-        return False
-
-    def keeps(self, decision: Decision, fleet: Fleet, waited: float) -> bool:
-        """Whether a request held `waited` seconds keeps `decision` rather than being decided again."""
-        return False
-
 
 class CacheAwareStrategy(Strategy):
     """Lowest estimated time to first token, never at the cost of drowning an instance (its stages: the
     registry's prefix_match, load_guard, hot_share, the `scorers` setting's (estimated_ttft), tie_slack,
     least_loaded_ties, rendezvous; docs/architecture.md).
 
-    A prompt kept on the one instance holding its prefix at the private miss weight (`Decision.private`) is
-    held back in the router while the prompts in flight there, with it, would need more than `hold_kv_limit`
-    x its KV cache (`must_wait`): queued in the engine, it would lose its history to the requests admitted ahead
-    of it. It looks again whenever a request finishes, keeping its instance for `hold_keep` x the fleet's mean
-    time to first token (`keeps`), then is decided again each time.
+    A prompt kept on the one instance holding its prefix at the private miss weight (`Decision.private`) may
+    wait in the router while the prompts in flight there, with it, would need more than `hold_kv_limit` x its
+    KV cache: core/admission.py decides, with these settings.
     """
 
     @property
@@ -239,23 +228,6 @@ class CacheAwareStrategy(Strategy):
         matched = min(req.prompt, req.depths.get(instance, 0) * req.block_tokens)
         return Decision(instance, reason, matched, req.prompt, req.blocks,
                         req.holder == PRIVATE and reason == CACHE_HIT)
-
-    def must_wait(self, decision: Decision, fleet: Fleet) -> bool:
-        """A prompt kept on the one instance holding its prefix waits while the prompts in flight there, with it,
-        would need more than `hold_kv_limit` x its KV cache, unless nothing is in flight there."""
-        if not decision.private:
-            return False
-        inst = fleet.instances.get(decision.instance)
-        if inst is None or not inst.inflight or inst.kv_capacity_tokens <= 0:
-            return False
-        limit = self.settings.cache_aware.hold_kv_limit
-        return kv_pressure(inst) + decision.prompt_tokens / inst.kv_capacity_tokens > limit
-
-    def keeps(self, decision: Decision, fleet: Fleet, waited: float) -> bool:
-        """A held request keeps its first decision while its instance takes requests and it has waited less
-        than hold_keep x the fleet's mean time to first token; then it is decided again at each look."""
-        inst = fleet.instances.get(decision.instance)
-        return inst is not None and inst.routable and waited < self.settings.cache_aware.hold_keep * fleet.mean_ttft_s
 
 
 @dataclass(frozen=True)

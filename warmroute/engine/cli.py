@@ -9,6 +9,7 @@ import signal
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.profiles import PROFILES
 from warmroute.engine.server import DEFAULT_MODEL, Fleet, start_fleet
+from warmroute.engine.tokenizer import PromptTokenizer, TokenizerError, load_tokenizer
 from warmroute.errors import UsageError
 
 
@@ -18,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=1, metavar="K", help="instances, on consecutive ports")
     parser.add_argument("--name", help="instance name (with --count K: prefix of NAME-0..; default engine-i)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name served (default %(default)s)")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="model directory whose tokenizer.json and tokenizer_config.json (chat template) the "
+                             "engine tokenizes with (default: the tiny model's, as make-tiny-model --format hf "
+                             "writes it)")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="8b",
                         help="hardware calibration: " + "; ".join(f"{p.name}: {p.description}"
                                                                  for p in PROFILES.values()))
@@ -40,8 +45,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must leave room for {args.count} consecutive ports below 65536")
     if args.time_scale < 0:
         raise UsageError("--time-scale must be >= 0")
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+    except TokenizerError as exc:
+        raise UsageError(str(exc)) from None
     with _event_loop_runner() as runner:
-        return runner.run(_serve(args, config))
+        return runner.run(_serve(args, config, tokenizer))
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -58,10 +67,10 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         raise UsageError(str(exc)) from None
 
 
-async def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
+async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: PromptTokenizer) -> int:
     try:
-        fleet: Fleet = await start_fleet(args.count, args.port, host=args.host, config=config, name=args.name,
-                                         model_name=args.model, time_scale=args.time_scale)
+        fleet: Fleet = await start_fleet(args.count, args.port, host=args.host, config=config, tokenizer=tokenizer,
+                                         name=args.name, model_name=args.model, time_scale=args.time_scale)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}: {exc}") from None
     for server in fleet.servers:

@@ -3,12 +3,13 @@
 The HTTP server drives it in (scaled) real time; the simulator drives it in virtual time. Both see the same
 behaviour, modelled on vLLM's V1 scheduler:
 
-  * Paged KV cache = the shared `BlockCache` (capacity kv_capacity_tokens // block_size blocks). A sequence
-    is identified by the chained hashes of its prompt's full blocks (`routing_key.key_for_json(...)
-    .blocks(config.block_bytes)`, the router's own function) and its prompt length in tokens.
+  * Paged KV cache = the engine's own `block_pool.BlockPool` (kv_capacity_tokens // block_size blocks, an
+    LRU free queue, reference counts). A sequence is identified by the chained hashes of its prompt's full
+    blocks (the HTTP engine: `kv_hash.block_hashes` of its token ids) and its prompt length in tokens.
   * Admission: at most `max_running` sequences run; the rest wait, first come first served (the head blocks
-    the queue, as in vLLM). A sequence is admitted only when its cached prefix can be pinned and blocks for
-    the rest of its prompt and all its output tokens reserved, evicting unpinned cached blocks LRU.
+    the queue, as in vLLM). A sequence is admitted only when it can take its cached prefix and fresh blocks
+    for the rest of its prompt and all its output tokens, from the front of the free queue (evicting what
+    those held).
   * Prefix hits: the leading cached full blocks, at most (prompt_tokens - 1) // block_size of them (vLLM
     always recomputes the last prompt token). Counted in tokens, once per request, at admission, like
     vLLM's prefix_cache_queries_total / prefix_cache_hits_total.
@@ -26,7 +27,7 @@ API:
     model.step(max_decode_steps=1) -> StepResult               # duration (s) and events
     model.fusible_decode_steps() -> int                        # pure-decode steps before the batch changes
     model.decode_step_seconds                                  # duration of one such step
-    model.idle, num_running, num_waiting, kv_usage, stats (EngineStats), config, cache
+    model.idle, num_running, num_waiting, kv_usage, stats (EngineStats), config, pool (BlockPool)
 
 Fusing: when no sequence is prefilling and no waiting one can be admitted, the next steps are
 pure decode with an unchanged batch until a sequence finishes; `step(k)` runs min(k, fusible) of them in
@@ -39,8 +40,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from warmroute.core.block_cache import BlockCache
-from warmroute.core.routing_key import BYTES_PER_TOKEN
+from warmroute.engine.block_pool import BlockPool, KVBlock
 from warmroute.engine.profiles import PROFILES, Timing
 
 SeqId = Hashable
@@ -80,11 +80,6 @@ class EngineConfig:
     def capacity_blocks(self) -> int:
         return self.kv_capacity_tokens // self.block_size
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of routing key per block, for `RoutingKey.blocks` (≈ 4 bytes per token)."""
-        return self.block_size * BYTES_PER_TOKEN
-
 
 @dataclass(slots=True)
 class StepResult:
@@ -109,28 +104,28 @@ class EngineStats:
 @dataclass(eq=False, slots=True)
 class _Seq:
     seq_id: SeqId
-    blocks: Sequence[int]
+    blocks: Sequence[Hashable]  # hashes of the prompt's full blocks
     prompt_tokens: int
     max_tokens: int
     need_blocks: int  # blocks for prompt and output together
     cached_tokens: int = 0
     computed: int = 0  # prompt tokens in the KV cache (cached + prefilled)
     generated: int = 0  # > 0 once prefill is complete
-    pinned: int = 0  # leading chain blocks pinned in the cache
-    reserved: int = 0  # blocks held outside the prefix cache
+    kv: list[KVBlock] = field(default_factory=list)  # its blocks in the pool, in token order, once admitted
+    hashed: int = 0  # leading blocks of `kv` that hold a cached (hashed) prompt block
 
 
 class EngineModel:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.cache = BlockCache(config.capacity_blocks)
+        self.pool = BlockPool(config.capacity_blocks)
         self.stats = EngineStats()
         # dicts keep insertion order: FIFO for waiting, admission order for running
         self._waiting: dict[SeqId, _Seq] = {}
         self._running: dict[SeqId, _Seq] = {}
 
     # -- requests ------------------------------------------------------------------------------------------
-    def submit(self, seq_id: SeqId, blocks: Sequence[int], prompt_tokens: int, max_tokens: int) -> None:
+    def submit(self, seq_id: SeqId, blocks: Sequence[Hashable], prompt_tokens: int, max_tokens: int) -> None:
         """Queue a sequence. ValueError if its id is in use or it could not fit even in an empty cache."""
         if seq_id in self._waiting or seq_id in self._running:
             raise ValueError(f"sequence {seq_id!r} is already in the engine")
@@ -138,7 +133,7 @@ class EngineModel:
         self._waiting[seq_id] = _Seq(seq_id, blocks, prompt_tokens, max_tokens, need)
         self.stats.requests_submitted += 1
 
-    def check(self, blocks: Sequence[int], prompt_tokens: int, max_tokens: int) -> int:
+    def check(self, blocks: Sequence[Hashable], prompt_tokens: int, max_tokens: int) -> int:
         """ValueError if such a sequence could never run here; else the KV blocks it needs."""
         bs = self.config.block_size
         if prompt_tokens < 1 or max_tokens < 1:
@@ -177,7 +172,7 @@ class EngineModel:
     @property
     def kv_usage(self) -> float:
         """Fraction of blocks in use by running sequences (cached, evictable blocks count as free, as in vLLM)."""
-        return (self.cache.pinned_blocks + self.cache.reserved) / self.cache.capacity
+        return self.pool.usage
 
     @property
     def decode_step_seconds(self) -> float:
@@ -249,24 +244,27 @@ class EngineModel:
         return result
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _pin_plan(self, s: _Seq) -> tuple[int, int]:
-        """(cached leading blocks to pin, blocks to reserve) for admitting `s` now."""
-        hit = min(self.cache.match(s.blocks), (s.prompt_tokens - 1) // self.config.block_size)
-        return hit, s.need_blocks - hit
+    def _hits(self, s: _Seq) -> list[KVBlock]:
+        """The cached blocks `s` would start from: at most (prompt_tokens - 1) // block_size (vLLM recomputes
+        the last prompt token to get its logits)."""
+        return self.pool.cached_prefix(s.blocks, (s.prompt_tokens - 1) // self.config.block_size)
 
     def _head_admissible(self) -> bool:
         if not self._waiting or len(self._running) >= self.config.max_running:
             return False
         s = next(iter(self._waiting.values()))
-        hit, extra = self._pin_plan(s)
-        return self.cache.can_pin(s.blocks[:hit], extra)
+        hits = self._hits(s)
+        return self.pool.can_allocate(hits, s.need_blocks - len(hits))
 
     def _admit(self, s: _Seq) -> bool:
-        hit, extra = self._pin_plan(s)
-        if not self.cache.pin(s.blocks[:hit], extra):
+        hits = self._hits(s)
+        pool = self.pool
+        if not pool.can_allocate(hits, s.need_blocks - len(hits)):
             return False
-        s.pinned, s.reserved = hit, extra
-        s.cached_tokens = s.computed = hit * self.config.block_size
+        pool.take(hits)
+        s.kv = hits + pool.allocate(s.need_blocks - len(hits))
+        s.hashed = len(hits)
+        s.cached_tokens = s.computed = len(hits) * self.config.block_size
         del self._waiting[s.seq_id]
         self._running[s.seq_id] = s
         self.stats.prefix_queries += s.prompt_tokens
@@ -275,15 +273,11 @@ class EngineModel:
         return True
 
     def _cache_computed(self, s: _Seq) -> None:
-        """Move newly computed full prompt blocks from the sequence's reservation into the prefix cache."""
+        """Newly computed full prompt blocks enter the prefix cache under their hashes."""
         full = min(len(s.blocks), s.computed // self.config.block_size)
-        n = full - s.pinned
-        if n <= 0:
-            return
-        self.cache.unpin((), n)  # release n reserved blocks, then pin the n blocks they became
-        pinned = self.cache.pin(s.blocks[s.pinned:full])
-        assert pinned, "freed reservations always make room for the blocks computed into them"
-        s.pinned, s.reserved = full, s.reserved - n
+        for i in range(s.hashed, full):
+            self.pool.cache(s.kv[i], s.blocks[i])
+            s.hashed = i + 1
 
     def _generate(self, seqs: list[_Seq], k: int, result: StepResult) -> None:
         """Give each sequence k more tokens; finish those that reach max_tokens. (The hot loop.)"""
@@ -302,4 +296,5 @@ class EngineModel:
         result.finished.append(s.seq_id)
 
     def _release(self, s: _Seq) -> None:
-        self.cache.unpin(s.blocks[:s.pinned], s.reserved)
+        self.pool.free(reversed(s.kv))  # tail first: the prompt's head blocks stay cached longest
+        s.kv = []

@@ -4,8 +4,10 @@ Routes: POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1
 /metrics (vLLM's names), and /get_model_info, /get_server_info (with their newer names /model_info,
 /server_info) that SGLang Model Gateway and vllm-router probe at start.
 
-A prompt's blocks come from `routing_key.key_for_json`, the router's own function, so router and engine
-agree on what a prefix is. A client that disconnects cancels its sequence in the model.
+A prompt is what a vLLM server would make of it: the chat template rendered and tokenized with the model's
+own tokenizer (`tokenizer.PromptTokenizer`), cut into blocks of token ids hashed as vLLM hashes them
+(`kv_hash`). Nothing here shares the router's idea of a prefix: the router has to predict it. A client that
+disconnects cancels its sequence in the model.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from typing import Any
 from aiohttp import web
 
 from warmroute import __version__
-from warmroute.core.routing_key import CHAT_ROUTES, key_for_json
 from warmroute.engine.driver import EngineDriver, TokenStream
+from warmroute.engine.kv_hash import block_hashes
 from warmroute.engine.metrics import EngineMetrics
 from warmroute.engine.model import EngineConfig, EngineModel
 from warmroute.engine.openai_format import Completion, error_body, request_options, sse
+from warmroute.engine.tokenizer import PromptTokenizer, load_tokenizer
 
 DEFAULT_MODEL = "warmroute-emulated"
+CHAT_PATH = "/v1/chat/completions"
 MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context prompts are large
 SHUTDOWN_TIMEOUT_S = 2.0
 
@@ -31,10 +35,11 @@ SHUTDOWN_TIMEOUT_S = 2.0
 class EngineServer:
     """One emulated instance: its model, the driver that runs it in real time, and its routes."""
 
-    def __init__(self, config: EngineConfig, *, name: str = "engine-0", model_name: str = DEFAULT_MODEL,
-                 time_scale: float = 1.0) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: PromptTokenizer, *, name: str = "engine-0",
+                 model_name: str = DEFAULT_MODEL, time_scale: float = 1.0) -> None:
         self.name = name
         self.model_name = model_name
+        self.tokenizer = tokenizer
         self.model = EngineModel(config)
         self.driver = EngineDriver(self.model, time_scale)
         self.metrics = EngineMetrics(self.model, model_name)
@@ -65,7 +70,7 @@ class EngineServer:
 
     def _app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_post(CHAT_PATH, self._completions)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
@@ -82,14 +87,19 @@ class EngineServer:
             body = await request.json()
         except ValueError as exc:
             return _error(400, f"request body is not valid JSON: {exc}")
+        chat = request.path == CHAT_PATH
         try:
-            key = key_for_json(request.path, body)  # KeyError_, a ValueError, for a malformed body
+            if not isinstance(body, dict):
+                raise ValueError("the request body must be a JSON object")
             max_tokens, streaming = request_options(body)
-            tokens = self.driver.submit(key.blocks(self.model.config.block_bytes), key.tokens, max_tokens,
-                                        every_token=streaming)
+            limit = self.model.config.kv_capacity_tokens  # a longer prompt is refused before it is tokenized
+            ids = (self.tokenizer.chat_ids(body, limit) if chat
+                   else self.tokenizer.completion_ids(body.get("prompt"), limit))
+            hashes = block_hashes(ids, self.model.config.block_size, cache_salt=_cache_salt(body))
+            tokens = self.driver.submit(hashes, len(ids), max_tokens, every_token=streaming)
         except ValueError as exc:
             return _error(400, str(exc))
-        reply = Completion(request.path in CHAT_ROUTES, self.model_name, key.tokens)
+        reply = Completion(chat, self.model_name, len(ids))
         try:
             if streaming:
                 return await _stream(request, tokens, reply)
@@ -127,7 +137,8 @@ class EngineServer:
         })
 
     def _model_fields(self) -> dict[str, Any]:
-        return {"model_path": self.model_name, "served_model_name": self.model_name, "tokenizer_path": None,
+        return {"model_path": self.model_name, "served_model_name": self.model_name,
+                "tokenizer_path": str(self.tokenizer.directory),
                 "is_generation": True, "preferred_sampling_params": None, "emulated": True}
 
 
@@ -153,6 +164,14 @@ async def _stream(request: web.Request, tokens: TokenStream, reply: Completion) 
     return response
 
 
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's per-request `cache_salt`: prompts with different salts never share cached blocks."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("'cache_salt' must be a non-empty string")
+    return salt
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response(error_body(message, kind, status), status=status)
 
@@ -171,16 +190,18 @@ class Fleet:
 
 
 async def start_fleet(count: int = 1, base_port: int = 0, *, host: str = "127.0.0.1",
-                      config: EngineConfig | None = None, name: str | None = None,
-                      model_name: str = DEFAULT_MODEL, time_scale: float = 1.0) -> Fleet:
+                      config: EngineConfig | None = None, tokenizer: PromptTokenizer | None = None,
+                      name: str | None = None, model_name: str = DEFAULT_MODEL, time_scale: float = 1.0) -> Fleet:
     """Start `count` instances on base_port..base_port+count-1 (0: free ports), named engine-0.. (or NAME-i;
-    just NAME when count is 1). `config` defaults to the 8b profile. OSError if a port cannot be bound."""
+    just NAME when count is 1). `config` defaults to the 8b profile, `tokenizer` to the tiny model's (shared
+    by the instances). OSError if a port cannot be bound."""
     config = config or EngineConfig.from_profile()
+    tokenizer = tokenizer or load_tokenizer()
     fleet = Fleet([])
     try:
         for i in range(count):
             label = name if name and count == 1 else f"{name or 'engine'}-{i}"
-            server = EngineServer(config, name=label, model_name=model_name, time_scale=time_scale)
+            server = EngineServer(config, tokenizer, name=label, model_name=model_name, time_scale=time_scale)
             await server.start(host, base_port + i if base_port else 0)
             fleet.servers.append(server)
     except BaseException:

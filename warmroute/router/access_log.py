@@ -3,7 +3,7 @@
 Why a request went where it went, for the operator who asks: the instance and the reason of the routing
 decision (after a retry, the instance that answered), the share of the prompt the router predicted cached,
 the status, the time to the instance's first byte and the whole duration, and how long it waited in the router
-for room at its instance (`held_ms`, only when it did: hold_kv_limit). Never prompt text, query strings
+for room (`queued_ms`, only when it did: the admission queue). Never prompt text, query strings
 or headers (they carry API keys); the client's address, as any access log has it.
 
 aiohttp calls `log` once per request after its response, error answers included (aiohttp's own access log
@@ -31,7 +31,7 @@ DECISION = RequestKey("warmroute_decision", Decision)
 ATTEMPTS = RequestKey("warmroute_attempts", int)
 STARTED = RequestKey("warmroute_started", float)
 FIRST_BYTE = RequestKey("warmroute_first_byte", float)
-HELD = RequestKey("warmroute_held", float)  # seconds it waited in the router for room (Router.hold), if it did
+WAITED = RequestKey("warmroute_waited", float)  # seconds it waited in the router's queue (Router.admit), if it did
 
 
 class JsonAccessLogger(AbstractAccessLogger):
@@ -55,9 +55,9 @@ class JsonAccessLogger(AbstractAccessLogger):
             first = request.get(FIRST_BYTE)
             if started is not None and first is not None:
                 line["ttfb_ms"] = round((first - started) * 1000, 3)
-            held = request.get(HELD)
-            if held is not None:
-                line["held_ms"] = round(held * 1000, 3)
+            waited = request.get(WAITED)
+            if waited is not None:
+                line["queued_ms"] = round(waited * 1000, 3)
         self.logger.info(json.dumps(line, separators=(",", ":")))
 
 

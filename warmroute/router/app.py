@@ -43,6 +43,7 @@ from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
 from warmroute.router.settings import RouterSettings, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
+from warmroute.router.tenancy import priority_of, tenant_of
 from warmroute.router.upstream import UpstreamPool
 from warmroute.router.background import cancel_all
 
@@ -81,14 +82,16 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     app = request.app
     _check_content_headers(request)
     body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
-    router = app[ROUTER]
+    router, settings = app[ROUTER], app[SETTINGS]
     session = request.headers.get(SESSION_HEADER)
     key = await router.key_off_loop(request.path, body, session)
     key, decision = router.route(request.path, body, session, key)
-    if decision.private:  # its instance may be too full to take it now: wait in the router (Router.hold)
-        decision, waited = await router.hold(key, decision)
+    if key is not None and router.admission.settings.enabled:  # no room at its instance: wait in the router
+        tenant = tenant_of(request.headers, key, settings)
+        priority = priority_of(request.headers, tenant, key, settings)
+        decision, waited = await router.admit(key, decision, priority, tenant, len(body))
         if waited:
-            request[access.HELD] = waited
+            request[access.WAITED] = waited
     app[ACTIVITY].note(key, decision)
     return await app[PROXY].forward(request, body, key, decision)
 
@@ -176,10 +179,14 @@ async def livez(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive", "pid": os.getpid()})
 
 
-async def not_found(request: web.Request) -> web.Response:
+def unknown_path() -> ApiError:
     """A path outside the inference API: never forwarded (an engine's control endpoints live on such paths)."""
-    raise ApiError(404, "unknown path: the router forwards only the inference API (/v1/chat/completions, "
-                        "/v1/completions, /v1/messages, /invocations, ...)", "not_found_error")
+    return ApiError(404, "unknown path: the router forwards only the inference API (/v1/chat/completions, "
+                         "/v1/completions, /v1/messages, /invocations, ...)", "not_found_error")
+
+
+async def not_found(request: web.Request) -> web.Response:
+    raise unknown_path()
 
 
 async def admin_off(request: web.Request) -> web.Response:
@@ -191,7 +198,7 @@ async def admin_off(request: web.Request) -> web.Response:
 async def dashboard_state(request: web.Request) -> web.Response:
     app = request.app
     state = dash.state(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[SETTINGS].strategy,
-                       app[SIBLINGS].fresh())
+                       app[SIBLINGS].fresh(), app[ROUTER].admission)
     return web.json_response(state, headers={"Cache-Control": "no-store"})
 
 
@@ -234,7 +241,10 @@ def _error(request: web.Request, exc: ApiError) -> web.Response:
 
 
 # -- assembly -------------------------------------------------------------------------------------------------
-def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Links | None = None) -> web.Application:
+def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Links | None = None,
+              proxying: bool = True) -> web.Application:
+    """The router's app; without `proxying`, only its control surface (metrics, health, dashboard, admin API):
+    `warmroute epp`, where a gateway carries the requests and the app keeps the fleet."""
     app = web.Application(middlewares=[json_errors], client_max_size=settings.max_body_bytes)
     names = [b.name for b in settings.backends]
     urls = {b.name: b.url for b in settings.backends}
@@ -265,8 +275,9 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
         add_admin_routes(app, settings.admin_token.get_secret_value())
     else:  # never forward the router's own admin paths to an engine
         app.router.add_route("*", "/admin/{tail:.*}", admin_off)
-    for path in sorted(ROUTED_PATHS | FORWARDED_PATHS):  # plain routes: found by a dict lookup
-        app.router.add_route("*", path, proxied)
+    if proxying:
+        for path in sorted(ROUTED_PATHS | FORWARDED_PATHS):  # plain routes: found by a dict lookup
+            app.router.add_route("*", path, proxied)
     app.router.add_route("*", "/{tail:.*}", not_found)  # everything else
     return app
 
@@ -275,7 +286,7 @@ async def _send_snapshots(app: web.Application, links: WorkerLinks) -> None:
     """Every second, this worker's dashboard figures to the other workers (dashboard.py)."""
     while True:
         await asyncio.sleep(dash.SNAPSHOT_EVERY_S)
-        snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS])
+        snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[ROUTER].admission)
         links.send_snapshot(json.dumps(snap, separators=(",", ":")).encode())
 
 
@@ -294,6 +305,12 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
 
         k8s = KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port)
         await k8s.start()
+    inference_pool = None
+    if settings.inference_pool:
+        from warmroute.router.inference_pool import InferencePoolDiscovery
+
+        inference_pool = InferencePoolDiscovery(app[MEMBERSHIP], settings.inference_pool)
+        await inference_pool.start()
     shared: SharedIndex | WorkerLinks | None = None  # index updates to and from the other replicas / workers
     if settings.redis_url is not None:
         shared = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, app[ROUTER].fleet)
@@ -321,6 +338,8 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     await app[DISCOVERY].stop()
     if k8s is not None:
         await k8s.stop()
+    if inference_pool is not None:
+        await inference_pool.stop()
     if shared is not None:
         await shared.stop()
     if links is not None and links is not shared:

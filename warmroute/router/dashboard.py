@@ -1,7 +1,8 @@
 """The live status page: GET /dashboard (plain HTML + JS, no build step) polls GET /dashboard/state every second.
 
 What it shows: instances (health, draining, in flight, requests), the predicted and engine-reported hit
-rates, the hottest prefixes by share of recent traffic, and the latest routing decisions. Never prompt text
+rates, the requests waiting in the router's admission queue (by priority and tenant) with the admitted and
+refused counts, the hottest prefixes by share of recent traffic, and the latest routing decisions. Never prompt text
 and never addresses: a prefix is shown as a keyed hash of its first KiB (a fresh random key per `warmroute
 serve`, so the ids cannot be matched against a dictionary of known prompts), a decision as instance name and
 reason.
@@ -23,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from warmroute.core.admission import Admission
 from warmroute.core.fleet import Fleet
 from warmroute.core.routing_key import RoutingKey
 from warmroute.core.strategies import Decision
@@ -134,11 +136,38 @@ def _engine_totals(metrics: Metrics) -> tuple[float, float, float]:
             sums["warmroute_predicted_cached_tokens"])
 
 
+def _counts(metrics: Metrics, name: str, label: str) -> dict[str, float]:
+    """A counter's totals by one of its labels (summed over the others)."""
+    out: dict[str, float] = {}
+    for family in metrics.registry.collect():
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = sample.labels[label]
+                    out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _queue(admission: Admission | None, others: list[dict[str, Any]], metrics: Metrics) -> dict[str, Any]:
+    """The router's admission queue: who waits now (by priority and tenant), and how requests were admitted
+    or refused since start (this worker's counters)."""
+    waiting: dict[tuple[int, str], int] = dict(admission.depth()) if admission is not None else {}
+    for snap in others:
+        for priority, tenant, n in snap.get("queue", ()):
+            waiting[(priority, tenant)] = waiting.get((priority, tenant), 0) + n
+    return {"enabled": admission is not None and admission.settings.enabled,
+            "waiting": sum(waiting.values()),
+            "by": [{"priority": p, "tenant": t, "waiting": n} for (p, t), n in sorted(waiting.items(), reverse=True)],
+            "admitted": _counts(metrics, "warmroute_admissions", "how"),
+            "shed": _counts(metrics, "warmroute_sheds", "reason")}
+
+
 _SNAPSHOT_KEYS = frozenset({"pid", "instances", "predicted_tokens", "prompt_tokens", "engine_totals", "hot",
                             "total", "recent"})
 
 
-def snapshot(fleet: Fleet, activity: Activity, metrics: Metrics) -> dict[str, Any]:
+def snapshot(fleet: Fleet, activity: Activity, metrics: Metrics,
+             admission: Admission | None = None) -> dict[str, Any]:
     """This worker's own figures, for the other workers' pages (JSON; block hashes, names and counts only)."""
     return {
         "pid": os.getpid(),
@@ -148,11 +177,12 @@ def snapshot(fleet: Fleet, activity: Activity, metrics: Metrics) -> dict[str, An
         "engine_totals": list(_engine_totals(metrics)),
         "hot": list(activity._counts.items()), "total": activity._total,
         "recent": list(activity.recent),
+        "queue": [[p, t, n] for (p, t), n in admission.depth().items()] if admission is not None else [],
     }
 
 
 def state(fleet: Fleet, activity: Activity, metrics: Metrics, strategy: str,
-          others: list[dict[str, Any]] = ()) -> dict[str, Any]:
+          others: list[dict[str, Any]] = (), admission: Admission | None = None) -> dict[str, Any]:
     """The page's JSON: this worker's figures plus the other workers' latest snapshots (`others`)."""
     now = time.time()
     load = {i.name: [i.inflight, i.requests_total, i.inflight_prompt_tokens] for i in fleet.instances.values()}
@@ -191,6 +221,7 @@ def state(fleet: Fleet, activity: Activity, metrics: Metrics, strategy: str,
             "predicted_same_responses": round(predicted_same / prompt, 4) if prompt else None,
         },
         "hot_prefixes": activity.hot(others),
+        "queue": _queue(admission, others, metrics),
         "recent_decisions": [{"age_s": round(now - t, 2), "instance": name, "reason": reason,
                               "matched_ratio": round(ratio, 3)}
                              for t, name, reason, ratio in reversed(recent)],
@@ -219,6 +250,9 @@ table{border-collapse:collapse;width:100%} td,th{text-align:left;padding:3px 6px
  <div class="card"><h2>Instances</h2><table><thead><tr><th>name</th><th>state</th><th>in flight</th>
   <th>requests</th><th>share</th><th title="prompt tokens in flight / KV capacity: above 100%, queued requests'
   cached prefixes are evicted before their turn">KV demand</th></tr></thead><tbody id="instances"></tbody></table></div>
+ <div class="card"><h2>Waiting in the router <span class="muted" id="queue-total"></span></h2>
+  <div class="muted" id="queue-counts"></div><table><thead><tr><th>priority</th><th>tenant</th><th>waiting</th></tr>
+  </thead><tbody id="queue"></tbody></table></div>
  <div class="card"><h2>Hottest prefixes (share of traffic)</h2><table><thead><tr><th>prefix id</th><th>share</th>
   <th></th></tr></thead><tbody id="hot"></tbody></table></div>
  <div class="card"><h2>Recent decisions</h2><table><thead><tr><th>age</th><th>instance</th><th>reason</th>
@@ -247,6 +281,10 @@ function render(s) {
   rows("hot", s.hot_prefixes, (tr, p) => { cell(tr, p.prefix); cell(tr, pct(p.share));
     const bar = document.createElement("div"); bar.className = "bar"; bar.style.width = Math.round(200 * p.share) + "px";
     cell(tr, "").appendChild(bar); });
+  const q = s.queue, sum = o => Object.entries(o).map(([k, v]) => k + " " + v).join(", ") || "none";
+  document.getElementById("queue-total").textContent = q.enabled ? String(q.waiting) : "(admission off)";
+  document.getElementById("queue-counts").textContent = "admitted: " + sum(q.admitted) + " \u00b7 refused: " + sum(q.shed);
+  rows("queue", q.by, (tr, w) => { cell(tr, String(w.priority)); cell(tr, w.tenant || "(none)"); cell(tr, String(w.waiting)); });
   rows("decisions", s.recent_decisions, (tr, d) => { cell(tr, d.age_s.toFixed(1) + " s"); cell(tr, d.instance);
     cell(tr, d.reason); cell(tr, pct(d.matched_ratio)); });
 }

@@ -35,6 +35,11 @@ def no_instance(retry_after_s: float, model: str | None = None) -> ApiError:
                     headers={"Retry-After": str(max(1, round(retry_after_s)))})
 
 
+def error_body(status: int, message: str, kind: str) -> str:
+    """The JSON body of an error the router answers itself (also `warmroute epp`'s immediate responses)."""
+    return json.dumps({"error": {"message": message, "type": kind, "code": status}})
+
+
 def json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
-    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+    return web.Response(status=status, text=error_body(status, message, kind), content_type="application/json",
+                        headers=headers)

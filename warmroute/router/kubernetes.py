@@ -75,13 +75,13 @@ def _port_of(ports: list[dict], wanted: str | None) -> int | None:
     return None
 
 
-class KubernetesDiscovery:
-    def __init__(self, membership: Membership, service: str, port: str | None) -> None:
-        self.membership = membership
-        self.namespace, self.service = split_service(service)
-        self.port = port
-        self.slices: dict[str, dict] = {}
-        self.lists = 0  # how many times the slices were listed (tests: a re-list after each watch)
+class Watcher:
+    """A background watch of the Kubernetes API that feeds the fleet; `start` waits (a little) for its first
+    listing, so the router knows its instances before it serves."""
+
+    what = "the Kubernetes API"
+
+    def __init__(self) -> None:
         self.synced = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -97,57 +97,99 @@ class KubernetesDiscovery:
             async with asyncio.timeout(5.0):
                 await self.synced.wait()
         except TimeoutError:
-            log.warning("kubernetes: no EndpointSlices of %s/%s yet; serving without them",
-                        self.namespace, self.service)
+            log.warning("kubernetes: no %s yet; serving without them", self.what)
 
     async def stop(self) -> None:
         await cancel_all([self._task])
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class KubernetesDiscovery(Watcher):
+    def __init__(self, membership: Membership, service: str, port: str | None) -> None:
+        super().__init__()
+        self.membership = membership
+        self.namespace, self.service = split_service(service)
+        self.what = f"EndpointSlices of {self.namespace}/{self.service}"
+        self.port = port
+        self.slices: dict[str, dict] = {}
+        self.lists = 0  # how many times the slices were listed (tests: a re-list after each watch)
 
     def _apply(self) -> None:
         self.membership.reconcile(SOURCE, instances_of(self.slices, self.service, self.port))
 
     async def _run(self) -> None:
-        from kubernetes_asyncio import client, watch
+        from kubernetes_asyncio import client
 
-        selector = f"kubernetes.io/service-name={self.service}"
-        failures = 0
         async with client.ApiClient() as api:
             v1 = client.DiscoveryV1Api(api)
-            while True:
-                try:
-                    resp = await v1.list_namespaced_endpoint_slice(self.namespace, label_selector=selector,
-                                                                   _preload_content=False)
-                    listing = json.loads(await resp.read())
-                    self.slices = {s["metadata"]["name"]: s for s in listing.get("items") or []}
-                    self.lists += 1
-                    self._apply()
-                    self.synced.set()
-                    failures = 0
-                    version = listing.get("metadata", {}).get("resourceVersion")
-                    async with watch.Watch() as w:
-                        stream = w.stream(v1.list_namespaced_endpoint_slice, self.namespace, label_selector=selector,
-                                          resource_version=version, timeout_seconds=WATCH_SECONDS,
-                                          allow_watch_bookmarks=True)
-                        async for event in stream:
-                            self._event(event["type"], event.get("raw_object") or {})
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # API errors, 410 Gone, dropped connections: list again
-                    delay = RETRY_S[min(failures, len(RETRY_S) - 1)]
-                    failures += 1
-                    log.warning("kubernetes: watching EndpointSlices of %s/%s failed (%s); listing again in %g s",
-                                self.namespace, self.service, _describe(exc), delay)
-                    await asyncio.sleep(delay)
+            watched = ListWatch(self.what,
+                                v1.list_namespaced_endpoint_slice, self._listed, self.namespace,
+                                on_event=self._event, label_selector=f"kubernetes.io/service-name={self.service}")
+            await watched.run()
+
+    def _listed(self, slices: dict[str, dict]) -> None:
+        self.slices = slices
+        self.lists += 1
+        self._apply()
+        self.synced.set()
 
     def _event(self, kind: str, obj: dict[str, Any]) -> None:
-        name = (obj.get("metadata") or {}).get("name")
-        if not name or kind not in ("ADDED", "MODIFIED", "DELETED"):
-            return
-        if kind == "DELETED":
-            self.slices.pop(name, None)
-        else:
-            self.slices[name] = obj
-        self._apply()
+        if apply_event(self.slices, kind, obj):
+            self._apply()
+
+
+def apply_event(objects: dict[str, dict], kind: str, obj: dict[str, Any]) -> bool:
+    """A watch event into the objects by name; False if it changes nothing (bookmarks, errors)."""
+    name = (obj.get("metadata") or {}).get("name")
+    if not name or kind not in ("ADDED", "MODIFIED", "DELETED"):
+        return False
+    if kind == "DELETED":
+        objects.pop(name, None)
+    else:
+        objects[name] = obj
+    return True
+
+
+class ListWatch:
+    """List objects, then watch them from that list's resourceVersion; when the watch ends (server timeout,
+    dropped connection, 410 Gone) list again, so nothing missed while disconnected is lost. `on_list` gets every
+    listing (name -> object), `on_event` every event (type, object); `list_fn(*args, **query)` is a
+    kubernetes-asyncio list method."""
+
+    def __init__(self, what: str, list_fn: Any, on_list: Any, *args: Any, on_event: Any = None,
+                 watch_seconds: int = WATCH_SECONDS, **query: Any) -> None:
+        self.what, self.list_fn, self.on_list, self.args, self.query = what, list_fn, on_list, args, query
+        self.on_event = on_event
+        self.watch_seconds = watch_seconds
+
+    async def run(self) -> None:
+        from kubernetes_asyncio import watch
+
+        failures = 0
+        while True:
+            try:
+                resp = await self.list_fn(*self.args, **self.query, _preload_content=False)
+                listing = json.loads(await resp.read())
+                objects = {o["metadata"]["name"]: o for o in listing.get("items") or []}
+                self.on_list(objects)
+                failures = 0
+                version = listing.get("metadata", {}).get("resourceVersion")
+                async with watch.Watch() as w:
+                    stream = w.stream(self.list_fn, *self.args, **self.query, resource_version=version,
+                                      timeout_seconds=self.watch_seconds, allow_watch_bookmarks=True)
+                    async for event in stream:
+                        if self.on_event is not None:
+                            self.on_event(event["type"], event.get("raw_object") or {})
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # API errors, 410 Gone, dropped connections: list again
+                delay = RETRY_S[min(failures, len(RETRY_S) - 1)]
+                failures += 1
+                log.warning("kubernetes: watching %s failed (%s); listing again in %g s", self.what,
+                            _describe(exc), delay)
+                await asyncio.sleep(delay)
 
 
 def _describe(exc: Exception) -> str:

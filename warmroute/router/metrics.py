@@ -25,7 +25,8 @@ NO_INSTANCE = "none"  # backend label of requests answered before any instance w
 
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MAX_TENANT_LABELS = 64
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Predicted minus reported cached share of a prompt: negative when the engine held more than the router thought.
 _ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
@@ -97,14 +98,24 @@ class Metrics:
                                             "(fetch, status, malformed, missing)", ["backend", "kind"],
                                             registry=r)
 
-        self.held_now = Gauge("warmroute_held_requests",
-                              "Requests waiting in the router for room at their instance (hold_kv_limit)",
-                              registry=r, multiprocess_mode="livesum")
-        self.holds = Histogram("warmroute_hold_seconds",
-                               "Seconds a request waited in the router for room at its instance, by outcome: "
-                               "same (sent to the instance first chosen), moved (decided elsewhere meanwhile), "
-                               "timeout (hold_timeout passed: sent anyway)", ["outcome"],
-                               buckets=_HOLD_BUCKETS, registry=r)
+        # Admission control (core/admission.py): the router's queue.
+        self.queue_waiting = Gauge("warmroute_queue_waiting",
+                                   "Requests waiting in the router for room, by priority and tenant",
+                                   ["priority", "tenant"], registry=r, multiprocess_mode="livesum")
+        self.queue_bytes = Gauge("warmroute_queue_bytes", "Bytes of request bodies waiting in the router",
+                                 registry=r, multiprocess_mode="livesum")
+        self.queue_wait = Histogram("warmroute_queue_wait_seconds",
+                                    "Seconds a request waited in the router, by priority, tenant and outcome: "
+                                    "admitted (sent to an instance) or shed (refused)",
+                                    ["priority", "tenant", "outcome"], buckets=_WAIT_BUCKETS, registry=r)
+        self.admissions = Counter("warmroute_admissions",
+                                  "Requests admitted, by how: immediate, or after waiting in the router because "
+                                  "their instance was busy (at concurrency_threshold) or kv (over hold_kv_limit)",
+                                  ["how"], registry=r)
+        self.sheds = Counter("warmroute_sheds", "Requests that left the router's queue unserved, by reason (queue_full, "
+                             "preempted, deadline: 429; no_instance: 503; client_closed) and priority", ["reason", "priority"],
+                             registry=r)
+        self._tenants: set[str] = set()
 
         self._strategy = strategy
         self._decision = {reason: self.decisions.labels(strategy, reason) for reason in REASONS}
@@ -145,11 +156,26 @@ class Metrics:
         self.matched_ratio.observe(matched_ratio)
         self.decision_seconds.observe(seconds)
 
-    def holding(self, delta: int) -> None:
-        self.held_now.inc(delta)
+    def tenant_label(self, tenant: str) -> str:
+        """Tenants are client-chosen: the first MAX_TENANT_LABELS get their own label, the rest share "other"."""
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) < MAX_TENANT_LABELS:
+            self._tenants.add(tenant)
+            return tenant
+        return "other"
 
-    def held(self, outcome: str, seconds: float) -> None:
-        self.holds.labels(outcome).observe(seconds)
+    def admitted(self, how: str) -> None:
+        self.admissions.labels(how).inc()
+
+    def queue_changed(self, priority: int, tenant: str, delta: int, queue_bytes: int) -> None:
+        self.queue_waiting.labels(str(priority), self.tenant_label(tenant)).inc(delta)
+        self.queue_bytes.set(queue_bytes)
+
+    def left_queue(self, priority: int, tenant: str, seconds: float, shed: str | None) -> None:
+        self.queue_wait.labels(str(priority), self.tenant_label(tenant), "shed" if shed else "admitted").observe(seconds)
+        if shed:
+            self.sheds.labels(shed, str(priority)).inc()
 
     def set_inflight(self, name: str, requests: int, prompt_tokens: int = 0) -> None:
         gauges = self._inflight.get(name)

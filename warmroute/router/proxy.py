@@ -208,7 +208,7 @@ class Proxy:
             ticket.first_byte()
             request[access.FIRST_BYTE] = time.perf_counter()
             self._note_status(name, upstream.status)
-            resp = self._response_for(upstream, decision)
+            resp = self._response_for(upstream, decision, request.get(access.WAITED))
             await resp.prepare(request)
             readable = upstream.status == 200 and "Content-Encoding" not in upstream.headers
             tap = UsageTap() if readable and is_routed(request.path) else None
@@ -268,14 +268,17 @@ class Proxy:
         if upstream is not None:
             upstream.close()
 
-    def _response_for(self, upstream: UpstreamResponse, decision: Decision) -> web.StreamResponse:
+    def _response_for(self, upstream: UpstreamResponse, decision: Decision,
+                      waited: float | None = None) -> web.StreamResponse:
         resp = _Relayed(status=upstream.status, reason=upstream.reason,
                                   headers=_filter(upstream.headers, _NOT_FORWARDED_DOWN))
         if upstream.content_length is not None:
             resp.content_length = upstream.content_length  # same bytes, same length
         if self.settings.decision_headers:
             resp.headers["x-warmroute-instance"] = decision.instance
-            resp.headers["x-warmroute-reason"] = decision.reason
+            # A request that waited in the router's queue says so, and how long: "cache_hit; queued=0.153s".
+            resp.headers["x-warmroute-reason"] = (decision.reason if waited is None
+                                                  else f"{decision.reason}; queued={waited:.3f}s")
             # what the router expects the engine to report cached, so a client can measure its prediction
             resp.headers["x-warmroute-predicted-hit"] = f"{decision.matched_ratio:.4f}"
         return resp

@@ -13,10 +13,12 @@ from collections.abc import Sequence
 
 import msgspec
 
+from warmroute.core.admission import (DEADLINE, IMMEDIATE, NO_INSTANCE, PREEMPTED, QUEUE_FULL, Admission,
+                                      AdmissionSettings, QueueFull, Waiter, decide_at, strategy_threshold)
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey, key_for_json, key_for_raw
-from warmroute.core.strategies import Decision, make_strategy
-from warmroute.router.errors import bad_request
+from warmroute.core.strategies import Decision, NoInstanceAvailable, make_strategy
+from warmroute.router.errors import ApiError, bad_request, no_instance
 from warmroute.router.metrics import Metrics
 from warmroute.router.settings import RouterSettings
 from warmroute.router.shared_index import IndexUpdates
@@ -24,11 +26,15 @@ from warmroute.router.usage import EngineUsage
 
 SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
-HOLD_POLL = 0.25  # seconds: a held request looks again at least this often
+QUEUE_POLL = 0.25  # seconds: a waiting request looks again at least this often
 # msgspec parses a long prompt 3x faster than json (docs/benchmarks.md, "Parsing large bodies"): the parse
 # runs in the event loop, and a thread would not help, as neither parser lets go of the GIL.
 _decode = msgspec.json.Decoder().decode
 OFF_LOOP_BYTES = 1 << 20  # bodies from this size get their key built in a thread (key_off_loop)
+
+
+def _too_busy(message: str, retry_after_s: float) -> ApiError:
+    return ApiError(429, message, "rate_limit_error", headers={"Retry-After": str(max(1, round(retry_after_s)))})
 
 
 def is_routed(path: str) -> bool:
@@ -45,10 +51,18 @@ class Router:
                                          feedback=settings.engine_feedback))
         for b in settings.backends:
             self.fleet.add(b.name, b.kv_capacity_tokens)
-        self.strategy = make_strategy(settings.strategy, settings.strategy_settings())
+        threshold = strategy_threshold(settings.admission, settings.concurrency_threshold)
+        self.strategy = make_strategy(settings.strategy, settings.strategy_settings().model_copy(
+            update={"concurrency_threshold": threshold}))  # admission owns the real one (may be out of range)
         self._any = make_strategy("least_loaded")
+        self.admission = Admission(AdmissionSettings(
+            enabled=settings.admission, concurrency_threshold=settings.concurrency_threshold,
+            kv_limit=settings.cache_aware.hold_kv_limit, max_requests=settings.queue_max_requests,
+            max_bytes=settings.queue_max_bytes, timeout_s=settings.queue_timeout,
+            patience_s=settings.cache_aware.hold_timeout, hold_keep=settings.cache_aware.hold_keep,
+            spill_headroom=settings.spill_headroom,
+            aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights), self.fleet)
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
-        self._finished: asyncio.Future[None] | None = None  # resolved when a request finishes: held ones retry
 
     # -- deciding ------------------------------------------------------------------------------------------
     def key_of(self, path: str, body: bytes, session: str | None) -> RoutingKey:
@@ -101,42 +115,86 @@ class Router:
         self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
         return key, decision
 
-    async def hold(self, key: RoutingKey | None, decision: Decision) -> tuple[Decision, float]:
-        """Wait while the strategy says the request must (Strategy.must_wait: its instance is swamped), looking
-        again each time a request finishes, and at least every HOLD_POLL seconds (other workers' requests
-        finish unseen): at the instance first chosen while Strategy.keeps says so (hold_keep x the fleet's mean
-        time to first token, while it takes requests), then deciding again each time; at most hold_timeout
-        seconds, then the latest decision stands. Returns the decision to send and the seconds waited (0.0: it
-        did not wait). Nothing is sent while it waits; a client that leaves cancels the wait."""
-        if key is None or self.settings.cache_aware.hold_timeout <= 0 or not self.strategy.must_wait(decision, self.fleet):
+    # -- admission (core/admission.py) ------------------------------------------------------------------------
+    async def admit(self, key: RoutingKey | None, decision: Decision, priority: int = 0, tenant: str = "",
+                    size_bytes: int = 0) -> tuple[Decision, float]:
+        """Send `decision` now if its instance has room; else wait in the router's queue until an instance
+        takes this request (then decided again for that instance), looking again whenever a request finishes
+        and at least every QUEUE_POLL seconds (other workers' requests finish unseen). Returns the decision to
+        send and the seconds waited (0.0: it did not wait). Raises 429 (queue full, preempted, deadline) or
+        503 (no healthy instance left). A client that leaves takes its request out of the queue at once."""
+        adm = self.admission
+        if key is None:
             return decision, 0.0
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        first, outcome = decision.instance, "timeout"
-        self.metrics.holding(+1)
+        waiter = adm.waiter_for(decision, loop.time(), priority, tenant, size_bytes, key.model)
+        if waiter is None:
+            self.metrics.admitted(IMMEDIATE)
+            return decision, 0.0
+        waiter.payload = loop.create_future()
         try:
-            while (left := start + self.settings.cache_aware.hold_timeout - loop.time()) > 0:
-                if self._finished is None or self._finished.done():
-                    self._finished = loop.create_future()
-                await asyncio.wait((self._finished,), timeout=min(left, HOLD_POLL))
-                if not self.strategy.keeps(decision, self.fleet, loop.time() - start):
-                    decision = self.decide(key)
-                if not self.strategy.must_wait(decision, self.fleet):
-                    outcome = "same" if decision.instance == first else "moved"
-                    break
-        finally:
-            self.metrics.holding(-1)
-        waited = loop.time() - start
-        self.metrics.held(outcome, waited)
-        return decision, waited
+            refused = adm.offer(waiter)
+        except QueueFull as exc:
+            self.metrics.left_queue(priority, tenant, 0.0, QUEUE_FULL)
+            raise _too_busy(str(exc), 1.0) from None
+        self.metrics.queue_changed(priority, tenant, +1, adm.bytes)
+        for w in refused:
+            self._left(w)
+        self.pump()
+        try:
+            while waiter.instance is None and waiter.shed is None:
+                await asyncio.wait((waiter.payload,), timeout=QUEUE_POLL)  # type: ignore[arg-type]
+                self.pump()  # deadlines, instances back, other workers' finished requests
+        except BaseException:  # the client left (cancelled): out of the queue, or its reserved slot back
+            if waiter.seq in adm.waiters:
+                adm.cancel(waiter)
+                self._left(waiter, "client_closed")
+            else:
+                adm.cancel(waiter)
+                self.pump()
+            raise
+        if waiter.shed is not None:
+            raise self._refusal(waiter, key)
+        return self._decide_assigned(key, waiter), loop.time() - waiter.enqueued
 
-    def _wake_held(self) -> None:
-        """A request finished: room may have been made for a held one."""
-        f = self._finished
-        if f is not None:
-            self._finished = None
-            if not f.done():
-                f.set_result(None)
+    def _decide_assigned(self, key: RoutingKey, waiter: Waiter) -> Decision:
+        """The decision for the instance the queue gave a waiter (its reserved slot becomes a request in flight
+        now: the caller dispatches it without awaiting); if that instance went down meanwhile, a fresh one."""
+        name = waiter.instance
+        assert name is not None
+        self.admission.dispatched(waiter)
+        self.metrics.admitted(waiter.why)
+        try:
+            decision = decide_at(self.strategy, key, self.fleet, name)
+        except NoInstanceAvailable:
+            decision = self.decide(key)
+        return decision
+
+    def pump(self) -> None:
+        """Instances with room take waiting requests; those past their deadline are refused. Wakes each."""
+        adm = self.admission
+        if not adm.waiters:
+            return
+        assigned, shed = adm.pump(asyncio.get_running_loop().time())
+        for w in assigned + shed:
+            self._left(w)
+
+    def _left(self, w: Waiter, shed: str | None = None) -> None:
+        """A waiter left the queue (assigned, refused or gone): its metrics, and its task woken."""
+        loop = asyncio.get_running_loop()
+        self.metrics.queue_changed(w.priority, w.tenant, -1, self.admission.bytes)
+        self.metrics.left_queue(w.priority, w.tenant, loop.time() - w.enqueued, shed or w.shed)
+        future = w.payload
+        if isinstance(future, asyncio.Future) and not future.done():
+            future.set_result(None)
+
+    def _refusal(self, w: Waiter, key: RoutingKey) -> ApiError:
+        if w.shed == NO_INSTANCE:
+            return no_instance(self.settings.health_interval, key.model)
+        why = {DEADLINE: f"waited queue_timeout ({self.settings.queue_timeout:g} s) without room at an instance",
+               PREEMPTED: "the router's queue is full and a higher-priority request took this one's place"}
+        return _too_busy(f"the fleet is overloaded: {why.get(w.shed or '', w.shed)}; retry later",
+                         max(1.0, self.fleet.mean_ttft_s))
 
     # -- the books -----------------------------------------------------------------------------------------
     def dispatch(self, decision: Decision, defer_record: bool = False) -> Ticket:
@@ -214,7 +272,7 @@ class Ticket:
         self._done = True
         router = self._router
         router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks, self._prompt)
-        router._wake_held()
+        router.pump()  # room was made: a waiting request may go
         if self._got_first and self._blocks and router.shared is not None:
             # The refresh at finish (core/fleet.py) too: otherwise the other replicas / workers age this chain
             # from when it was sent, and a long answer's history can drop out of their models before its turn.

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
+from warmroute.core.admission import AdmissionSettings
 from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, merge_layers, own_setting
 from warmroute.errors import UsageError
 
@@ -88,6 +89,19 @@ def parse_backends(value: Any) -> list[dict]:
     return out
 
 
+def parse_mapping(value: Any) -> Any:
+    """NAME=VALUE,NAME=VALUE (a flag or env variable) into a dict; a mapping (YAML) as it is."""
+    if not isinstance(value, str):
+        return value
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        name, eq, v = part.partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"expected NAME=VALUE,... but got {part!r}")
+        out[name.strip()] = v.strip()
+    return out
+
+
 def name_from_url(url: str) -> str:
     """A backend's default name, from its URL alone (host, port, path): the same in every list it appears in
     and whatever else the list holds, so the index stays pointed at the right host."""
@@ -139,6 +153,11 @@ class RouterSettings(BaseSettings, StrategySettings):
                     "terminating ones are drained; needs kubernetes-asyncio and RBAC: deploy/kubernetes/rbac.yaml).")
     kubernetes_port: str | None = Field(None, description="The engines' port in the EndpointSlices, by name or "
                                                           "number (unset: the first port).")
+    inference_pool: str | None = Field(
+        None, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="[NAMESPACE/]NAME of an InferencePool (inference.networking.k8s.io/v1) whose selector and "
+                    "targetPorts list the engine pods: ready pods become instances, the others are drained (needs "
+                    "kubernetes-asyncio and RBAC: deploy/kubernetes/inference-pool/).")
     admin_token: SecretStr | None = Field(
         None, description="Bearer token of the admin API (/admin/instances: list, add, drain, remove). Unset: "
                           "the admin API does not exist.")
@@ -153,7 +172,58 @@ class RouterSettings(BaseSettings, StrategySettings):
                                               "never prompt text or addresses.")
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    epp_port: int = Field(
+        9002, ge=0, le=65535,
+        description="`warmroute epp` only: port of the Envoy ext_proc gRPC service (the endpoint picker) and of its "
+                    "gRPC health service, on `host`; `port` then serves /metrics, /health, /dashboard and the admin "
+                    "API (0: any free port).")
+    epp_fallbacks: int = Field(
+        0, ge=0, le=8,
+        description="`warmroute epp` only: fallback endpoints after the chosen one in x-gateway-destination-endpoint "
+                    "(the least loaded others, in order), tried by the gateway when the chosen one fails. 0 for an "
+                    "ORIGINAL_DST cluster, which reads one address; Envoy's override_host load-balancing policy reads "
+                    "the list (deploy/envoy/).")
     strategy: StrategyName = Field("cache_aware", description="Routing strategy.")
+    admission: bool = Field(
+        True, description="Admission control: a request whose instance has no room (concurrency_threshold in "
+                          "flight, or hold_kv_limit of KV demand) waits in the router, in a bounded queue with "
+                          "priorities and fair shares per tenant, instead of queueing in the engine; when an "
+                          "instance has room it takes the waiting request whose prefix it holds. Off: every "
+                          "request goes at once.")
+    queue_max_requests: int = Field(AdmissionSettings.max_requests, ge=1, le=1_000_000,
+                                    description="Most requests waiting in the router; beyond, 429 (the lowest "
+                                                "priority waiting is refused first).")
+    queue_max_bytes: Annotated[int, Field(ge=KiB, le=64 * GiB)] = Field(
+        256 * MiB, description="Most bytes of request bodies waiting in the router (accepts 256MiB, ...); "
+                               "beyond, 429.")
+    queue_timeout: float = Field(AdmissionSettings.timeout_s, ge=0.01, le=3600,
+                                 description="Seconds a request may wait in the router; then 429 with Retry-After.")
+    spill_headroom: float = Field(
+        AdmissionSettings.spill_headroom, ge=0.0, le=1.0,
+        description="A request waiting for its busy instance goes to another at once only if that one has at "
+                    "least this share of concurrency_threshold free (1: only an idle one); else it waits for its "
+                    "own (within queue_timeout). Lower values spill sooner, at the cost of cache hits under load.")
+    queue_aging: float = Field(
+        AdmissionSettings.aging_tokens_per_s, ge=0.0, le=1e9,
+        description="Prompt tokens a waiting request is willing to lose per second waited to go to another "
+                    "instance than its own (away from it, it loses at least its whole prompt); 0: never (only "
+                    "an idle instance takes it, or a free slot anywhere once its own is down).")
+    priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$",
+                                 description="Request header carrying a request's priority (an integer, "
+                                             "-1000..1000; higher first, lower refused first).")
+    tenant_header: str = Field("x-tenant", pattern=r"^[A-Za-z0-9-]{1,64}$",
+                               description="Request header naming the tenant (see tenant_from).")
+    tenant_from: Annotated[list[Literal["header", "api_key", "user"]], NoDecode] = Field(
+        ["header", "api_key"], max_length=3,
+        description="Where a request's tenant comes from, first found wins: header (tenant_header), api_key "
+                    "(the bearer token, hashed), user (the body's `user` field). Comma-separated. Tenants "
+                    "waiting at one priority share capacity by their weights.")
+    tenant_priorities: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="Priority per tenant, NAME=N,... (a request's priority header wins).")
+    model_priorities: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="Priority per model, NAME=N,... (below tenant_priorities).")
+    tenant_weights: Annotated[dict[str, float], NoDecode] = Field(
+        default_factory=dict, description="Share weight per tenant, NAME=X,... (1 for the others).")
     block_bytes: int = Field(64, ge=16, le=4096, description="Block size of the prefix index in bytes "
                                                              "(multiple of 8; 64 bytes is about 16 tokens).")
     index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = Field(
@@ -234,7 +304,33 @@ class RouterSettings(BaseSettings, StrategySettings):
     def _parse_backends(cls, v: Any) -> Any:
         return parse_backends(v)
 
-    @field_validator("index_memory_bytes", "max_body_bytes", mode="before")
+    @field_validator("tenant_from", mode="before")
+    @classmethod
+    def _parse_list(cls, v: Any) -> Any:
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+
+    @field_validator("tenant_priorities", "model_priorities", "tenant_weights", mode="before")
+    @classmethod
+    def _parse_mapping(cls, v: Any) -> Any:
+        return parse_mapping(v)
+
+    @field_validator("tenant_priorities", "model_priorities")
+    @classmethod
+    def _check_priorities(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = [k for k, p in v.items() if not -1000 <= p <= 1000]
+        if bad:
+            raise ValueError(f"priorities must be -1000..1000; {bad[0]!r} is not")
+        return v
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _check_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, w in v.items() if not 0.001 <= w <= 1000]
+        if bad:
+            raise ValueError(f"weights must be 0.001..1000; {bad[0]!r} is not")
+        return v
+
+    @field_validator("index_memory_bytes", "max_body_bytes", "queue_max_bytes", mode="before")
     @classmethod
     def _parse_size(cls, v: Any) -> Any:
         return parse_size(v)
@@ -291,10 +387,11 @@ class RouterSettings(BaseSettings, StrategySettings):
 
     @model_validator(mode="after")
     def _some_backend_source(self) -> RouterSettings:
-        if not self.backends and not self.backends_file and self.admin_token is None and not self.kubernetes_service:
+        if (not self.backends and not self.backends_file and self.admin_token is None and not self.kubernetes_service
+                and not self.inference_pool):
             raise ValueError(f"invalid setting backends ({flag_of('backends')}, {env_of('backends')}): at least one "
                              "backend is required (--backend URL or NAME=URL), or a source of them (--backends-file, "
-                             "--kubernetes-service, or --admin-token to add them through the admin API)")
+                             "--kubernetes-service, --inference-pool, or --admin-token to add them through the admin API)")
         return self
 
     def capacity_configured(self, backend: Backend) -> bool:

@@ -11,6 +11,7 @@ from typing import Annotated
 from pydantic import TypeAdapter, ValidationError
 
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
+from warmroute.core.admission import AdmissionSettings
 from warmroute.core.strategies import STRATEGIES, StrategySettings
 from warmroute.router.settings import (RouterSettings, add_setting_arguments, describe_errors, field_of,
                                        setting_names, strategy_settings_from)
@@ -43,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--max-running", type=int, default=64)
     r = parser.add_argument_group("router", "the strategies' settings, as `warmroute serve` takes them")
     add_setting_arguments(r, StrategySettings)
+    r.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
+                   help="the router's admission queue: a request whose instance has no room waits in the router "
+                        "(default: on, as `warmroute serve`)")
+    r.add_argument("--queue-timeout", type=float, default=AdmissionSettings.timeout_s, metavar="S",
+                   help="seconds a request may wait in the router's queue before it is refused (429)")
     r.add_argument("--router-kv-capacity-tokens", type=int, metavar="N",
                    help="the router's idea of each instance's KV capacity, to study misconfiguration "
                         "(default: the engines' real capacity)")
@@ -62,17 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", metavar="DIR", help="write TTFT CDF, hit rate and load plots here")
 
 
-def _validated(name: str, value: object, flag: str) -> None:
+def _validated(name: str, value: object, flag: str | None = None) -> None:
     """Check a value against the router's own settings model (one set of valid ranges)."""
     field = RouterSettings.model_fields[name]
     try:
         TypeAdapter(Annotated[field.annotation, *field.metadata]).validate_python(value)
     except ValidationError as exc:
-        raise UsageError(f"{flag} {value}: {exc.errors()[0]['msg']}") from None
+        raise UsageError(f"{flag or '--' + name.replace('_', '-')} {value}: {exc.errors()[0]['msg']}") from None
 
 
 def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSettings:
     routing = strategy_settings_from(args)
+    _validated("queue_timeout", args.queue_timeout)
     if args.router_kv_capacity_tokens is not None:
         _validated("kv_capacity_tokens", args.router_kv_capacity_tokens, "--router-kv-capacity-tokens")
     for name in ("instances", "requests", "max_running"):
@@ -84,7 +91,8 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
     return SimSettings(
         instances=args.instances, profile=args.profile, kv_capacity_tokens=args.kv_capacity_tokens,
         max_running=args.max_running, router_kv_capacity_tokens=args.router_kv_capacity_tokens,
-        feedback=args.feedback, routing=routing, requests=args.requests,
+        feedback=args.feedback, routing=routing, admission=args.admission, queue_timeout_s=args.queue_timeout,
+        requests=args.requests,
         rate=args.rate, concurrency=closed, speedup=args.speedup,
         scale_events=[_scale_event(s) for s in args.scale_at], seed=args.seed)
 

@@ -36,7 +36,7 @@ def engine_depths(engines: dict[str, EngineModel]) -> DepthSource:
     def depths(blocks: Sequence[int], fleet: Fleet) -> dict[str, int]:
         out = {}
         for name, model in engines.items():
-            n = model.cache.match(blocks)
+            n = model.pool.match(blocks)
             if n:
                 out[name] = n
         return out

@@ -22,10 +22,11 @@ class Summary:
     hit_rate: float
     load_spread: float | None  # busiest instance's requests / mean
     spilled: float  # fraction of decisions sent away from the preferred instance for load (overload or KV spills)
-    rejected: int
+    rejected: int  # no instance, or refused by the router's queue (429)
     prefixes_moved: list[tuple[float, float | None]]
     hit_rate_dips: list[dict]  # per scale event: before, lowest after, recovery seconds (0: no dip)
     ttft_p50_ms_by_class: dict[str, float | None]  # per request class of the workload ("hot", "shared", ...)
+    queued: float = 0.0  # fraction of requests that waited in the router's queue
 
 
 def summarize(r: SimResult) -> Summary:
@@ -39,7 +40,8 @@ def summarize(r: SimResult) -> Summary:
         throughput_rps=len(e2e) / span, output_tokens_per_s=sum(x.output_tokens for x in r.records) / span,
         hit_rate=r.hit_rate, load_spread=load_spread(r.requests_per_instance),
         spilled=sum(x.reason in (OVERLOAD_SPILL, KV_SPILL) for x in r.records) / max(1, len(r.records)),
-        rejected=r.rejected, prefixes_moved=r.prefixes_moved,
+        rejected=r.rejected, queued=r.queued / max(1, len(r.records) + r.rejected),
+        prefixes_moved=r.prefixes_moved,
         hit_rate_dips=[_dip(r, t) for t, _ in r.prefixes_moved],
         ttft_p50_ms_by_class={tag: percentile([(x.first_token - x.arrival) * 1000 for x in done if x.tag == tag], 50)
                               for tag in sorted({x.tag for x in done})},
@@ -81,12 +83,12 @@ def fmt(v: float | None, spec: str) -> str:
 
 def table(summaries: list[Summary], title: str = "") -> str:
     head = f"{'strategy':<12} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>7} {'tok/s':>8} {'hit rate':>8} " \
-           f"{'spread':>6} {'spilled':>7}"
+           f"{'spread':>6} {'spilled':>7} {'queued':>6} {'refused':>7}"
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for s in summaries:
         lines.append(f"{s.strategy:<12} {fmt(s.ttft_p50_ms, '8.0f')}ms {fmt(s.ttft_p99_ms, '7.0f')}ms "
                      f"{s.throughput_rps:7.2f} {s.output_tokens_per_s:8.0f} {s.hit_rate:8.1%} "
-                     f"{fmt(s.load_spread, '6.2f')} {s.spilled:7.1%}")
+                     f"{fmt(s.load_spread, '6.2f')} {s.spilled:7.1%} {s.queued:6.1%} {s.rejected:7d}")
     for s in summaries:
         for (t, moved), dip in zip(s.prefixes_moved, s.hit_rate_dips):
             rec = "no dip below 95% of before" if dip["recovery_s"] == 0.0 else "not recovered within the run" \

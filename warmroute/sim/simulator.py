@@ -16,8 +16,10 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 
+from warmroute.core.admission import (Admission, AdmissionSettings, QueueFull, Waiter, decide_at,
+                                      strategy_threshold)
 from warmroute.core.fleet import Fleet, FleetSettings
-from warmroute.core.routing_key import RoutingKey, key_for_json
+from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
 from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy,
                                        merge_layers)
 from warmroute.engine.model import EngineConfig, EngineModel
@@ -34,8 +36,8 @@ class SimSettings:
     feedback: bool = True  # correct the router's index from the cached tokens each engine reports
     max_running: int = 64
     max_batched_tokens: int = 8192
-    # The router's strategy settings, as `warmroute serve` takes them (the hold timeout included: then a held
-    # request goes anyway).
+    # The router's strategy settings, as `warmroute serve` takes them (hold_kv_limit, hold_keep and hold_timeout
+    # included: the admission queue applies them).
     routing: StrategySettings = field(default_factory=StrategySettings)
     requests: int = 10_000
     rate: float | None = None  # open loop (Poisson sessions per second); None with no concurrency: the trace's
@@ -43,6 +45,8 @@ class SimSettings:
     speedup: float = 1.0  # trace timestamps are divided by this
     scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
     window_s: float = 10.0  # time-series bucket
+    admission: bool = True  # the router's admission queue (core/admission.py); off: every request goes at once
+    queue_timeout_s: float = AdmissionSettings.timeout_s  # a waiting request is refused (429) after this
     seed: int = 0
 
     def engine_config(self, scale: int = 1) -> EngineConfig:
@@ -58,11 +62,22 @@ class SimSettings:
                          prefill_context_ms=t.prefill_context_ms / scale, decode_growth=t.decode_growth / scale)
         return replace(cfg, timing=timing, kv_capacity_tokens=cfg.kv_capacity_tokens * scale)
 
+    def strategy_settings(self) -> StrategySettings:
+        """The strategy's settings; with admission on, the queue owns the ConcurrencyThreshold (as in the router)."""
+        threshold = strategy_threshold(self.admission, self.routing.concurrency_threshold)
+        return self.routing.model_copy(update={"concurrency_threshold": threshold})
+
     def changed(self, name: str, value: object) -> SimSettings:
         """A copy with one setting changed: the simulator's own, or a strategy setting by its plain name."""
         if name in {f.name for f in fields(self)}:
             return replace(self, **{name: value})
         return replace(self, routing=StrategySettings(**merge_layers(self.routing.model_dump(), {name: value})))
+
+    def admission_settings(self) -> AdmissionSettings:
+        ca = self.routing.cache_aware
+        return AdmissionSettings(enabled=self.admission, concurrency_threshold=self.routing.concurrency_threshold,
+                                 kv_limit=ca.hold_kv_limit, timeout_s=self.queue_timeout_s,
+                                 patience_s=ca.hold_timeout, hold_keep=ca.hold_keep)
 
 
 @dataclass
@@ -76,7 +91,7 @@ class RequestRecord:
     done: float | None = None
     output_tokens: int = 0
     tag: str = ""  # the workload's request class ("hot", "shared", "chat", ...)
-    sent: float = 0.0  # when it went to its instance (later than arrival if it was held in the router)
+    sent: float = 0.0  # when it went to its instance (later than arrival if it waited in the router)
 
 
 @dataclass
@@ -87,7 +102,8 @@ class SimResult:
     requests_per_instance: dict[str, int]
     hit_tokens: int
     query_tokens: int
-    rejected: int = 0
+    rejected: int = 0  # no instance at all, or refused by the router's queue (429)
+    queued: int = 0  # requests that waited in the router's queue
     # Per scale event: (time, share of the prefixes requested again after it that went to another instance)
     prefixes_moved: list[tuple[float, float | None]] = field(default_factory=list)
     window_s: float = 10.0
@@ -113,7 +129,7 @@ class Simulation:
         self.workload = workload
         self.pooled = pooled
         self.cfg = settings.engine_config(settings.instances if pooled else 1)
-        self.block_bytes = self.cfg.block_bytes
+        self.block_bytes = self.cfg.block_size * BYTES_PER_TOKEN  # the router's estimate of a block's bytes
         self.fleet = Fleet(FleetSettings(block_bytes=self.block_bytes, feedback=settings.feedback))
         self.instances: dict[str, _Instance] = {}
         self.strategy_name = "pooled" if pooled else (strategy if isinstance(strategy, str) else strategy.name)
@@ -122,7 +138,8 @@ class Simulation:
         if pooled:
             self.strategy = make_strategy("least_loaded")
         elif isinstance(strategy, str):
-            self.strategy = make_strategy_for_sim(strategy, settings.routing, settings.seed, self)
+            self.strategy = make_strategy_for_sim(strategy, settings.strategy_settings(),
+                                                  settings.seed, self)
         else:
             self.strategy = strategy
         self._heap: list[tuple[float, int, int, object]] = []
@@ -134,7 +151,11 @@ class Simulation:
         self._seq = itertools.count()
         self._rejected = 0
         self._last_instance_by_prefix: dict[int, str] = {}
-        self._held: list[tuple[float, WorkloadRequest, Iterator[WorkloadRequest] | None, Decision]] = []  # router
+        adm = settings.admission_settings()
+        # Not for the pooled reference (one ideal instance) nor the peer model (its router has no such queue).
+        adm.enabled = adm.enabled and not pooled and self.strategy_name != "sglang_like"
+        self.admission = Admission(adm, self.fleet)
+        self._queued = 0
         # Per scale event: its time, where each prefix seen before it last went, and where each of those first
         # went after it (the decisions made, so each strategy is measured on its own).
         self._moves: list[tuple[float, dict[int, str], dict[int, str]]] = []
@@ -214,7 +235,7 @@ class Simulation:
             per_instance[r.instance] += 1
         end = max((r.done or r.arrival) for r in self.records) if self.records else 0.0
         return SimResult(self.strategy_name, self.records, end, per_instance, hits, queries, self._rejected,
-                         self._moved(), self.s.window_s)
+                         self._queued, self._moved(), self.s.window_s)
 
     def _start_sessions(self, sessions: Iterator[Session], rng: random.Random,
                         budget: list[int]) -> Callable[[float], object] | None:
@@ -261,22 +282,48 @@ class Simulation:
         self._push(t, self.ARRIVE, (first, turns, budget))
 
     def _on_arrival(self, now: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
-                    budget: list[int] | None, arrival: float | None = None, kept: Decision | None = None) -> None:
-        """Route a request (`arrival`: when it first arrived, if it was held in the router since; `kept`: its
-        first decision, while Strategy.keeps lets it keep it)."""
+                    budget: list[int] | None) -> None:
+        """Route a request: to its instance now, or into the router's queue (core/admission.py)."""
         key = key_for_json(req.path, req.body)
-        arrival = now if arrival is None else arrival
-        if kept is None or not self.strategy.keeps(kept, self.fleet, now - arrival):
-            try:
-                d = self.strategy.choose(key, self.fleet)
-            except NoInstanceAvailable:
-                self._rejected += 1
-                return
-        else:
-            d = kept
-        if now - arrival < self.s.routing.cache_aware.hold_timeout and self.strategy.must_wait(d, self.fleet):
-            self._held.append((arrival, req, turns, d))  # looked at again when a request finishes (_on_step_done)
+        try:
+            d = self.strategy.choose(key, self.fleet)
+        except NoInstanceAvailable:
+            self._rejected += 1
             return
+        waiter = self.admission.waiter_for(d, now, model=key.model, tenant=req.tenant)
+        if waiter is None:
+            self._send(now, now, req, turns, key, d)
+            return
+        waiter.payload = (req, turns, key)
+        self._queued += 1
+        try:
+            refused = self.admission.offer(waiter)
+        except QueueFull:
+            refused = [waiter]
+        for w in refused:
+            self._refuse(now, w)
+        self._pump(now)
+
+    def _pump(self, now: float) -> None:
+        """Instances with room take the waiting requests the admission queue gives them."""
+        assigned, shed = self.admission.pump(now)
+        for w in shed:
+            self._refuse(now, w)
+        for w in assigned:
+            req, turns, key = w.payload  # type: ignore[misc]
+            assert w.instance is not None
+            d = decide_at(self.strategy, key, self.fleet, w.instance)
+            self.admission.dispatched(w)
+            self._send(now, w.enqueued, req, turns, key, d)
+
+    def _refuse(self, now: float, w: Waiter) -> None:
+        """The router answered 429 (or 503): a closed-loop client moves on to its next session."""
+        self._rejected += 1
+        if self._closed_loop is not None:
+            self._begin_session(now, *self._closed_loop)
+
+    def _send(self, now: float, arrival: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
+              key: RoutingKey, d: Decision) -> None:
         self._note_prefix(key.prefix_hash(self.s.routing.prefix_length), d.instance)
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None,
@@ -291,6 +338,8 @@ class Simulation:
             self._start_step(now, inst)
 
     def _engine_blocks(self, key: RoutingKey) -> list[int]:
+        """The engine model is fed the routing key's blocks and ~4-byte tokens, not a tokenizer's (too slow for
+        100,000 requests): here, unlike over HTTP, router and engine agree on what a prefix is."""
         blocks = key.blocks(self.block_bytes)
         return blocks[: key.tokens // self.cfg.block_size]
 
@@ -332,10 +381,8 @@ class Simulation:
             elif self._closed_loop is not None:
                 self._begin_session(now, *self._closed_loop)
         self._start_step(now, inst)
-        if self._held and result.finished:  # type: ignore[attr-defined]
-            held, self._held = self._held, []
-            for arrival, req, turns, d in held:  # in arrival order, as the router's waiters wake
-                self._on_arrival(now, req, turns, None, arrival, d)
+        if result.finished and (self.admission.waiters or self.admission.reserved):  # type: ignore[attr-defined]
+            self._pump(now)
 
 
 def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim: Simulation) -> Strategy:

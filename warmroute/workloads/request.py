@@ -21,6 +21,7 @@ class WorkloadRequest:
     max_tokens: int
     arrival_s: float | None = None  # offset from the start of the run; None: issue when a driver is free
     turn: int = 0  # position in its session
+    tenant: str = ""  # who sends it (the driver's x-tenant header; the router's fair shares): "" for no one
 
     @cached_property
     def prompt_tokens(self) -> int:

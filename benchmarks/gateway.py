@@ -1,0 +1,556 @@
+#!/usr/bin/env python3
+"""warmroute behind Envoy as its endpoint picker, beside `warmroute serve`, Envoy alone, and no router at all.
+
+    .venv/bin/python benchmarks/gateway.py [--rounds N] [--duration S] [--phases saturation latency] [--no-doc]
+
+Issue #20's measurements, in one run on one machine, with benchmarks/saturation.py's load generator, fleets,
+windows and CPU accounting (imported from it):
+
+(a) Saturation throughput on 4 trivial instances (warmroute.bench.trivial): a closed loop of 128 keep-alive
+    connections sending small chat completions (every other one streamed, 8 tokens). Contenders:
+      direct            straight to the instances
+      serve             `warmroute serve --strategy cache_aware`
+      envoy             Envoy alone: round robin over the instances, no picker (what Envoy itself costs)
+      envoy+epp         deploy/envoy/envoy.yaml: Envoy (ORIGINAL_DST), `warmroute epp --strategy cache_aware`
+                        reading request headers and body and the response's headers and streamed body
+      envoy+epp hdrs    the same with response_body_mode NONE: the picker sees no response body (no usage
+                        feedback, first token taken at the response headers), one message less per chunk
+    Envoy runs with one worker thread (--concurrency 1). Each router's CPU is reported per request, the
+    picker's and Envoy's separately.
+(b) Added time to first token at 64 concurrent streams (paced trivial instances, tokens 20 ms apart, 32 tokens):
+    each of 64 sessions sends the same streamed request straight to an instance and through the router at
+    the same moment. Added = routed percentile - direct percentile.
+
+(c) Where the picker's time goes: the same ext_proc streams (request headers, buffered body, response headers,
+    one response body chunk) from a gRPC client in another process, answered by (1) a null ext_proc service
+    (an empty answer to each message: grpcio's own cost) and (2) `warmroute epp` in front of stub instances;
+    CPU of the serving process per stream.
+
+Writes out/gateway.json, and (unless --no-doc) the section "Envoy + warmroute epp (issue #20)" of
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_peers as cp  # noqa: E402
+import saturation as sat  # noqa: E402
+
+from warmroute.bench.processes import Child, free_ports  # noqa: E402
+from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION = "Envoy + warmroute epp (issue #20)"
+CONTENDERS = ["direct", "serve", "envoy", "envoy+epp", "envoy+epp hdrs"]
+KV_CAPACITY = sat.KV_CAPACITY
+
+
+@dataclass
+class Stack:
+    """A router under test: its processes (label -> Child, for the CPU meter) and the URL clients use."""
+
+    label: str
+    url: str
+    processes: dict[str, Child] = field(default_factory=dict)
+
+
+@dataclass
+class Running:
+    """The instances and every stack in front of them (saturation.py's Running, with several processes per
+    router)."""
+
+    fleet: sat.FleetSpec
+    children: list[Child]
+    urls: list[str]
+    stacks: dict[str, Stack]
+    model: str = ""
+    envoys: list[EnvoyProcess] = field(default_factory=list)
+
+    @property
+    def routers(self) -> dict[str, tuple[Child, str]]:  # what saturation.py's windows read
+        return {label: (next(iter(s.processes.values())), s.url) for label, s in self.stacks.items()}
+
+    def sids(self) -> dict[str, list[int]]:
+        groups = {"instances": [c.proc.pid for c in self.children]}
+        for stack in self.stacks.values():
+            for part, child in stack.processes.items():
+                groups[f"{stack.label}/{part}"] = [child.proc.pid]
+        return groups
+
+    def stop(self) -> None:
+        for stack in self.stacks.values():
+            for child in stack.processes.values():
+                child.stop()
+        for c in self.children:
+            c.stop()
+        for e in self.envoys:
+            e.stop()
+
+
+def _plain_envoy(name: str, port: int, engines: list[tuple[str, int]]) -> tuple[dict, list[dict]]:
+    """The fallbacks configuration without its picker and its override_host policy: Envoy alone, round robin."""
+    listener, clusters = local_listener(FALLBACKS, name, port, ("127.0.0.1", 1), engines)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.router"]
+    pool = [c for c in clusters if c["name"] == f"{name}-pool"]
+    pool[0].pop("load_balancing_policy")
+    return listener, pool
+
+
+def _response_body_none(listener: dict) -> None:
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for f in hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            f["typed_config"]["processing_mode"]["response_body_mode"] = "NONE"
+
+
+async def _start_envoy(running: Running, label: str, admin: int, listener: dict, clusters: list[dict],
+                       logs: Path) -> Child:
+    config = EnvoyConfig(admin)
+    config.add(listener, clusters)
+    envoy = EnvoyProcess(config)
+    running.envoys.append(envoy)
+    proc = cp.Proc(f"{_name(label)}-envoy", envoy.argv(), logs)
+    await envoy.wait_ready(proc.proc)
+    return proc
+
+
+def _name(label: str) -> str:
+    return label.replace(" ", "-").replace("+", "-")
+
+
+async def start_stack(running: Running, label: str, listen: int, kv_capacity: int, logs: Path, tag: str) -> Stack:
+    """One router in front of `running`'s instances, on ports listen..listen+3 (listener, control, picker's gRPC,
+    Envoy's admin); returns once it serves a completion."""
+    engines = [sat._hostport(u) for u in running.urls]
+    stack = running.stacks[label] = Stack(label, f"http://127.0.0.1:{listen}")
+    if label == "serve":
+        argv = cp.Contender(label, "warmroute", "cache_aware").argv(listen, listen + 1, running.urls, kv_capacity,
+                                                                   Path("."))
+        stack.processes["router"] = cp.Proc(f"{tag}-serve", argv, logs)
+    elif label == "envoy":
+        stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3,
+                                                      *_plain_envoy("plain", listen, engines), logs)
+    else:
+        control, grpc_port = listen + 1, listen + 2
+        argv = [sys.executable, "-m", "warmroute", "epp", "--port", str(control), "--epp-port", str(grpc_port),
+                "--strategy", "cache_aware", "--kv-capacity-tokens", str(kv_capacity), "--log-level", "warning"]
+        argv += [a for i, u in enumerate(running.urls) for a in ("--backend", f"e{i}={u}")]
+        stack.processes["picker"] = cp.Proc(f"{tag}-{_name(label)}", argv, logs)
+        listener, clusters = local_listener(ORIGINAL_DST, _name(label), listen, ("127.0.0.1", grpc_port))
+        if label.endswith("hdrs"):
+            _response_body_none(listener)
+        stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3, listener, clusters, logs)
+    await cp.wait_ready(next(iter(stack.processes.values())), stack.url)
+    return stack
+
+
+async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str) -> Running:
+    port = free_ports(fleet.instances)
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(fleet.instances)]
+    children = fleet.children(port, logs, f"{tag}-instances")
+    running = Running(fleet, children, urls, {})
+    next_port = port + fleet.instances
+    try:
+        for child, count in zip(children, fleet.counts()):
+            await child.wait_for_log("listening on", count, timeout_s=60)
+        running.model = await cp.wait_ready(children[0], urls[0])
+        for label in labels:
+            if label != "direct":
+                listen = free_ports(4, next_port)
+                next_port = listen + 4
+                await start_stack(running, label, listen, KV_CAPACITY, logs, tag)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def _contender(label: str) -> sat.Contender:
+    return sat.Contender(label, None if label == "direct" else "warmroute")
+
+
+async def phase_saturation(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
+    fleet = sat.FleetSpec("stub")
+    sat.log(f"== (a) saturation, {fleet.describe()}")
+    running = await start(fleet, args.contenders, logs, "sat")
+
+    def line(c: sat.Contender, res: dict[str, Any]) -> str:
+        cpu = res["cpu_cores"]
+        parts = " ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in cpu.items() if k.startswith(c.label + "/"))
+        return (f"{res['rps']:>8,.0f} req/s  errors {sum(res['errors'].values())}  cores: {parts} instances "
+                f"{cpu['instances']:.2f} loadgen {cpu['load generator']:.2f} other {cpu['other processes']:.2f}")
+
+    try:
+        return await sat.run_rounds(running, [_contender(c) for c in args.contenders], args, sat.saturation_window,
+                                    line)
+    finally:
+        running.stop()
+
+
+async def phase_latency(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
+    fleet = sat.FleetSpec("stub", itl_ms=args.itl_ms)
+    routed = [c for c in args.contenders if c != "direct"]
+    sat.log(f"== (b) added latency, {args.streams} concurrent streams, {fleet.describe()}")
+    running = await start(fleet, routed, logs, "lat")
+
+    def line(c: sat.Contender, res: dict[str, Any]) -> str:
+        s = sat.latency_summary(res["pairs"])
+        return (f"{len(res['pairs']):>6} pairs  errors {sum(res['errors'].values())}  TTFT p50 {s['direct_p50']} -> "
+                f"{s['router_p50']} ms, p99 {s['direct_p99']} -> {s['router_p99']} ms")
+
+    try:
+        return await sat.run_rounds(running, [_contender(c) for c in routed], args, sat.latency_window, line)
+    finally:
+        running.stop()
+
+
+# -- (c) the picker's CPU per stream, against grpcio alone ----------------------------------------------------------
+STREAM_BODY = json.dumps({"model": "m", "messages": [{"role": "system", "content": sat.SYSTEM_PROMPTS[0]},
+                                                     {"role": "user", "content": "What is 2 + 2?"}]}).encode()
+
+
+def _stream_messages() -> list[Any]:
+    from envoy.config.core.v3 import base_pb2 as core
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    def headers(pairs: dict[str, str]) -> Any:
+        return ep.HttpHeaders(headers=core.HeaderMap(
+            headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]))
+
+    usage = b'{"usage": {"prompt_tokens": 80, "prompt_tokens_details": {"cached_tokens": 64}}}'
+    return [ep.ProcessingRequest(request_headers=headers({":path": "/v1/chat/completions", ":method": "POST",
+                                                          "content-length": str(len(STREAM_BODY))})),
+            ep.ProcessingRequest(request_body=ep.HttpBody(body=STREAM_BODY, end_of_stream=True)),
+            ep.ProcessingRequest(response_headers=headers({":status": "200", "content-type": "application/json"})),
+            ep.ProcessingRequest(response_body=ep.HttpBody(body=usage, end_of_stream=True))]
+
+
+def stream_client(target: str, streams: int, concurrency: int, out: Any) -> None:
+    """In a process of its own: `streams` ext_proc streams, `concurrency` at a time; puts the seconds taken."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    messages = _stream_messages()
+
+    async def run() -> float:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = ep_grpc.ExternalProcessorStub(channel)
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one() -> None:
+                async with gate:
+                    call = stub.Process()
+                    for m in messages:
+                        await call.write(m)
+                        await call.read()
+                    await call.done_writing()
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(streams)))
+            return time.perf_counter() - t0
+
+    out.put(asyncio.run(run()))
+
+
+async def _serve_streams(target: str, streams: int) -> tuple[float, float]:
+    """(server CPU seconds, wall seconds) while a client process runs `streams` streams against `target`."""
+    import multiprocessing
+    import resource
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    client = ctx.Process(target=stream_client, args=(target, streams, 32, out))
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    client.start()
+    while client.is_alive():
+        await asyncio.sleep(0.02)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), out.get()
+
+
+async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from warmroute.gateway.server import start_picker
+    from warmroute.router.settings import load_settings
+
+    class Null(ep_grpc.ExternalProcessorServicer):
+        async def Process(self, requests: Any, context: Any) -> None:
+            while await context.read() is not grpc.aio.EOF:
+                await context.write(ep.ProcessingResponse())
+
+    sat.log(f"== (c) picker CPU per ext_proc stream, {args.picker_streams} streams per window")
+    fleet = sat.FleetSpec("stub")
+    port = free_ports(fleet.instances)
+    with tempfile.TemporaryDirectory(prefix="warmroute-gateway-bench-") as tmp:
+        children = fleet.children(port, Path(tmp), "picker-instances")
+        try:
+            for child, count in zip(children, fleet.counts()):
+                await child.wait_for_log("listening on", count, timeout_s=60)
+            null = grpc.aio.server()
+            ep_grpc.add_ExternalProcessorServicer_to_server(Null(), null)
+            null_port = null.add_insecure_port("127.0.0.1:0")
+            await null.start()
+            picker = await start_picker(load_settings({
+                "backends": [f"e{i}=http://127.0.0.1:{port + i}" for i in range(fleet.instances)], "port": 0,
+                "epp_port": 0, "kv_capacity_tokens": KV_CAPACITY, "health_interval": 3600, "log_level": "warning"},
+                env={}))
+            out = []
+            try:
+                for r in range(args.rounds):
+                    for label, grpc_port in (("null ext_proc service", null_port), ("warmroute epp", picker.grpc_port)):
+                        cpu, wall = await _serve_streams(f"127.0.0.1:{grpc_port}", args.picker_streams)
+                        out.append({"contender": label, "round": r, "cpu_us": 1e6 * cpu / args.picker_streams,
+                                    "streams_per_s": args.picker_streams / wall})
+                        sat.log(f"   round {r} {label:<22} {out[-1]['cpu_us']:>6.0f} µs CPU per stream, "
+                                f"{out[-1]['streams_per_s']:,.0f} streams/s")
+            finally:
+                await picker.stop()
+                await null.stop(0)
+        finally:
+            for c in children:
+                c.stop()
+    return out
+
+
+# -- (d) hit rate on the mixed workload ------------------------------------------------------------------------------
+HIT_CONTENDERS = ["serve", "envoy+epp", "envoy"]
+
+
+async def hit_rate_run(label: str, plan: Any, workload: Any, sizing: Any, args: argparse.Namespace,
+                       logs: Path) -> dict[str, Any]:
+    """Fresh emulated engines (cold caches, compare_peers' sizing) and a fresh router; the workload through it."""
+    from warmroute.bench.loadgen import run_bench
+
+    port = free_ports(cp.INSTANCES)
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(cp.INSTANCES)]
+    engines = Child(f"hit-engines-{_name(label)}", cp.engine_argv(port, sizing.kv_capacity_tokens, plan.time_scale,
+                                                                  plan.max_running), logs)
+    running = Running(sat.FleetSpec("engine"), [engines], urls, {})
+    try:
+        await engines.wait_for_log("listening on", cp.INSTANCES, timeout_s=60)
+        stack = await start_stack(running, label, free_ports(4, port + cp.INSTANCES), sizing.kv_capacity_tokens,
+                                  logs, "hit")
+        model = await cp.wait_ready(engines, urls[0])
+        window = argparse.Namespace(**{**vars(args), "duration": args.hit_duration, "warmup": 5.0})
+        result = await run_bench(stack.url, workload, cp.bench_settings(plan, window, model, urls, label))
+        summary = result.summary()
+    finally:
+        running.stop()
+    return {"contender": label, "hit_rate": summary["hit_rate"], "ttft_ms": summary["ttft_ms"],
+            "requests": summary["requests"], "errors": summary["errors"],
+            "load_spread": summary["instances"]["load_spread"]}
+
+
+async def phase_hit_rate(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
+    plan = cp.plans(quick=True)[0]
+    assert plan.label == "mixed"
+    workload = plan.build(args.seed, cp.MAX_TOKENS)
+    sizing = cp.size(plan, workload)
+    sat.log(f"== (d) hit rate, the mixed workload ({plan.description}), {args.hit_duration:g} s per run")
+    out = []
+    for r in range(args.hit_rounds):
+        for label in (HIT_CONTENDERS if r % 2 == 0 else list(reversed(HIT_CONTENDERS))):
+            res = await hit_rate_run(label, plan, workload, sizing, args, logs)
+            res["round"] = r
+            out.append(res)
+            sat.log(f"   round {r} {label:<10} fleet hit rate {res['hit_rate']['fleet']}  requests {res['requests']}")
+    return out
+
+
+# -- summaries ------------------------------------------------------------------------------------------------------
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def saturation_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for label in CONTENDERS:
+        mine = [w for w in windows if w["contender"] == label]
+        if not mine:
+            continue
+        parts = sorted({k.split("/", 1)[1] for w in mine for k in w["cpu_cores"] if k.startswith(label + "/")})
+        cores = {p: _median([w["cpu_cores"].get(f"{label}/{p}", 0.0) for w in mine]) for p in parts}
+        rps = _median([w["rps"] for w in mine])
+        per_request = {p: _median([1e6 * w["cpu_cores"].get(f"{label}/{p}", 0.0) / w["rps"] for w in mine if w["rps"]])
+                       for p in parts}
+        rows.append({"label": label, "rps": rps, "rounds": [w["rps"] for w in mine],
+                     "errors": sum(sum(w["errors"].values()) for w in mine),
+                     "latency_p50": _median([w["latency_ms"]["p50"] for w in mine]),
+                     "latency_p99": _median([w["latency_ms"]["p99"] for w in mine]),
+                     "cores": cores, "cpu_us": per_request,
+                     "instances": _median([w["cpu_cores"]["instances"] for w in mine]),
+                     "loadgen": _median([w["cpu_cores"]["load generator"] for w in mine]),
+                     "other": _median([w["cpu_cores"]["other processes"] for w in mine])})
+    return rows
+
+
+def latency_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for label in CONTENDERS:
+        mine = [w for w in windows if w["contender"] == label]
+        if not mine:
+            continue
+        pairs = [p for w in mine for p in w["pairs"]]
+        s = sat.latency_summary(pairs)
+        per_round = [sat.latency_summary(w["pairs"]) for w in mine]
+        rows.append({"label": label, "pairs": len(pairs), "errors": sum(sum(w["errors"].values()) for w in mine),
+                     **s, "added_p50_rounds": [r["added_p50"] for r in per_round],
+                     "added_p99_rounds": [r["added_p99"] for r in per_round]})
+    return rows
+
+
+def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[dict[str, Any]],
+           picker: list[dict[str, Any]], hits: list[dict[str, Any]]) -> str:
+    out = [f"## {SECTION}", "", "Regenerated by (do not edit by hand):", "", f"    {meta['command']}", "",
+           f"Run {meta['started']} on {meta['cores']} CPU cores shared with other work (load average before "
+           f"{meta['load_before']}, after {meta['load_after']}); Envoy {meta['envoy'][0]} with one worker thread; "
+           f"{meta['rounds']} rounds, {meta['warmup']} s warm-up + {meta['duration']} s measured per window, ABBA "
+           f"order. Code: {meta['tree']}.", ""]
+    if sat_rows:
+        out += ["### (a) Saturation throughput: 4 trivial instances (warmroute.bench.trivial) in 1 process", "",
+                "Closed loop, 128 keep-alive connections, chat completions of ≈293 characters, max_tokens 8, every "
+                "other one streamed. req/s: median over the rounds (each round in brackets). CPU per request: the "
+                "process's cores ÷ req/s (medians over the rounds), for Envoy and the picker separately.", "",
+                "| contender | req/s (rounds) | errors | latency p50 / p99 | cores | CPU per request | instances / "
+                "load gen / other cores |", "| --- | ---: | ---: | ---: | --- | --- | ---: |"]
+        for r in sat_rows:
+            rounds = ", ".join(f"{x:,.0f}" for x in r["rounds"])
+            cores = ", ".join(f"{p} {v:.2f}" for p, v in r["cores"].items()) or "-"
+            cpu = ", ".join(f"{p} {v:.0f} µs" for p, v in r["cpu_us"].items() if v is not None) or "-"
+            out.append(f"| {r['label']} | {r['rps']:,.0f} ({rounds}) | {r['errors']} | {r['latency_p50']} / "
+                       f"{r['latency_p99']} ms | {cores} | {cpu} | {r['instances']:.2f} / {r['loadgen']:.2f} / "
+                       f"{r['other']:.2f} |")
+        out.append("")
+    if lat_rows:
+        out += ["### (b) Added time to first token at 64 concurrent streams", "",
+                "4 trivial instances, tokens 20 ms apart, 32 tokens; 64 sessions each sending the same streamed "
+                "request straight to an instance and through the router at the same moment. Added = routed "
+                "percentile − direct percentile (pairs pooled over the rounds).", "",
+                "| router | pairs | errors | direct TTFT p50 / p99 | routed TTFT p50 / p99 | **added p50 / p99** | "
+                "added p50 per round |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in lat_rows:
+            rounds = ", ".join(f"{x:.2f}" for x in r["added_p50_rounds"])
+            out.append(f"| {r['label']} | {r['pairs']:,} | {r['errors']} | {r['direct_p50']} / {r['direct_p99']} ms | "
+                       f"{r['router_p50']} / {r['router_p99']} ms | **{r['added_p50']} / {r['added_p99']} ms** | "
+                       f"{rounds} |")
+        out.append("")
+    if picker:
+        out += ["### (c) Where the picker's time goes", "",
+                "The same ext_proc stream (request headers, buffered body of a chat completion, response headers, "
+                "one response body chunk with the usage: 4 messages each way) from a gRPC client in another process, "
+                "32 at a time, answered by a null ext_proc service (grpcio's own cost) and by `warmroute epp` "
+                "(4 stub instances); CPU of the serving process per stream, median of the rounds.", "",
+                "| service | CPU per stream (rounds) | streams/s |", "| --- | ---: | ---: |"]
+        for label in ("null ext_proc service", "warmroute epp"):
+            mine = [w for w in picker if w["contender"] == label]
+            rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
+            out.append(f"| {label} | {_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds}) | "
+                       f"{_median([w['streams_per_s'] for w in mine]):,.0f} |")
+        out.append("")
+    if hits:
+        out += ["### (d) Hit rate on the mixed workload", "",
+                "benchmarks/compare_peers.py's `mixed` plan (45% shared system prompts, 25% RAG, 25% multi-turn chats, "
+                "5% one hot prompt; 16 sessions in a closed loop, KV capacity 0.6 × the working set over 4 emulated "
+                "engines): fresh engines and a fresh router per run; fleet token hit rate from the engines' "
+                "/metrics over the measured window. `envoy` (round robin, no picker) is the prefix-blind baseline.", "",
+                "| router | fleet hit rate (runs) | client hit rate | TTFT p50 / p99 | requests | errors |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for label in HIT_CONTENDERS:
+            mine = [h for h in hits if h["contender"] == label]
+            if not mine:
+                continue
+            fleet = [h["hit_rate"]["fleet"] for h in mine]
+            runs = ", ".join(f"{100 * x:.1f}%" for x in fleet if x is not None)
+            client = _median([h["hit_rate"]["client"] for h in mine])
+            out.append(f"| {label} | {100 * (_median(fleet) or 0):.1f}% ({runs}) | "
+                       f"{'-' if client is None else f'{100 * client:.1f}%'} | "
+                       f"{_median([h['ttft_ms']['p50'] for h in mine])} / {_median([h['ttft_ms']['p99'] for h in mine])} "
+                       f"ms | {sum(h['requests'] for h in mine):,} | "
+                       f"{sum(sum(h['errors'].values()) if isinstance(h['errors'], dict) else h['errors'] for h in mine)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def update_doc(doc: str, section: str) -> str:
+    """Replace the section (up to the next `## `) or append it."""
+    start = doc.find(f"## {SECTION}")
+    if start < 0:
+        return doc.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    end = doc.find("\n## ", start + 3)
+    return doc[:start] + section.rstrip("\n") + "\n" + (doc[end:] if end >= 0 else "")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=float, default=4.0)
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--connections", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--stream-tokens", type=int, default=32)
+    p.add_argument("--itl-ms", type=float, default=20.0)
+    p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    p.add_argument("--picker-streams", type=int, default=3000)
+    p.add_argument("--hit-rounds", type=int, default=1, help="runs of each router on the mixed workload")
+    p.add_argument("--hit-duration", type=float, default=30.0, help="measured seconds of each hit-rate run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--phases", nargs="+", default=["saturation", "latency", "picker", "hits"],
+                   choices=["saturation", "latency", "picker", "hits"])
+    p.add_argument("--no-doc", action="store_true")
+    return p.parse_args(argv)
+
+
+async def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    import os
+    import subprocess
+
+    from warmroute.gateway.envoy import envoy_binary
+
+    version = subprocess.run([envoy_binary() or "envoy", "--version"], capture_output=True, text=True).stdout
+    meta = {"command": "python benchmarks/gateway.py" + ("" if not argv else " " + " ".join(argv)),
+            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(),
+            "load_before": sat.load_average(), "envoy": version.partition("version:")[2].strip().split("/")[1:2] or ["?"],
+            "rounds": args.rounds, "warmup": args.warmup, "duration": args.duration, "tree": sat.tree_state()}
+    with tempfile.TemporaryDirectory(prefix="warmroute-gateway-bench-") as tmp:
+        logs = Path(tmp)
+        sat_windows = await phase_saturation(args, logs) if "saturation" in args.phases else []
+        lat_windows = await phase_latency(args, logs) if "latency" in args.phases else []
+        picker = await phase_picker(args) if "picker" in args.phases else []
+        hits = await phase_hit_rate(args, logs) if "hits" in args.phases else []
+    meta["load_after"] = sat.load_average()
+    return {"meta": meta, "saturation": sat_windows, "latency": lat_windows, "picker": picker, "hits": hits}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    result = asyncio.run(measure(args, argv))
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    (out / "gateway.json").write_text(json.dumps(result, indent=1))
+    section = render(result["meta"], saturation_rows(result["saturation"]), latency_rows(result["latency"]),
+                     result["picker"], result["hits"])
+    print(section)
+    if not args.no_doc:
+        sat.DOC.write_text(update_doc(sat.DOC.read_text(), section))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""Overload: the router's admission queue (flow control) against none, and against the SGLang Model Gateway.
+
+    .venv/bin/python benchmarks/overload.py closed  [--clients 16 128] [--duration 30]
+    .venv/bin/python benchmarks/overload.py surge   [--capacity R] [--high 60] [--low 60]
+    .venv/bin/python benchmarks/overload.py tenants [--capacity R] [--duration 60]
+
+Every run: a fresh emulated fleet (4 instances, the 8b profile, cold caches) and a fresh router in front of it;
+contenders `flow` (cache_aware, admission on: the default), `no-flow` (cache_aware --no-admission) and, where
+.peers-venv holds it (benchmarks/compare_peers.py installs it), `smg` (smg launch --policy cache_aware).
+
+  closed   the mixed workload by N closed-loop clients (16, then 8x as many): hit rate (the engines'
+           counters), throughput, TTFT p50/p99.
+  surge    open loop (Poisson sessions of the mixed workload) at 2x the fleet's capacity for --high seconds,
+           then 0.5x for --low: goodput (requests whose TTFT met --slo), hit rate, TTFT p50/p99 of the requests
+           answered, 429s, and the recovery time (from the drop to 0.5x until every later 5-s window's TTFT p90
+           is within the SLO). `flow` runs with --queue-timeout equal to the SLO: past it a request is refused.
+  tenants  four tenants (x-tenant; each its own mixed workload), three at a quarter of capacity and one at 5x
+           that: each tenant's goodput and TTFT p99, Jain's index over the tenants' completed request rates;
+           and the three alone, for their TTFT p99 without the noisy one.
+
+The capacity (requests/s the fleet serves) is measured first, unless given: 20 s of --capacity-clients (128)
+closed-loop clients through `flow`. --threshold sets warmroute's --concurrency-threshold for both of its
+contenders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_peers import ROOT, Proc, wait_ready  # noqa: E402
+
+from warmroute.bench.client import send  # noqa: E402
+from warmroute.bench.loadgen import BenchSettings, run_bench  # noqa: E402
+from warmroute.bench.processes import Child, free_ports  # noqa: E402
+from warmroute.bench.scrape import CacheCounters, scrape  # noqa: E402
+from warmroute.bench.stats import RequestRecord, percentile  # noqa: E402
+from warmroute.workloads import Session, make_workload  # noqa: E402
+
+INSTANCES = 4
+MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Contender:
+    label: str
+    extra: tuple[str, ...] = ()  # warmroute serve flags; None router: the peer
+    peer: bool = False
+
+    def argv(self, port: int, urls: list[str], venv: Path, slo: float | None, threshold: int | None) -> list[str]:
+        if self.peer:
+            return [str(venv / "bin" / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1), "--policy", "cache_aware",
+                    "--log-level", "warn", "--worker-urls", *urls]
+        args = [sys.executable, "-m", "warmroute", "serve", "--port", str(port), "--log-level", "warning", *self.extra]
+        if slo is not None and "--no-admission" not in self.extra:
+            args += ["--queue-timeout", f"{slo:g}"]
+        if threshold is not None:
+            args += ["--concurrency-threshold", str(threshold)]
+        for i, url in enumerate(urls):
+            args += ["--backend", f"engine-{i}={url}"]
+        return args
+
+
+CONTENDERS = {"flow": Contender("flow"), "no-flow": Contender("no-flow", ("--no-admission",)),
+              "smg": Contender("smg", peer=True)}
+
+
+class Stack:
+    """Fresh engines and one router, stopped on exit."""
+
+    def __init__(self, contender: Contender, args: argparse.Namespace, slo: float | None = None) -> None:
+        self.contender, self.logs, self.venv, self.slo = contender, args.logs, args.peers_venv, slo
+        self.threshold = args.threshold
+
+    async def __aenter__(self) -> Stack:
+        port = free_ports(INSTANCES)
+        self.urls = [f"http://127.0.0.1:{port + i}" for i in range(INSTANCES)]
+        self.engines = Child(f"engines-{self.contender.label}", ["engine", "--count", str(INSTANCES), "--port",
+                                                                 str(port)], self.logs)
+        await self.engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
+        rport = free_ports(2, port + INSTANCES)
+        self.router = Proc(f"router-{self.contender.label}", self.contender.argv(rport, self.urls, self.venv, self.slo,
+                                                                           self.threshold),
+                           self.logs)
+        self.target = f"http://127.0.0.1:{rport}"
+        self.model = await wait_ready(self.router, self.target)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.router.stop()
+        self.engines.stop()
+
+    @property
+    def metrics(self) -> list[str]:
+        return [u + "/metrics" for u in self.urls]
+
+
+# -- closed loop ----------------------------------------------------------------------------------------------
+async def closed(args: argparse.Namespace, contender: Contender, clients: int) -> dict:
+    async with Stack(contender, args) as stack:
+        settings = BenchSettings(concurrency=clients, duration_s=args.duration, warmup_s=args.warmup,
+                                 model=stack.model, engine_metrics=stack.metrics, label=contender.label)
+        s = (await run_bench(stack.target, make_workload("mixed", seed=args.seed, max_tokens=MAX_TOKENS),
+                             settings)).summary()
+    return {"clients": clients, "hit_rate": s["hit_rate"]["fleet"], "rps": s["throughput"]["requests_per_s"],
+            "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"], "errors": s["errors"]}
+
+
+async def capacity(args: argparse.Namespace) -> float:
+    if args.capacity:
+        return args.capacity
+    saved, clients = args.duration, args.capacity_clients
+    args.duration = 20.0
+    rps = (await closed(args, CONTENDERS["flow"], clients))["rps"]
+    args.duration = saved
+    print(f"capacity: {rps:.1f} req/s ({clients} closed-loop clients through flow)", flush=True)
+    return rps
+
+
+# -- open loop with phases and tenants ----------------------------------------------------------------------------
+@dataclass
+class Phase:
+    until_s: float
+    rate: float  # requests per second offered
+
+
+def tagged(seed: int, tenant: str) -> Iterator[Session]:
+    """The mixed workload's sessions, each request marked with `tenant` (its own seed: its own prefixes)."""
+    for s in make_workload("mixed", seed=seed, max_tokens=MAX_TOKENS).sessions():
+        yield dataclasses.replace(s, requests=[dataclasses.replace(r, tenant=tenant) for r in s.requests])
+
+
+def turns_per_session(seed: int) -> float:
+    sessions = make_workload("mixed", seed=seed, max_tokens=MAX_TOKENS).sessions()
+    return statistics.mean(len(next(sessions).requests) for _ in range(2000))
+
+
+async def offer(stack: Stack, streams: dict[str, tuple[Iterator[Session], list[Phase]]], seed: int,
+                marks: list[float]) -> tuple[list[RequestRecord], list[CacheCounters | None]]:
+    """Poisson session arrivals per tenant, at each phase's rate; the engines' cache counters at `marks` (s)."""
+    records: list[RequestRecord] = []
+    t0 = time.perf_counter()
+    tasks: set[asyncio.Task] = set()
+    per_session = {t: turns_per_session(seed) for t in streams}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        async def session(sess: Session) -> None:
+            for req in sess.requests:
+                records.append(await send(http, stack.target, req, model=stack.model, t0=t0, timeout_s=120.0))
+
+        async def arrivals(tenant: str, sessions: Iterator[Session], phases: list[Phase]) -> None:
+            rng, t = random.Random(hash((seed, tenant)) & 0xFFFF), 0.0
+            for ph in phases:
+                while True:
+                    t += rng.expovariate(ph.rate / per_session[tenant])
+                    if t >= ph.until_s:
+                        t = ph.until_s
+                        break
+                    await asyncio.sleep(max(0.0, t - (time.perf_counter() - t0)))
+                    task = asyncio.create_task(session(next(sessions)))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+
+        async def counters() -> list[CacheCounters | None]:
+            out = []
+            for m in marks:
+                await asyncio.sleep(max(0.0, m - (time.perf_counter() - t0)))
+                out.append(await scrape(http, stack.metrics))
+            return out
+
+        feeders = [arrivals(t, s, p) for t, (s, p) in streams.items()]
+        cache, *_ = await asyncio.gather(counters(), *feeders)
+        if tasks:
+            await asyncio.wait(tasks, timeout=130)
+    return records, cache
+
+
+def window_stats(recs: list[RequestRecord], start: float, end: float, slo: float,
+                 before: CacheCounters | None, after: CacheCounters | None) -> dict:
+    sent = [r for r in recs if start <= r.start_s < end]
+    ok = [r for r in sent if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    d = (after - before) if before and after else None
+    return {"sent": len(sent), "answered": len(ok), "goodput_rps": sum(t <= slo for t in ttft) / (end - start),
+            "refused_429": sum(r.error == "http_429" for r in sent),
+            "other_errors": sum(r.error is not None and r.error != "http_429" for r in sent),
+            "hit_rate": d.hits / d.queries if d and d.queries else None,
+            "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99))}
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x)
+
+
+def recovery_s(recs: list[RequestRecord], drop: float, end: float, slo: float, window: float = 5.0) -> float | None:
+    """Seconds from `drop` until every later `window`-s window's TTFT p90 (answered requests) is within slo."""
+    starts = [drop + k * window for k in range(int((end - drop) / window))]
+    good = []
+    for s in starts:
+        ttft = [r.ttft_s for r in recs if r.ok and r.ttft_s is not None and s <= r.start_s < s + window]
+        good.append(bool(ttft) and percentile(ttft, 90) <= slo)
+    for i in range(len(good)):
+        if all(good[i:]):
+            return starts[i] + window - drop
+    return None
+
+
+async def surge(args: argparse.Namespace, contender: Contender, cap: float) -> dict:
+    high, low = args.high, args.low
+    async with Stack(contender, args, slo=args.slo) as stack:
+        phases = [Phase(high, 2 * cap), Phase(high + low, 0.5 * cap)]
+        recs, cache = await offer(stack, {"": (tagged(args.seed, ""), phases)}, args.seed, [5.0, high, high + low])
+    return {"overload": window_stats(recs, 5.0, high, args.slo, cache[0], cache[1]),
+            "after": window_stats(recs, high, high + low, args.slo, cache[1], cache[2]),
+            "recovery_s": recovery_s(recs, high, high + low, args.slo)}
+
+
+def jain(xs: list[float]) -> float | None:
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else None
+
+
+async def tenants(args: argparse.Namespace, contender: Contender, cap: float, noisy: bool) -> dict:
+    fair = cap / 4
+    names = ["a", "b", "c"] + (["noisy"] if noisy else [])
+    async with Stack(contender, args, slo=args.slo) as stack:
+        streams = {t: (tagged(args.seed + i, t), [Phase(args.duration, fair * (5 if t == "noisy" else 1))])
+                   for i, t in enumerate(names)}
+        recs, _ = await offer(stack, streams, args.seed, [])
+    span = args.duration - args.warmup
+    out = {}
+    for t in names:
+        mine = [r for r in recs if r.tenant == t and r.start_s >= args.warmup]
+        ttft = [r.ttft_s for r in mine if r.ok and r.ttft_s is not None]
+        out[t] = {"completed_rps": round(sum(r.ok for r in mine) / span, 2),
+                  "goodput_rps": round(sum(x <= args.slo for x in ttft) / span, 2),
+                  "ttft_p99_ms": _ms(percentile(ttft, 99)), "refused_429": sum(r.error == "http_429" for r in mine)}
+    out["jain"] = jain([out[t]["completed_rps"] for t in names])
+    return out
+
+
+# -- main -------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("scenario", choices=("closed", "surge", "tenants"))
+    p.add_argument("--contenders", nargs="+", default=["flow", "no-flow", "smg"], choices=sorted(CONTENDERS))
+    p.add_argument("--clients", nargs="+", type=int, default=[16, 128])
+    p.add_argument("--duration", type=float, default=30.0, help="closed: measured s; tenants: whole run s")
+    p.add_argument("--warmup", type=float, default=5.0)
+    p.add_argument("--capacity", type=float, help="requests/s the fleet serves (default: measured first)")
+    p.add_argument("--capacity-clients", type=int, default=128, help="closed-loop clients measuring capacity")
+    p.add_argument("--threshold", type=int, help="warmroute's --concurrency-threshold (default: its default, 32)")
+    p.add_argument("--high", type=float, default=60.0, help="surge: seconds at 2x capacity")
+    p.add_argument("--low", type=float, default=60.0, help="surge: seconds at 0.5x capacity after")
+    p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO, seconds (goodput)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    return p.parse_args(argv)
+
+
+async def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    args.logs = Path(tempfile.mkdtemp(prefix="warmroute-overload-"))
+    contenders = [CONTENDERS[c] for c in args.contenders
+                  if not CONTENDERS[c].peer or (args.peers_venv / "bin" / "smg").exists()]
+    results: dict = {"scenario": args.scenario, "argv": argv}
+    if args.scenario == "closed":
+        for c in contenders:
+            for n in args.clients:
+                results[f"{c.label} {n}"] = r = await closed(args, c, n)
+                print(c.label, json.dumps(r), flush=True)
+    else:
+        cap = await capacity(args)
+        results["capacity_rps"] = cap
+        for c in contenders:
+            if args.scenario == "surge":
+                results[c.label] = r = await surge(args, c, cap)
+                print(c.label, json.dumps(r), flush=True)
+            else:
+                for noisy in (False, True):
+                    results[f"{c.label} {'with' if noisy else 'without'} noisy"] = r = await tenants(args, c, cap, noisy)
+                    print(c.label, "noisy" if noisy else "alone", json.dumps(r), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    print(f"logs: {args.logs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(sys.argv[1:])))

