@@ -67,7 +67,7 @@ def pressure(fleet: Fleet, name: str, matched_tokens: int) -> float:
 
 # -- part 1 --------------------------------------------------------------------------------------------------
 def prediction_by_pressure(seed: int, requests: int, name: str) -> None:
-    sim = Simulation(settings(seed, requests), make_workload("chat", seed=seed, **CHAT), variant(name))
+    sim = simulation(name, settings(seed, requests), make_workload("chat", seed=seed, **CHAT))
     choose, seen = sim.strategy.choose, []
 
     def observed(key, fleet):  # the decision and its instance's pressure, at routing time
@@ -111,10 +111,6 @@ NO_HOLD_NAME, ALWAYS_NAME, TIGHT_NAME = "no holding (hold_kv_limit 1000)", "alwa
     "tight guard (ε 0.5, slack 0)"
 
 
-def tuned(name: str, **extra) -> Strategy:
-    return make_strategy("cache_aware", StrategySettings(**TUNED.get(name, {}), **extra))
-
-
 SURVIVAL_LOW, SURVIVAL_HIGH = 1.25, 1.75
 
 
@@ -137,8 +133,8 @@ class SurvivalDiscount(Strategy):
     """cache_aware (always sticky) with survival-discounted depths; its decisions report the index's own
     prediction, as cache_aware's do."""
 
-    def __init__(self) -> None:
-        base = CACHE_AWARE.build("survival discount", StrategySettings(**ALWAYS), Handles(depths=survival_discounted))
+    def __init__(self, settings: StrategySettings) -> None:
+        base = CACHE_AWARE.build("survival discount", settings, Handles(depths=survival_discounted))
         super().__init__(base.name, base.settings, base.pipeline, records_prefixes=True)
 
     def choose(self, key, fleet):
@@ -167,24 +163,27 @@ class CountRelease(PrefixMatch):
         return alpha, held_by
 
 
-def count_release(k: float) -> Strategy:
-    s = tuned(NO_HOLD_NAME)
+def count_release(k: float, settings: StrategySettings) -> Strategy:
+    s = make_strategy("cache_aware", settings)
     s.name = f"count release {k:g}x mean"
     s.pipeline = s.pipeline.replaced("prefix_match", CountRelease(s.pipeline.stage("prefix_match"), k))
     return s
 
 
-def variant(name: str) -> str | Strategy:
-    """A registered strategy's name, or the variant's strategy object (built fresh for every run)."""
-    if name in TUNED:
-        s = tuned(name)
-        s.name = name
-        return s
+def simulation(name: str, base: SimSettings, workload) -> Simulation:
+    """The variant's simulation: its settings changed (the router's admission queue reads them too), and its
+    strategy: a registered one by name, or an object built from those settings."""
+    changes = TUNED.get(name) or (ALWAYS if name == "survival discount" else
+                                  NO_HOLD if name.startswith("count release") else {})
+    settings = base
+    for setting, value in changes.items():
+        settings = settings.changed(setting, value)
+    strategy: str | Strategy = "cache_aware" if name in TUNED else name
     if name == "survival discount":
-        return SurvivalDiscount()
-    if name.startswith("count release"):
-        return count_release(float(name.split()[2].rstrip("x")))
-    return name
+        strategy = SurvivalDiscount(settings.strategy_settings())
+    elif name.startswith("count release"):
+        strategy = count_release(float(name.split()[2].rstrip("x")), settings.strategy_settings())
+    return Simulation(settings, workload, strategy)
 
 
 VARIANTS = ["cache_aware", NO_HOLD_NAME, "hold_kv_limit 1.3", "hold_kv_limit 1.5", ALWAYS_NAME, "sticky_kv_limit 2.0",
@@ -198,7 +197,7 @@ def trade_off(seeds: int, requests: int) -> None:
     for name in VARIANTS:
         rows = []
         for seed in range(seeds):
-            sim = Simulation(settings(seed, requests), make_workload("chat", seed=seed, **CHAT), variant(name))
+            sim = simulation(name, settings(seed, requests), make_workload("chat", seed=seed, **CHAT))
             s = summarize(sim.run())
             rows.append((s.hit_rate, s.ttft_p50_ms, s.ttft_p99_ms, s.throughput_rps, s.load_spread))
         m = [statistics.mean(c) for c in zip(*rows)]
@@ -220,8 +219,8 @@ def other_workloads(seeds: int) -> None:
         for name in ("cache_aware", NO_HOLD_NAME, ALWAYS_NAME, TIGHT_NAME):
             rows = []
             for seed in range(seeds):
-                sim = Simulation(SimSettings(instances=4, seed=seed, **sim_settings),
-                                 make_workload(workload, seed=seed, **params), variant(name))
+                sim = simulation(name, SimSettings(instances=4, seed=seed, **sim_settings),
+                                 make_workload(workload, seed=seed, **params))
                 s = summarize(sim.run())
                 rows.append((s.hit_rate, s.ttft_p50_ms, s.ttft_p99_ms, s.throughput_rps))
             m = [statistics.mean(c) for c in zip(*rows)]
