@@ -122,3 +122,14 @@ NATIVE = _blockhash is not None  # whether the compiled version is in use (logge
 
 def text_block_hashes(text: str, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFAULT) -> Sequence[int]:
     return block_hashes(text.encode("utf-8", "surrogatepass"), seed, block_bytes)
+
+
+def extend_chain(parent: int, depth: int, data: bytes, block_bytes: int) -> list[int]:
+    """The chain of `data`'s full blocks continuing a chain whose block `depth - 1` hashed to `parent` (depth 0:
+    a chain from the start, seeded by `parent`). The chain is a weighted sum, h_{d+i} = h_{d-1} + W_d x g_i with g
+    the chain of the new blocks alone from seed 0, so a block reported on its own (a KV event naming only its
+    parent) hashes exactly as it would have inside the whole prompt."""
+    if depth == 0:
+        return list(block_hashes(data, parent, block_bytes))
+    weight = pow(_P_INV, depth, 1 << 64)
+    return [(parent + weight * g) & _M64 for g in block_hashes(data, 0, block_bytes)]

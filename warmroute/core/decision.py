@@ -14,6 +14,8 @@ KV_SPILL = "kv_spill"  # the one instance holding the prefix is swamped (sticky_
 UNHEALTHY_FALLBACK = "unhealthy_fallback"  # the preferred instance is down or draining
 LOAD_BALANCE = "load_balance"  # a load-only strategy chose (least_loaded, round_robin, random)
 AFFINITY = "affinity"  # the prefix's or session's own instance (prefix, session)
+# Where the chosen instance's match came from in precise mode (Decision.match).
+PRECISE, APPROXIMATE = "precise", "approximate"
 REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, KV_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
 
 
@@ -39,6 +41,9 @@ class Decision:
     # Kept on the one instance holding its prefix at the private miss weight: it may wait in the router for room
     # there (core/admission.py) rather than be queued where its history would be evicted.
     private: bool = False
+    # Precise mode: whether the chosen instance's match came from its engine's KV events ("precise") or from the
+    # router's cache model ("approximate"); "" where precise mode is off.
+    match: str = ""
 
     @property
     def uncached_tokens(self) -> int:

@@ -44,6 +44,8 @@ class Request:
     hot = False  # its prefix carries at least 1/N of the recent requests (hot_share)
     share_cap = math.nan  # hot_share's cap on recent requests, once computed (HotShare.cap)
     picked_reason = ""  # what a picker that knows its own reason (affinity) said
+    # Precise mode (None: off): the share of the prompt each engine whose KV events are fresh reports holding.
+    precise: dict[str, float] | None = None
 
     def __init__(self, key: RoutingKey, fleet: Fleet, up: list[Instance]) -> None:
         self.key, self.fleet, self.up = key, fleet, up

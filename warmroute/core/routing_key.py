@@ -44,6 +44,11 @@ class RoutingKey:
     session: str | None = None
     model: str | None = None
     _blocks: dict[int, Sequence[int]] = field(default_factory=dict, repr=False)
+    # Precise mode (kv_events): the prompt's token ids as the engine will see them, packed 4 bytes each, and the
+    # seed of their chain (core/exact_index.py token_seed); None where the router does not tokenize.
+    token_data: bytes | None = None
+    token_seed: int = 0
+    _token_blocks: dict[int, Sequence[int]] = field(default_factory=dict, repr=False)
 
     @property
     def tokens(self) -> int:
@@ -56,6 +61,15 @@ class RoutingKey:
         got = self._blocks.get(block_bytes)
         if got is None:
             got = self._blocks[block_bytes] = block_hashes(self.data, self.seed, block_bytes)
+        return got
+
+    def token_blocks(self, block_size: int) -> Sequence[int]:
+        """Chained hashes of the prompt's full token blocks, `block_size` tokens each (once per size); empty
+        where it was not tokenized."""
+        got = self._token_blocks.get(block_size)
+        if got is None:
+            data = self.token_data or b""
+            got = self._token_blocks[block_size] = block_hashes(data, self.token_seed, block_size * BYTES_PER_TOKEN)
         return got
 
     def prefix_hash(self, prefix_length: int) -> int:

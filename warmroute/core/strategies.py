@@ -23,8 +23,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from warmroute.core.decision import (AFFINITY, CACHE_HIT, COLD, HOT_SPREAD, KV_SPILL, LOAD_BALANCE, OVERLOAD_SPILL,
-                                     REASONS, UNHEALTHY_FALLBACK, Decision, ModelNotServed, NoInstanceAvailable)
+from warmroute.core.decision import (AFFINITY, APPROXIMATE, CACHE_HIT, COLD, HOT_SPREAD, KV_SPILL, LOAD_BALANCE,
+                                     OVERLOAD_SPILL, PRECISE, REASONS, UNHEALTHY_FALLBACK, Decision, ModelNotServed,
+                                     NoInstanceAvailable)
+from warmroute.core.exact_index import ExactIndex
 from warmroute.core.fleet import Fleet
 from warmroute.core.pipeline import Facts, Filter, Picker, Pipeline, Request, Scorer, Stage
 from warmroute.core.popularity import Popularity
@@ -34,7 +36,7 @@ from warmroute.core.stages.compiled import _scan, compiled_path
 from warmroute.core.stages.prefix_match import PRIVATE, SHARED, SWAMPED, kv_pressure
 from warmroute.core.stages.routable import routable
 
-__all__ = ["AFFINITY", "CACHE_HIT", "COLD", "HOT_SPREAD", "KV_SPILL", "LOAD_BALANCE", "OVERLOAD_SPILL", "REASONS",
+__all__ = ["AFFINITY", "APPROXIMATE", "PRECISE", "CACHE_HIT", "COLD", "HOT_SPREAD", "KV_SPILL", "LOAD_BALANCE", "OVERLOAD_SPILL", "REASONS",
            "UNHEALTHY_FALLBACK", "Decision", "ModelNotServed", "NoInstanceAvailable", "PRIVATE", "SHARED", "SWAMPED",
            "kv_pressure", "_scan", "CacheAwareSettings", "StrategySettings", "Strategy", "CacheAwareStrategy",
            "STRATEGIES", "StrategySpec", "CACHE_AWARE", "make_strategy", "Handles", "merge_layers",
@@ -224,10 +226,24 @@ class CacheAwareStrategy(Strategy):
         """Which prefixes are hot (hot_share's)."""
         return self.pipeline.stage("hot_share").popularity
 
+    @property
+    def exact(self) -> ExactIndex | None:
+        """Precise mode's index of what the engines report holding (None: off); prefix_match reads it."""
+        return self.pipeline.stage("prefix_match").exact
+
+    @exact.setter
+    def exact(self, index: ExactIndex | None) -> None:
+        self.pipeline.stage("prefix_match").exact = index
+
     def decision(self, req: Request, instance: str, reason: str) -> Decision:
         matched = min(req.prompt, req.depths.get(instance, 0) * req.block_tokens)
-        return Decision(instance, reason, matched, req.prompt, req.blocks,
-                        req.holder == PRIVATE and reason == CACHE_HIT)
+        d = Decision(instance, reason, matched, req.prompt, req.blocks, req.holder == PRIVATE and reason == CACHE_HIT)
+        if req.precise is not None:
+            share = req.precise.get(instance)
+            d.match = APPROXIMATE if share is None else PRECISE
+            if share is not None:  # exactly what the engine reported, not rounded to the key's blocks
+                d.matched_tokens = round(share * req.prompt)
+        return d
 
 
 @dataclass(frozen=True)

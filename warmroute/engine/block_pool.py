@@ -18,7 +18,7 @@ ints), so the pool never depends on how they were made.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from itertools import islice
 
 
@@ -35,10 +35,11 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[Hashable], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache must hold at least one block")
         self.num_blocks = num_blocks
+        self.on_evict = on_evict  # told each hash that leaves the cache (its last copy evicted): KV events
         self._free: OrderedDict[int, KVBlock] = OrderedDict((i, KVBlock(i)) for i in range(num_blocks))
         self._cached: dict[Hashable, dict[int, KVBlock]] = {}  # hash -> its blocks (usually one)
 
@@ -130,4 +131,6 @@ class BlockPool:
         del blocks[block.block_id]
         if not blocks:
             del self._cached[block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_hash)
         block.block_hash = None

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=256, help="largest running batch (default %(default)s)")
     parser.add_argument("--max-batched-tokens", type=int, default=8192,
                         help="tokens computed per step, decode and prefill chunks (default %(default)s)")
+    parser.add_argument("--kv-events-port", type=int, metavar="P",
+                        help="publish KV-cache events as vLLM does (ZMQ on HOST:P+2i for instance i, replay on "
+                             "P+2i+1; needs pyzmq and msgspec); default: none")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="real seconds per modelled second: 0.1 runs ten times faster (default %(default)s)")
 
@@ -45,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must leave room for {args.count} consecutive ports below 65536")
     if args.time_scale < 0:
         raise UsageError("--time-scale must be >= 0")
+    if args.kv_events_port is not None and not 1 <= args.kv_events_port <= 65536 - 2 * args.count:
+        raise UsageError(f"--kv-events-port must leave room for {2 * args.count} consecutive ports below 65536")
     try:
         tokenizer = load_tokenizer(args.tokenizer)
     except TokenizerError as exc:
@@ -70,11 +75,14 @@ def _config(args: argparse.Namespace) -> EngineConfig:
 async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: PromptTokenizer) -> int:
     try:
         fleet: Fleet = await start_fleet(args.count, args.port, host=args.host, config=config, tokenizer=tokenizer,
-                                         name=args.name, model_name=args.model, time_scale=args.time_scale)
+                                         name=args.name, model_name=args.model, time_scale=args.time_scale,
+                                         kv_events_port=args.kv_events_port)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}: {exc}") from None
     for server in fleet.servers:
-        print(f"{server.name} listening on {server.url}", flush=True)
+        events = "" if server.kv_events is None else (f", KV events on {server.kv_events.endpoint} (replay "
+                                                      f"{server.kv_events.replay_endpoint})")
+        print(f"{server.name} listening on {server.url}{events}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -69,13 +69,13 @@ class EngineDriver:
         self._fail_all()
 
     def submit(self, blocks: Sequence[int], prompt_tokens: int, max_tokens: int,
-               every_token: bool = True) -> TokenStream:
+               every_token: bool = True, token_ids: Sequence[int] = ()) -> TokenStream:
         """Queue a sequence in the model (ValueError if it can never fit) and return its stream."""
         self.model.check(blocks, prompt_tokens, max_tokens)
         stream = TokenStream(next(self._ids), every_token)
         # The model only changes between steps (the driver hands it new sequences at step boundaries), so
         # a decode stretch cut short by this arrival still runs as the decode steps it was.
-        self._incoming[stream.seq_id] = (blocks, prompt_tokens, max_tokens)
+        self._incoming[stream.seq_id] = (blocks, prompt_tokens, max_tokens, token_ids)
         self._streams[stream.seq_id] = stream
         self._arrival.set()
         return stream
@@ -88,8 +88,8 @@ class EngineDriver:
 
     def _hand_over(self) -> None:
         """Give the model the sequences that arrived since the last step."""
-        for seq_id, (blocks, prompt_tokens, max_tokens) in self._incoming.items():
-            self.model.submit(seq_id, blocks, prompt_tokens, max_tokens)
+        for seq_id, (blocks, prompt_tokens, max_tokens, token_ids) in self._incoming.items():
+            self.model.submit(seq_id, blocks, prompt_tokens, max_tokens, token_ids)
         self._incoming.clear()
 
     # -- the loop --------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from warmroute.engine.block_pool import BlockPool, KVBlock
 from warmroute.engine.profiles import PROFILES, Timing
@@ -113,24 +114,43 @@ class _Seq:
     generated: int = 0  # > 0 once prefill is complete
     kv: list[KVBlock] = field(default_factory=list)  # its blocks in the pool, in token order, once admitted
     hashed: int = 0  # leading blocks of `kv` that hold a cached (hashed) prompt block
+    token_ids: Sequence[int] = ()  # the prompt's ids, kept only where KV events are published (their token_ids)
+
+
+class KvEventSink(Protocol):
+    """Where the model reports the blocks it caches and evicts (engine/kv_events.py publishes them as vLLM does)."""
+
+    def stored(self, block_hashes: list[int], parent_hash: int | None, token_ids: list[int], block_size: int,
+               lora_name: str | None = None) -> None: ...
+
+    def removed(self, block_hashes: list[int]) -> None: ...
+
+
+def external_hash(block_hash: Hashable) -> int:
+    """A block hash as vLLM's events carry it: an int as it is, a digest by its low 64 bits."""
+    return block_hash if isinstance(block_hash, int) else int.from_bytes(bytes(block_hash)[-8:], "big")
 
 
 class EngineModel:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, events: KvEventSink | None = None) -> None:
         self.config = config
-        self.pool = BlockPool(config.capacity_blocks)
+        self.events = events
+        self.pool = BlockPool(config.capacity_blocks, None if events is None else self._evicted)
         self.stats = EngineStats()
         # dicts keep insertion order: FIFO for waiting, admission order for running
         self._waiting: dict[SeqId, _Seq] = {}
         self._running: dict[SeqId, _Seq] = {}
 
     # -- requests ------------------------------------------------------------------------------------------
-    def submit(self, seq_id: SeqId, blocks: Sequence[Hashable], prompt_tokens: int, max_tokens: int) -> None:
-        """Queue a sequence. ValueError if its id is in use or it could not fit even in an empty cache."""
+    def submit(self, seq_id: SeqId, blocks: Sequence[Hashable], prompt_tokens: int, max_tokens: int,
+               token_ids: Sequence[int] = ()) -> None:
+        """Queue a sequence (`token_ids`: its prompt, for the KV events). ValueError if its id is in use or it
+        could not fit even in an empty cache."""
         if seq_id in self._waiting or seq_id in self._running:
             raise ValueError(f"sequence {seq_id!r} is already in the engine")
         need = self.check(blocks, prompt_tokens, max_tokens)
-        self._waiting[seq_id] = _Seq(seq_id, blocks, prompt_tokens, max_tokens, need)
+        self._waiting[seq_id] = _Seq(seq_id, blocks, prompt_tokens, max_tokens, need,
+                                     token_ids=token_ids if self.events is not None else ())
         self.stats.requests_submitted += 1
 
     def check(self, blocks: Sequence[Hashable], prompt_tokens: int, max_tokens: int) -> int:
@@ -275,9 +295,19 @@ class EngineModel:
     def _cache_computed(self, s: _Seq) -> None:
         """Newly computed full prompt blocks enter the prefix cache under their hashes."""
         full = min(len(s.blocks), s.computed // self.config.block_size)
-        for i in range(s.hashed, full):
+        start = s.hashed
+        for i in range(start, full):
             self.pool.cache(s.kv[i], s.blocks[i])
             s.hashed = i + 1
+        if self.events is not None and full > start and len(s.token_ids) >= full * self.config.block_size:
+            size = self.config.block_size
+            self.events.stored([external_hash(h) for h in s.blocks[start:full]],
+                               external_hash(s.blocks[start - 1]) if start else None,
+                               list(s.token_ids[start * size:full * size]), size)
+
+    def _evicted(self, block_hash: Hashable) -> None:
+        assert self.events is not None
+        self.events.removed([external_hash(block_hash)])
 
     def _generate(self, seqs: list[_Seq], k: int, result: StepResult) -> None:
         """Give each sequence k more tokens; finish those that reach max_tokens. (The hot loop.)"""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -26,6 +26,9 @@ from warmroute.engine.model import EngineConfig, EngineModel
 from warmroute.engine.openai_format import Completion, error_body, request_options, sse
 from warmroute.engine.tokenizer import PromptTokenizer, load_tokenizer
 
+if TYPE_CHECKING:
+    from warmroute.engine.kv_events import KvEventPublisher
+
 DEFAULT_MODEL = "warmroute-emulated"
 CHAT_PATH = "/v1/chat/completions"
 MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context prompts are large
@@ -36,11 +39,13 @@ class EngineServer:
     """One emulated instance: its model, the driver that runs it in real time, and its routes."""
 
     def __init__(self, config: EngineConfig, tokenizer: PromptTokenizer, *, name: str = "engine-0",
-                 model_name: str = DEFAULT_MODEL, time_scale: float = 1.0) -> None:
+                 model_name: str = DEFAULT_MODEL, time_scale: float = 1.0,
+                 kv_events: KvEventPublisher | None = None) -> None:
         self.name = name
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.model = EngineModel(config)
+        self.kv_events = kv_events  # where it publishes what its cache stores and evicts (vLLM's format)
+        self.model = EngineModel(config, kv_events)
         self.driver = EngineDriver(self.model, time_scale)
         self.metrics = EngineMetrics(self.model, model_name)
         self.url = ""
@@ -57,6 +62,8 @@ class EngineServer:
             await runner.cleanup()
             raise
         self._runner = runner
+        if self.kv_events is not None:
+            await self.kv_events.start()
         self.driver.start()
         bound = runner.addresses[0][1]
         self.url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
@@ -67,6 +74,8 @@ class EngineServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     def _app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -96,7 +105,7 @@ class EngineServer:
             ids = (self.tokenizer.chat_ids(body, limit) if chat
                    else self.tokenizer.completion_ids(body.get("prompt"), limit))
             hashes = block_hashes(ids, self.model.config.block_size, cache_salt=_cache_salt(body))
-            tokens = self.driver.submit(hashes, len(ids), max_tokens, every_token=streaming)
+            tokens = self.driver.submit(hashes, len(ids), max_tokens, every_token=streaming, token_ids=ids)
         except ValueError as exc:
             return _error(400, str(exc))
         reply = Completion(chat, self.model_name, len(ids))
@@ -191,20 +200,35 @@ class Fleet:
 
 async def start_fleet(count: int = 1, base_port: int = 0, *, host: str = "127.0.0.1",
                       config: EngineConfig | None = None, tokenizer: PromptTokenizer | None = None,
-                      name: str | None = None, model_name: str = DEFAULT_MODEL, time_scale: float = 1.0) -> Fleet:
+                      name: str | None = None, model_name: str = DEFAULT_MODEL, time_scale: float = 1.0,
+                      kv_events_port: int | None = None, kv_events_replay: bool = True) -> Fleet:
     """Start `count` instances on base_port..base_port+count-1 (0: free ports), named engine-0.. (or NAME-i;
     just NAME when count is 1). `config` defaults to the 8b profile, `tokenizer` to the tiny model's (shared
-    by the instances). OSError if a port cannot be bound."""
+    by the instances). `kv_events_port`: instance i publishes its KV-cache events on host at that port + 2i
+    (0: a free port) and answers replays at the next one (unless not `kv_events_replay`). OSError if a port
+    cannot be bound."""
     config = config or EngineConfig.from_profile()
     tokenizer = tokenizer or load_tokenizer()
     fleet = Fleet([])
     try:
         for i in range(count):
             label = name if name and count == 1 else f"{name or 'engine'}-{i}"
-            server = EngineServer(config, tokenizer, name=label, model_name=model_name, time_scale=time_scale)
+            events = None
+            if kv_events_port is not None:
+                from warmroute.engine.kv_events import KvEventPublisher  # pyzmq and msgspec: only when asked
+
+                port = kv_events_port + 2 * i if kv_events_port else 0
+                events = KvEventPublisher(_tcp(host, port), replay_endpoint=_tcp(host, port + 1 if port else 0)
+                                          if kv_events_replay else None, bind=True)
+            server = EngineServer(config, tokenizer, name=label, model_name=model_name, time_scale=time_scale,
+                                  kv_events=events)
             await server.start(host, base_port + i if base_port else 0)
             fleet.servers.append(server)
     except BaseException:
         await fleet.close()
         raise
     return fleet
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

@@ -215,8 +215,9 @@ class Exchange:
         body = b"".join(self.chunks)
         try:
             key, decision = self._route(body, await router.key_off_loop(self.path, body, self.session))
-            if decision.private and self.subset is None:  # held as serve holds it (Router.hold)
-                decision, _ = await router.hold(key, decision)
+            if key is not None and self.subset is None and router.admission.settings.enabled:
+                # no room at its instance: it waits in the router's queue as serve's requests do (429 past it)
+                decision, _ = await router.admit(key, decision, size_bytes=len(body))
         except ApiError as exc:
             return [self._refuse(exc)]
         except NoInstanceAvailable as exc:

@@ -9,6 +9,8 @@
   usage.py     reading the engine's cached-token report from the relayed response (engine feedback)
   health.py    active checks and passive ejection
   engine_metrics.py  scraping each engine's /metrics for its own load and KV capacity
+  kv_subscriber.py   precise mode: each engine's KV-cache events (ZMQ), in sequence, into the exact index
+  prompt_tokens.py   precise mode: a request's prompt as the engine's token ids (chat template, tokenizer)
   metrics.py   Prometheus metrics
   errors.py    JSON error answers
 """

@@ -52,6 +52,8 @@ class JsonAccessLogger(AbstractAccessLogger):
         if decision is not None:
             line.update(instance=decision.instance, reason=decision.reason, prompt_tokens=decision.prompt_tokens,
                         predicted_cached=round(decision.matched_ratio, 4), attempts=request.get(ATTEMPTS, 1))
+            if decision.match:  # precise mode: the engine's events or the router's model predicted it
+                line["match"] = decision.match
             first = request.get(FIRST_BYTE)
             if started is not None and first is not None:
                 line["ttfb_ms"] = round((first - started) * 1000, 3)

@@ -28,6 +28,7 @@ from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from warmroute.core.exact_index import BYTES_PER_BLOCK
 from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS
 from warmroute.core.strategies import ModelNotServed, NoInstanceAvailable
 from warmroute.router import access_log as access
@@ -37,11 +38,12 @@ from warmroute.router.discovery import Discovery, Membership, Resolver, resolve
 from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.errors import ApiError, bad_request, json_error, no_instance, too_large
 from warmroute.router.health import Health
+from warmroute.router.kv_subscriber import KvEventMetrics, KvEventSources
 from warmroute.router.metrics import NO_INSTANCE, Metrics
 from warmroute.router.models import ModelCatalog, fetch_models
 from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
-from warmroute.router.settings import RouterSettings, upstream_tls
+from warmroute.router.settings import RouterSettings, kv_event_endpoints, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
 from warmroute.router.tenancy import priority_of, tenant_of
 from warmroute.router.upstream import UpstreamPool
@@ -85,7 +87,8 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     router, settings = app[ROUTER], app[SETTINGS]
     session = request.headers.get(SESSION_HEADER)
     key = await router.key_off_loop(request.path, body, session)
-    key, decision = router.route(request.path, body, session, key)
+    parsed = await router.tokenize_ahead(request.path, body) if key is None and router.tokenizer is not None else None
+    key, decision = router.route(request.path, body, session, key, parsed)
     if key is not None and router.admission.settings.enabled:  # no room at its instance: wait in the router
         tenant = tenant_of(request.headers, key, settings)
         priority = priority_of(request.headers, tenant, key, settings)
@@ -254,10 +257,15 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[HEALTH] = health_ = Health(router.fleet, urls, settings, metrics_)
     app[PROXY] = Proxy(router, health_, urls, settings)
     app[SCRAPER] = scraper = EngineScraper(router.fleet, urls, settings, metrics_)
-    app[CATALOG] = catalog = ModelCatalog(router.fleet, urls, settings)
+    app[CATALOG] = catalog = ModelCatalog(router.fleet, urls, settings, router.lora_adapters)
     app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper, catalog)
     app[SERVER_NAMES] = server_names = {}
     app[DISCOVERY] = Discovery(membership, settings, resolver, server_names)
+    if router.exact is not None:  # precise mode: one subscriber per instance, following membership
+        membership.kv_events = KvEventSources(router.exact, KvEventMetrics(metrics_.registry),
+                                              settings.kv_events_topic, settings.index_memory_bytes // BYTES_PER_BLOCK)
+        for b in settings.backends:
+            membership.kv_events.add(b.name, *kv_event_endpoints(settings, b))
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
     app[SIBLINGS] = dash.Siblings()
     app[LINKS] = links
@@ -297,6 +305,9 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     proxy.session = session = make_session(app[SETTINGS], app[SERVER_NAMES])
     proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout, tls=upstream_tls(app[SETTINGS]),
                                      server_names=app[SERVER_NAMES])
+    kv_events = app[MEMBERSHIP].kv_events
+    if kv_events is not None:
+        await kv_events.start()
     await app[DISCOVERY].start(session)  # the backends file and DNS names, before the first health round
     settings = app[SETTINGS]
     k8s = None
@@ -336,6 +347,8 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
         loops.append(asyncio.create_task(app[SCRAPER].run(session), name="warmroute-engine-metrics"))
     yield
     await app[DISCOVERY].stop()
+    if kv_events is not None:
+        await kv_events.stop()
     if k8s is not None:
         await k8s.stop()
     if inference_pool is not None:

@@ -37,7 +37,8 @@ from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.health import Health
 from warmroute.router.metrics import Metrics
 from warmroute.router.models import ModelCatalog
-from warmroute.router.settings import Backend, RouterSettings, parse_backends
+from warmroute.router.kv_subscriber import KvEventSources
+from warmroute.router.settings import Backend, RouterSettings, kv_event_endpoints, parse_backends
 from warmroute.router.upstream import ServerNames
 from warmroute.router.background import cancel_all
 
@@ -127,6 +128,7 @@ class Membership:
                         for b in settings.backends}
         self.session: aiohttp.ClientSession | None = None
         self._checks: set[asyncio.Task] = set()
+        self.kv_events: KvEventSources | None = None  # precise mode: each instance's KV-event subscriber
 
     # -- one instance ------------------------------------------------------------------------------------------
     def add(self, backend: Backend, source: str) -> bool:
@@ -147,6 +149,7 @@ class Membership:
                 self.fleet.add(backend.name, backend.kv_capacity_tokens)
             if self.catalog is not None:
                 self.catalog.configure(backend.name, backend.models)
+            self._follow_events(backend)
             return True
         configured = backend.kv_capacity_tokens is not None or "kv_capacity_tokens" in self.settings.model_fields_set
         self.members[backend.name] = Member(backend.name, backend.url, source, configured)
@@ -159,8 +162,13 @@ class Membership:
         if not configured:
             self.scraper.learn_capacity(backend.name)
         log.warning("instance %s joins (%s)", backend.name, source)
+        self._follow_events(backend)
         self._check_soon(backend.name)
         return True
+
+    def _follow_events(self, backend: Backend) -> None:
+        if self.kv_events is not None:
+            self.kv_events.add(backend.name, *kv_event_endpoints(self.settings, backend))
 
     def drain(self, name: str) -> bool:
         """No new requests; removed once its in-flight requests are done. False if unknown."""
@@ -181,6 +189,8 @@ class Membership:
         self.urls.pop(name, None)
         self.metrics.remove_backend(name)
         self.scraper.forget(name)
+        if self.kv_events is not None:
+            self.kv_events.remove(name)
         if self.catalog is not None:
             self.catalog.fixed.discard(name)
         log.warning("instance %s removed", name)

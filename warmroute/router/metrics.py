@@ -85,7 +85,8 @@ class Metrics:
         self.prediction_error = Histogram("warmroute_prediction_error_ratio",
                                           "Per response: the share of the prompt the router predicted cached on "
                                           "the chosen instance minus the share the engine reported cached, by "
-                                          "how the prediction was made (approximate: the router's cache model)",
+                                          "how the prediction was made (approximate: the router's cache model; "
+                                          "precise: the engine's KV-cache events)",
                                           ["mode"], buckets=_ERROR_BUCKETS, registry=r)
         self.feedback = Counter("warmroute_index_feedback",
                                 "Engine reports by verdict on the index's prediction (confirmed, overpredicted, "

@@ -42,8 +42,12 @@ def model_ids(entries: list) -> frozenset[str]:
 
 
 class ModelCatalog:
-    def __init__(self, fleet: Fleet, urls: dict[str, str], settings: RouterSettings) -> None:
+    def __init__(self, fleet: Fleet, urls: dict[str, str], settings: RouterSettings,
+                 adapters: set[str] | None = None) -> None:
         self.fleet = fleet
+        # Names of LoRA adapters (vLLM lists each with its base model as `parent`): precise mode seeds an adapter
+        # request's token chain with its name, as the engine's KV events name it (Router.lora_adapters).
+        self.adapters = adapters if adapters is not None else set()
         self.urls = urls  # shared with the proxy and discovery: the current members
         self.settings = settings
         self.fixed: set[str] = set()  # instances whose models are configured
@@ -60,6 +64,8 @@ class ModelCatalog:
         if entries is None or name in self.fixed:
             return
         ids = model_ids(entries)
+        self.adapters.update(m["id"] for m in entries if isinstance(m, dict) and isinstance(m.get("id"), str)
+                             and isinstance(m.get("parent"), str) and m["parent"] != m["id"])
         inst = self.fleet.instances.get(name)
         if ids and inst is not None and inst.models != ids:
             if inst.models is not None:

@@ -169,7 +169,7 @@ class Proxy:
         for attempt in (0, 1):
             last = attempt == 1 or policy == "off"
             request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
-            ticket = self.router.dispatch(decision, defer_record=True)
+            ticket = self.router.dispatch(decision, defer_record=True, key=key)
             try:
                 return await self._exchange(request, body, decision, ticket)
             except _ConnectFailed:
@@ -276,9 +276,10 @@ class Proxy:
             resp.content_length = upstream.content_length  # same bytes, same length
         if self.settings.decision_headers:
             resp.headers["x-warmroute-instance"] = decision.instance
-            # A request that waited in the router's queue says so, and how long: "cache_hit; queued=0.153s".
-            resp.headers["x-warmroute-reason"] = (decision.reason if waited is None
-                                                  else f"{decision.reason}; queued={waited:.3f}s")
+            # How the depth was known ("match=precise") and how long it waited in the router's queue, if it did:
+            # "cache_hit; match=precise; queued=0.153s".
+            reason = decision.reason if not decision.match else f"{decision.reason}; match={decision.match}"
+            resp.headers["x-warmroute-reason"] = reason if waited is None else f"{reason}; queued={waited:.3f}s"
             # what the router expects the engine to report cached, so a client can measure its prediction
             resp.headers["x-warmroute-predicted-hit"] = f"{decision.matched_ratio:.4f}"
         return resp

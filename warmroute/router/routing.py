@@ -10,16 +10,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
 from warmroute.core.admission import (DEADLINE, IMMEDIATE, NO_INSTANCE, PREEMPTED, QUEUE_FULL, Admission,
                                       AdmissionSettings, QueueFull, Waiter, decide_at, strategy_threshold)
+from warmroute.core.exact_index import BYTES_PER_BLOCK, ExactIndex, token_seed
 from warmroute.core.fleet import Fleet, FleetSettings
-from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey, key_for_json, key_for_raw
-from warmroute.core.strategies import Decision, NoInstanceAvailable, make_strategy
+from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
+                                        key_for_json, key_for_raw)
+from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy
 from warmroute.router.errors import ApiError, bad_request, no_instance
 from warmroute.router.metrics import Metrics
+from warmroute.router.prompt_tokens import OFFLOAD_CHARS, PromptTokenizer
 from warmroute.router.settings import RouterSettings
 from warmroute.router.shared_index import IndexUpdates
 from warmroute.router.usage import EngineUsage
@@ -27,6 +31,7 @@ from warmroute.router.usage import EngineUsage
 SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
 QUEUE_POLL = 0.25  # seconds: a waiting request looks again at least this often
+TOKENIZED_ROUTES = CHAT_ROUTES | PROMPT_ROUTES  # what precise mode tokenizes (the others: approximate model only)
 # msgspec parses a long prompt 3x faster than json (docs/benchmarks.md, "Parsing large bodies"): the parse
 # runs in the event loop, and a thread would not help, as neither parser lets go of the GIL.
 _decode = msgspec.json.Decoder().decode
@@ -62,23 +67,38 @@ class Router:
             patience_s=settings.cache_aware.hold_timeout, hold_keep=settings.cache_aware.hold_keep,
             spill_headroom=settings.spill_headroom,
             aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights), self.fleet)
+        self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
+        self.tokenizer: PromptTokenizer | None = None
+        self.lora_adapters: set[str] = set()  # model names that are LoRA adapters (models.py ModelCatalog)
+        if settings.kv_events:
+            self.tokenizer = PromptTokenizer(settings.tokenizer)  # settings checked it loads
+            self.exact = ExactIndex(settings.index_memory_bytes // BYTES_PER_BLOCK, settings.kv_speculative_ttl)
+            self.strategy.exact = self.exact
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
 
     # -- deciding ------------------------------------------------------------------------------------------
-    def key_of(self, path: str, body: bytes, session: str | None) -> RoutingKey:
-        """The routing key of a routed path's body; a body the route cannot read raises a 400."""
+    def key_of(self, path: str, body: bytes, session: str | None, parsed: Any = None) -> RoutingKey:
+        """The routing key of a routed path's body (`parsed`: the body already parsed, by tokenize_ahead); a body
+        the route cannot read raises a 400."""
         if path in RAW_ROUTES:
             return key_for_raw(body, session)
         if not body:
             raise bad_request("request body is empty; expected a JSON object")
         try:
-            parsed = _decode(body)  # the body is parsed once, here, and forwarded as the original bytes
+            if parsed is None:
+                parsed = _decode(body)  # the body is parsed once, here, and forwarded as the original bytes
         except RecursionError:
             raise bad_request("request body is not valid JSON: nested too deeply") from None
         except (msgspec.DecodeError, ValueError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         try:
-            return key_for_json(path, parsed, session)
+            key = key_for_json(path, parsed, session)
+            if self.tokenizer is not None and path in TOKENIZED_ROUTES:
+                key.token_data = self.tokenizer.tokens_for(path in CHAT_ROUTES, parsed)
+                salt = parsed.get("cache_salt")
+                lora = key.model if key.model in self.lora_adapters else None  # vLLM: an adapter by its name
+                key.token_seed = token_seed(lora, salt if isinstance(salt, str) else None)
+            return key
         except KeyError_ as exc:
             raise bad_request(str(exc)) from None
         except (RecursionError, TypeError, ValueError, OverflowError):
@@ -96,6 +116,8 @@ class Router:
                 inst.healthy = True
         if key is None:
             return self._any.choose(_NO_KEY, self.fleet)
+        if self.exact is not None:
+            self.exact.now = time.monotonic()  # the core reads no clock
         return self.strategy.choose(key, self.fleet)
 
     async def key_off_loop(self, path: str, body: bytes, session: str | None) -> RoutingKey | None:
@@ -105,12 +127,27 @@ class Router:
             return None
         return await asyncio.to_thread(self.key_of, path, body, session)
 
-    def route(self, path: str, body: bytes, session: str | None,
-              key: RoutingKey | None = None) -> tuple[RoutingKey | None, Decision]:
-        """Key (unless given: key_off_loop) + decision for one request, timed and counted."""
+    async def tokenize_ahead(self, path: str, body: bytes) -> Any:
+        """Precise mode: tokenize, off the event loop, a request's text the tokenizer has not seen (a long new
+        document takes tens of milliseconds, which would stall every other request); returns the parsed body for
+        `route` (None where there is nothing worth it, or the body is not JSON: `route` then says why)."""
+        if self.tokenizer is None or path not in TOKENIZED_ROUTES or len(body) < OFFLOAD_CHARS:
+            return None
+        try:
+            parsed = _decode(body)
+        except (msgspec.DecodeError, ValueError, RecursionError):
+            return None
+        if isinstance(parsed, dict):
+            await self.tokenizer.warm(path in CHAT_ROUTES, parsed)
+        return parsed
+
+    def route(self, path: str, body: bytes, session: str | None, key: RoutingKey | None = None,
+              parsed: Any = None) -> tuple[RoutingKey | None, Decision]:
+        """Key (unless given: key_off_loop; `parsed`: the body, parsed by tokenize_ahead) + decision for one
+        request, timed and counted."""
         start = time.perf_counter()
         if key is None and is_routed(path):
-            key = self.key_of(path, body, session)
+            key = self.key_of(path, body, session, parsed)
         decision = self.decide(key)
         self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
         return key, decision
@@ -197,11 +234,16 @@ class Router:
                          max(1.0, self.fleet.mean_ttft_s))
 
     # -- the books -----------------------------------------------------------------------------------------
-    def dispatch(self, decision: Decision, defer_record: bool = False) -> Ticket:
+    def dispatch(self, decision: Decision, defer_record: bool = False, key: RoutingKey | None = None) -> Ticket:
         """The request is being sent: its books now; its chain into the index now, or (`defer_record`, from a
         running event loop) on the loop's next turn, once the request is on its way to the instance: a long
         prompt's chain is thousands of blocks (1-2 ms for a cold 64k-token prompt), time the request need not
-        wait. A request routed in between does not see it yet, as if it had arrived a moment earlier."""
+        wait. A request routed in between does not see it yet, as if it had arrived a moment earlier. In precise
+        mode its token blocks are speculatively held there until the engine's events arrive."""
+        if self.exact is not None and key is not None and key.token_data:
+            blocks = self.exact.instances.get(decision.instance)
+            if blocks is not None and blocks.block_size:
+                self.exact.speculate(decision.instance, key.token_blocks(blocks.block_size), time.monotonic())
         return Ticket(self, decision, defer_record)
 
     def engine_usage(self, decision: Decision, usage: EngineUsage, queued_ahead: int = 0) -> None:
@@ -216,7 +258,8 @@ class Router:
                                           usage.prompt_tokens, decision.prompt_tokens, queued_ahead).kind
         prompt = usage.prompt_tokens or decision.prompt_tokens
         predicted = decision.matched_tokens * prompt / decision.prompt_tokens if decision.prompt_tokens else 0.0
-        self.metrics.engine_usage(name, prompt, usage.cached_tokens, predicted, verdict)
+        self.metrics.engine_usage(name, prompt, usage.cached_tokens, predicted, verdict,
+                                  decision.match or APPROXIMATE)
 
     def unrecord(self, decision: Decision) -> None:
         """The request never reached the instance: it does not hold the blocks after all."""

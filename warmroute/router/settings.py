@@ -38,6 +38,9 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # safe in a header and
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 
 
+_ZMQ_ENDPOINT = r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+)$"
+
+
 class Backend(BaseModel):
     """One upstream inference instance."""
 
@@ -46,6 +49,9 @@ class Backend(BaseModel):
     url: str
     kv_capacity_tokens: int | None = Field(None, ge=256, le=10**10)
     models: list[str] | None = Field(None, min_length=1)  # what it serves; unset: read from its /v1/models
+    # precise mode (kv_events): its KV-event publisher and replay socket; unset: the URL's host at kv_events_port
+    kv_events_endpoint: str | None = Field(None, pattern=_ZMQ_ENDPOINT)
+    kv_events_replay_endpoint: str | None = Field(None, pattern=_ZMQ_ENDPOINT)
 
     @field_validator("name")
     @classmethod
@@ -298,6 +304,30 @@ class RouterSettings(BaseSettings, StrategySettings):
                                     description="Seconds in-flight requests may take to finish after "
                                                 "SIGTERM/SIGINT.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
+    kv_events: bool = Field(
+        False, description="Precise mode: index what each engine reports storing and evicting (vLLM's KV-cache "
+                           "events over ZMQ, `--kv-events-config`), matched against the request's own tokens "
+                           "(`tokenizer`); cache_aware uses it for every instance whose event stream is in step, "
+                           "the approximate model for the others. Needs strategy cache_aware, `tokenizer`, and "
+                           "pyzmq (pip install 'warmroute[events]').")
+    tokenizer: str | None = Field(
+        None, description="Model directory (tokenizer.json, tokenizer_config.json with the chat template) or "
+                          "tokenizer.json path of the model the engines serve: precise mode tokenizes each request "
+                          "as the engine will.")
+    kv_events_port: int = Field(
+        5557, ge=0, le=65535, description="Port of an instance's KV-event publisher at its URL's host, unless its "
+                                          "backend entry gives kv_events_endpoint (0: only those that do).")
+    kv_events_replay_port: int = Field(
+        5558, ge=0, le=65535, description="Port of an instance's KV-event replay socket at its URL's host, unless "
+                                          "its backend entry gives kv_events_replay_endpoint (0: none). Without "
+                                          "replay a lost "
+                                          "batch leaves the instance to the approximate model until its engine "
+                                          "clears its cache or restarts.")
+    kv_events_topic: str = Field("", max_length=200, description="Topic of the KV-event messages to subscribe to "
+                                                                 "(empty: all).")
+    kv_speculative_ttl: float = Field(
+        2.0, ge=0.0, le=600, description="Seconds the exact index counts a request's blocks as held at its chosen "
+                                         "instance before the engine's event for them has arrived.")
 
     @field_validator("backends", mode="before")
     @classmethod
@@ -376,6 +406,22 @@ class RouterSettings(BaseSettings, StrategySettings):
         return self
 
     @model_validator(mode="after")
+    def _precise_mode(self) -> RouterSettings:
+        """kv_events needs what it reads with: a failure here is one line at start-up, not an error per request."""
+        if not self.kv_events:
+            return self
+        problem = None
+        if self.strategy != "cache_aware":
+            problem = f"needs strategy cache_aware (strategy is {self.strategy})"
+        elif self.tokenizer is None:
+            problem = f"needs a tokenizer ({flag_of('tokenizer')} MODEL_DIR: the model the engines serve)"
+        else:
+            problem = _events_missing() or _tokenizer_problem(self.tokenizer)
+        if problem:
+            raise ValueError(f"invalid setting kv_events ({flag_of('kv_events')}): {problem}")
+        return self
+
+    @model_validator(mode="after")
     def _optional_packages(self) -> RouterSettings:
         """A setting that needs an optional package fails here, before the port is bound, naming the extra."""
         for name, module, extra in (("redis_url", "redis", "redis"),
@@ -397,6 +443,35 @@ class RouterSettings(BaseSettings, StrategySettings):
     def capacity_configured(self, backend: Backend) -> bool:
         """Whether the user gave this backend's KV capacity (else the engine's own figure is used once known)."""
         return backend.kv_capacity_tokens is not None or "kv_capacity_tokens" in self.model_fields_set
+
+
+def _events_missing() -> str | None:
+    if importlib.util.find_spec("zmq") is None:
+        return "it needs the pyzmq package: pip install 'warmroute[events]'"
+    return None
+
+
+def _tokenizer_problem(path: str) -> str | None:
+    from warmroute.router.prompt_tokens import PromptTokenizer, TokenizerError
+
+    try:
+        PromptTokenizer(path)
+    except TokenizerError as exc:
+        return str(exc)
+    return None
+
+
+def kv_event_endpoints(settings: RouterSettings, backend: Backend) -> tuple[str | None, str | None]:
+    """An instance's KV-event publisher and replay endpoints: those its entry gives, else its URL's host at the
+    ports set."""
+    if backend.kv_events_endpoint is not None:
+        return backend.kv_events_endpoint, backend.kv_events_replay_endpoint
+    host = urlsplit(backend.url).hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    pub = f"tcp://{host}:{settings.kv_events_port}" if settings.kv_events_port else None
+    replay = backend.kv_events_replay_endpoint or (f"tcp://{host}:{settings.kv_events_replay_port}"
+                                                   if settings.kv_events_replay_port else None)
+    return pub, replay
 
 
 def upstream_tls(settings: RouterSettings, only: str | None = None) -> ssl.SSLContext | None:
@@ -669,6 +744,11 @@ def configuration_markdown() -> str:
         "- Mixed models: each instance's `/v1/models` is read every `models_interval` (and when a client asks the",
         "  router's `/v1/models`, with its credentials); a request naming a model goes only to the instances",
         "  that list it, a model no instance lists to any instance. A backend's `models` fixes its list.",
+        "- Precise mode (`kv_events`, with `tokenizer`): each instance's KV-cache events (vLLM:",
+        "  `--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\":",
+        "  \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'`) are read from its URL's host at",
+        "  `kv_events_port` and `kv_events_replay_port`, or from a backend entry's own `kv_events_endpoint` and",
+        "  `kv_events_replay_endpoint` (`tcp://HOST:PORT`). See docs/precise.md.",
         "- Membership at run time (`backends_file`, `dns_refresh_interval`, `admin_token`): docs/deployment.md.",
         "- Health: a refused connection ejects an instance at once; `failures_before_ejection` consecutive",
         "  5xx answers or timeouts eject it; only a passing `GET /health` brings it back.",

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 from warmroute.core.decision import CACHE_HIT, COLD, KV_SPILL
 from warmroute.core.engine_load import foreign_requests
+from warmroute.core.exact_index import ExactIndex, exact_depths
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.pipeline import Facts, Request
 
@@ -44,10 +45,16 @@ class PrefixMatch(Facts):
         self.miss_weight, self.shared_miss_weight = miss_weight, shared_miss_weight
         self.sticky_kv_limit = sticky_kv_limit
         self.depths = depths
+        self.exact: ExactIndex | None = None  # precise mode: the engines' own reports, where fresh
 
     def observe(self, req: Request) -> None:
         blocks = req.blocks = req.key.blocks(req.fleet.settings.block_bytes)
         depths = req.depths = self.depths(blocks, req.fleet) if blocks else {}
+        if self.exact is not None:
+            req.precise = {}
+            if req.key.token_data is not None:
+                depths, req.precise = exact_depths(self.exact, req.key, len(blocks), depths)
+                req.depths = depths
         req.deepest = max(depths.values()) if depths else 0
         alpha, req.holder = self.miss_weight_for(req)
         req.alpha = alpha

@@ -1,0 +1,282 @@
+"""The KV-event subscriber against a real ZMQ publisher on 127.0.0.1 (the emulated engine's, and raw sockets):
+in step, gaps filled by replay, gaps without replay (stale), restarts, late joins, garbage on the socket."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from warmroute.core.exact_index import ExactIndex, pack_tokens, token_chain, token_seed
+from warmroute.engine.kv_events import KvEventPublisher
+from warmroute.router.kv_subscriber import KvEventMetrics, KvEventSubscriber
+
+BS = 4
+
+
+def chain(tokens):
+    data = pack_tokens(tokens)
+    return lambda size: token_chain(data, token_seed(), size)
+
+
+class Engine:
+    """A publisher storing one block per batch, each extending the last (a growing prompt)."""
+
+    def __init__(self, replay: bool = True, start_hash: int = 500, endpoint: str = "tcp://127.0.0.1:0",
+                 replay_endpoint: str = "tcp://127.0.0.1:0", token_base: int = 0) -> None:
+        self.token_base = token_base
+        self.pub = KvEventPublisher(endpoint, "kv", replay_endpoint if replay else None, bind=True)
+        self.tokens: list[int] = []
+        self.hashes: list[int] = []
+        self.start_hash = start_hash
+
+    @property
+    def endpoint(self) -> str:
+        return self.pub.endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.pub.replay_endpoint
+
+    def store_block(self, send: bool = True) -> None:
+        block = [self.token_base + len(self.tokens) + i for i in range(BS)]
+        h = self.start_hash + len(self.hashes)
+        self.pub.stored([h], self.hashes[-1] if self.hashes else None, block, BS)
+        self.tokens += block
+        self.hashes.append(h)
+        if send:
+            self.pub.flush()
+        else:  # lost on the way: buffered for replay, never received
+            payload = msgspec.msgpack.encode([0.0, self.pub.pending, 0])
+            self.pub.pending = []
+            self.pub.buffer.append((self.pub.seq, payload))
+            self.pub.seq += 1
+
+
+def metric(metrics: KvEventMetrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def metrics():
+    return KvEventMetrics(CollectorRegistry())
+
+
+async def until(cond, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def connected(engine: Engine, sub: KvEventSubscriber, timeout: float = 10.0) -> None:
+    """Store blocks until the subscriber hears one live (a SUB socket misses what is sent before it joins)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not sub.stream.live or sub.stream.last_seq < engine.pub.seq - 1:
+        assert loop.time() < end, "subscriber never received a batch"
+        if not sub.stream.live:
+            engine.store_block()
+        await asyncio.sleep(0.02)
+
+
+async def started(engine: Engine, index: ExactIndex, metrics, name: str = "a", idle_s: float = 5.0):
+    await engine.pub.start()
+    sub = KvEventSubscriber(name, engine.endpoint, index, metrics, engine.replay_endpoint, "kv", idle_s)
+    await sub.start()
+    return sub
+
+
+async def test_in_step_then_gap_filled_by_replay(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics)
+    try:
+        await connected(engine, sub)
+        assert sub.fresh
+        engine.store_block(send=False)  # lost
+        engine.store_block()
+        await until(lambda: sub.stream.last_seq == engine.pub.seq - 1)
+        assert sub.fresh
+        assert index.match_tokens("a", chain(engine.tokens), 0.0) == len(engine.tokens)
+        assert metric(metrics, "warmroute_kv_events_gaps_total", backend="a", kind="gap") == 1
+        assert metric(metrics, "warmroute_kv_events_replays_total", backend="a", outcome="ok") >= 1
+        assert metric(metrics, "warmroute_kv_events_stale", backend="a") == 0
+    finally:
+        await sub.stop()
+        await engine.pub.close()
+
+
+async def test_gap_without_replay_marks_stale_until_cleared(metrics):
+    engine, index = Engine(replay=False), ExactIndex()
+    sub = await started(engine, index, metrics)
+    try:
+        await connected(engine, sub)
+        assert not sub.fresh  # it joined after batch 0 and cannot replay: stale until the cache is cleared
+        engine.pub.cleared()
+        engine.pub.flush()
+        await until(lambda: sub.fresh)
+        engine.store_block(send=False)
+        engine.store_block()
+        await until(lambda: not sub.fresh)
+        assert metric(metrics, "warmroute_kv_events_stale", backend="a") == 1
+        engine.pub.cleared()
+        engine.pub.flush()
+        await until(lambda: sub.fresh)
+        assert index.size("a") == 0
+    finally:
+        await sub.stop()
+        await engine.pub.close()
+
+
+async def test_late_subscriber_catches_up_by_replay(metrics):
+    engine, index = Engine(), ExactIndex()
+    await engine.pub.start()
+    for _ in range(5):
+        engine.store_block()  # nobody listening yet
+    sub = KvEventSubscriber("a", engine.endpoint, index, metrics, engine.replay_endpoint, "kv")
+    await sub.start()
+    try:
+        await connected(engine, sub)  # the first batch it sees is past 0: it replays from 0
+        engine.store_block()
+        await until(lambda: sub.stream.last_seq == engine.pub.seq - 1)
+        assert sub.fresh
+        assert index.match_tokens("a", chain(engine.tokens), 0.0) == len(engine.tokens)
+    finally:
+        await sub.stop()
+        await engine.pub.close()
+
+
+async def test_engine_restart_clears_its_blocks(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics)
+    try:
+        await connected(engine, sub)
+        for _ in range(3):
+            engine.store_block()
+        await until(lambda: sub.stream.last_seq == engine.pub.seq - 1)
+        old_tokens = list(engine.tokens)
+        endpoint, replay = engine.pub.endpoint, engine.pub.replay_endpoint
+        await engine.pub.close()
+        restarted = Engine(start_hash=9000, endpoint=endpoint, replay_endpoint=replay, token_base=4)  # same ports
+        await restarted.pub.start()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 20
+        while not metric(metrics, "warmroute_kv_events_gaps_total", backend="a", kind="restart"):
+            assert loop.time() < end, "restart never seen"
+            restarted.store_block()  # until the subscriber has reconnected and hears one
+            await asyncio.sleep(0.05)
+        await until(lambda: sub.fresh and sub.stream.last_seq == restarted.pub.seq - 1)
+        assert index.match_tokens("a", chain(old_tokens), 0.0) == 0
+        assert index.match_tokens("a", chain(restarted.tokens), 0.0) == len(restarted.tokens)
+        assert metric(metrics, "warmroute_kv_events_gaps_total", backend="a", kind="restart") == 1
+        await restarted.pub.close()
+    finally:
+        await sub.stop()
+
+
+async def test_garbage_on_the_socket_is_counted_and_skipped(metrics):
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index = ExactIndex()
+    sub = KvEventSubscriber("a", f"tcp://127.0.0.1:{port}", index, metrics)
+    await sub.start()
+    good = msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                         "token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None,
+                                         "medium": "GPU", "lora_name": None}], 0])
+    try:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 5
+        while sub.stream.last_seq is None:  # until it is subscribed
+            assert loop.time() < end
+            await pub.send_multipart([b"", (0).to_bytes(8, "big"), good])
+            await asyncio.sleep(0.02)
+        await pub.send_multipart([b"kv", b"\x01"])  # two frames
+        await pub.send_multipart([b"kv", b"\x00\x01", good])  # a short sequence frame
+        await pub.send_multipart([b"kv", (1).to_bytes(8, "big"), b"\xc1\xc1 not msgpack"])
+        await pub.send_multipart([b"kv", (1).to_bytes(8, "big"), msgspec.msgpack.encode([0, [{"type": "X"}]])])
+        await until(lambda: metric(metrics, "warmroute_kv_events_bad_total", backend="a") >= 4)
+        assert sub.fresh and index.match_tokens("a", chain([1, 2, 3, 4]), 0.0) == 4
+    finally:
+        await sub.stop()
+        pub.close(linger=0)
+
+
+async def test_a_restart_heard_only_past_the_old_sequence_is_found_by_replay(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics)
+    try:
+        await connected(engine, sub)
+        old_tokens, old_last = list(engine.tokens), sub.stream.last_seq
+        endpoint, replay = engine.pub.endpoint, engine.pub.replay_endpoint
+        await engine.pub.close()
+        restarted = Engine(start_hash=9000, endpoint=endpoint, replay_endpoint=replay, token_base=4)
+        await restarted.pub.start()
+        for _ in range(old_last + 5):  # published while the subscriber was reconnecting: never heard
+            restarted.store_block(send=False)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 20
+        while not sub.stream.last_seq or sub.stream.last_seq < restarted.pub.seq - 1:
+            assert loop.time() < end, "never caught up"
+            restarted.store_block()
+            await asyncio.sleep(0.05)
+        assert metric(metrics, "warmroute_kv_events_gaps_total", backend="a", kind="restart") == 1
+        assert sub.fresh
+        assert index.match_tokens("a", chain(old_tokens), 0.0) == 0
+        assert index.match_tokens("a", chain(restarted.tokens), 0.0) == len(restarted.tokens)
+        await restarted.pub.close()
+    finally:
+        await sub.stop()
+
+
+async def test_an_engine_that_published_nothing_yet_is_in_step(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics)
+    try:
+        await until(lambda: sub.fresh)
+        assert metric(metrics, "warmroute_kv_events_replays_total", backend="a", outcome="ok") == 1
+    finally:
+        await sub.stop()
+        await engine.pub.close()
+
+
+async def test_an_engine_restarted_without_a_word_is_found_when_quiet(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics, idle_s=0.3)
+    try:
+        await connected(engine, sub)
+        assert index.size("a") > 0
+        endpoint, replay = engine.pub.endpoint, engine.pub.replay_endpoint
+        await engine.pub.close()
+        restarted = Engine(endpoint=endpoint, replay_endpoint=replay)  # publishes nothing: an empty cache
+        await restarted.pub.start()
+        await until(lambda: metric(metrics, "warmroute_kv_events_gaps_total", backend="a", kind="restart") == 1)
+        assert index.size("a") == 0 and sub.fresh
+        await restarted.pub.close()
+    finally:
+        await sub.stop()
+
+
+async def test_an_unreadable_batch_even_replayed_leaves_it_stale_until_cleared(metrics):
+    engine, index = Engine(), ExactIndex()
+    sub = await started(engine, index, metrics, idle_s=0.3)
+    try:
+        await connected(engine, sub)
+        engine.pub.publish_raw(b"\xc1 garbage")  # takes a sequence number, also in the replay buffer
+        engine.store_block()
+        await until(lambda: not sub.fresh)
+        assert metric(metrics, "warmroute_kv_events_bad_total", backend="a") >= 2  # live, and replayed
+        await asyncio.sleep(1.0)  # its retries from batch 0 find the same unreadable batch
+        assert not sub.fresh
+        engine.pub.cleared()
+        engine.pub.flush()
+        await until(lambda: sub.fresh)
+        assert index.size("a") == 0
+    finally:
+        await sub.stop()
+        await engine.pub.close()

@@ -1,0 +1,370 @@
+"""Precise mode's I/O: one ZMQ subscriber per instance, feeding its KV-cache events to the exact index.
+
+Each subscriber connects a SUB socket to the instance's event endpoint and follows the sequence numbers:
+  - the next number: the batch is applied;
+  - a jump ahead (a lost batch): the missing ones are asked from the instance's replay endpoint; where there is
+    none, or it no longer holds them, the instance is marked *stale*: the strategy uses the approximate model for
+    it until it is in step again (its cache is cleared, it restarts, or a later replay from its first batch works);
+  - a number going back, or a replay that no longer holds the last batch received as it was received (asked after
+    a quiet spell too): the engine restarted; what it reported before is forgotten;
+  - AllBlocksCleared: its index is emptied (the engine said so: still in step);
+  - a message that cannot be read: counted and skipped.
+A subscriber that starts after its instance (a replica started late) asks for a replay from batch 0 and is stale
+until it gets one. Everything it does is counted (KvEventMetrics) and logged once per change of state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from warmroute.core.exact_index import ExactIndex
+from warmroute.core.kv_events import AllBlocksCleared, BadMessage, EventBatch, decode_batch, decode_seq, encode_seq
+
+log = logging.getLogger("warmroute.router")
+
+REPLAY_TIMEOUT_S = 2.0  # a replay that has not finished by then has failed
+IDLE_CHECK_S = 5.0  # with nothing heard for this long, the replay socket is asked whether we are still in step
+SEEN_BATCHES = 4096  # batches remembered to tell a replayed batch's duplicate from a restarted engine's
+_STALE, _FRESH = "stale", "fresh"
+
+
+class KvEventMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = r = registry
+        self.received = Counter("warmroute_kv_events_received", "KV-event batches received per instance "
+                                "(live and replayed)", ["backend"], registry=r)
+        self.applied = Counter("warmroute_kv_events_applied", "KV events that changed the exact index",
+                               ["backend"], registry=r)
+        self.bad = Counter("warmroute_kv_events_bad", "KV-event messages or events skipped as unreadable or "
+                           "unknown", ["backend"], registry=r)
+        self.gaps = Counter("warmroute_kv_events_gaps", "Sequence gaps (lost batches) and restarts, by kind "
+                            "(gap, restart)", ["backend", "kind"], registry=r)
+        self.replays = Counter("warmroute_kv_events_replays", "Replay requests by outcome (ok, failed)",
+                               ["backend", "outcome"], registry=r)
+        self.stale = Gauge("warmroute_kv_events_stale", "1 while an instance's exact index is out of step "
+                           "with its engine (the approximate model routes for it)", ["backend"], registry=r,
+                           multiprocess_mode="livemax")
+        self.blocks = Gauge("warmroute_kv_index_blocks", "Blocks each instance reported holding (exact index)",
+                            ["backend"], registry=r, multiprocess_mode="livemostrecent")
+        self.lag = Gauge("warmroute_kv_events_lag_seconds", "Seconds from the engine's timestamp of the latest "
+                         "batch to its arrival (engine and router clocks)", ["backend"], registry=r,
+                         multiprocess_mode="livemostrecent")
+
+
+@dataclass
+class Stream:
+    """What a subscriber knows of one instance's sequence."""
+
+    name: str
+    last_seq: int | None = None  # the latest batch applied (live or replayed)
+    # seq -> engine timestamp of the latest batches applied: a live batch under a number seen before is a
+    # duplicate of a replayed one if its timestamp is the same, else the engine restarted
+    seen: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    state: str = _STALE  # fresh once in step with the engine
+    batches: int = 0  # applied
+    live: int = 0  # received on the live stream
+
+
+class KvEventSubscriber:
+    def __init__(self, name: str, endpoint: str, index: ExactIndex, metrics: KvEventMetrics,
+                 replay_endpoint: str | None = None, topic: str = "", idle_s: float = IDLE_CHECK_S) -> None:
+        import zmq.asyncio  # imported here: precise mode is optional (the `events` extra)
+
+        self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay_endpoint
+        self.topic = topic.encode()
+        self.index, self.metrics = index, metrics
+        self.idle_s = idle_s
+        self.stream = Stream(name)
+        self._ctx = zmq.asyncio.Context.instance()
+        self._task: asyncio.Task | None = None
+        self.ready = asyncio.Event()  # set once it has tried to catch up with what was published before it came
+        self._next_retry = 0.0
+        index.add_instance(name)
+        metrics.stale.labels(name).set(1)
+
+    @property
+    def fresh(self) -> bool:
+        return self.stream.state == _FRESH
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"warmroute-kv-events-{self.name}")
+
+    def cancel(self) -> asyncio.Task | None:
+        """Stop following the instance (its socket closes as the task ends) and forget what it reported."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+        self.index.remove_instance(self.name)
+        for gauge in (self.metrics.stale, self.metrics.blocks, self.metrics.lag):
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.name)
+        return task
+
+    async def stop(self) -> None:
+        task = self.cancel()
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        import zmq
+
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sock.connect(self.endpoint)
+        try:
+            if self.replay_endpoint is not None:  # what it published before we came (nothing: in step already)
+                await self._resync("subscribed")
+            self.ready.set()
+            while True:
+                try:
+                    frames = await asyncio.wait_for(sock.recv_multipart(), self.idle_s)
+                except TimeoutError:
+                    await self._idle_check()
+                    continue
+                await self.receive(frames)
+        finally:
+            sock.close(linger=0)
+
+    # -- one message ----------------------------------------------------------------------------------------
+    async def receive(self, frames: list[bytes]) -> None:
+        """One live message: decoded, put in sequence, applied (or the gap filled first)."""
+        decoded = self._decode(frames)
+        if decoded is None:
+            return
+        seq, batch = decoded
+        if batch is None:
+            return  # unreadable: the batch after it shows the gap, and replay is asked for it
+        s = self.stream
+        s.live += 1
+        if s.last_seq is not None and seq <= s.last_seq:
+            if s.seen.get(seq) == batch.ts:
+                return  # a replay delivered it already
+            # A number already used, for another batch: a new engine process counting from 0 again.
+            self._restarted(f"sequence went back from {s.last_seq} to {seq}")
+        if s.last_seq is None and seq != 0:  # joined mid-stream (or restarted and missed its first batches)
+            await self._resync(f"joined at sequence {seq}")
+        elif s.last_seq is not None and seq > s.last_seq + 1:
+            self.metrics.gaps.labels(self.name, "gap").inc()
+            await self._fill_gap(s.last_seq + 1, seq)
+        elif s.last_seq is None:
+            self._set_state(_FRESH, "first batch")
+        if s.last_seq is None or seq > s.last_seq:
+            self._apply(seq, batch)
+        await self._retry_if_stale()
+
+    def _decode(self, frames: list[bytes]) -> tuple[int, EventBatch | None] | None:
+        """(sequence number, batch); the batch None where only the payload cannot be read (a batch lost: it
+        takes its number); None where not even the number can."""
+        self.metrics.received.labels(self.name).inc()
+        seq = None
+        try:
+            if len(frames) != 3:
+                raise BadMessage(f"{len(frames)} frames, expected 3 (topic, sequence, payload)")
+            seq = decode_seq(frames[1])
+            batch = decode_batch(frames[2])
+        except BadMessage as exc:
+            self.metrics.bad.labels(self.name).inc()
+            log.warning("kv events %s: message skipped: %s", self.name, exc)
+            return None if seq is None else (seq, None)
+        if batch.skipped:
+            self.metrics.bad.labels(self.name).inc(batch.skipped)
+        return seq, batch
+
+    def _apply(self, seq: int, batch: EventBatch) -> None:
+        s = self.stream
+        s.last_seq = seq
+        s.batches += 1
+        s.seen[seq] = batch.ts
+        if len(s.seen) > SEEN_BATCHES:
+            s.seen.popitem(last=False)
+        applied = self.index.apply(self.name, batch.events)
+        self.metrics.applied.labels(self.name).inc(applied)
+        self.metrics.blocks.labels(self.name).set(self.index.size(self.name))
+        if batch.ts > 0:
+            self.metrics.lag.labels(self.name).set(max(0.0, time.time() - batch.ts))
+        if any(isinstance(e, AllBlocksCleared) for e in batch.events) and not self.fresh:
+            self._set_state(_FRESH, "the engine cleared its cache")
+
+    # -- getting back in step -------------------------------------------------------------------------------
+    def _restarted(self, why: str) -> None:
+        self.metrics.gaps.labels(self.name, "restart").inc()
+        log.warning("kv events %s: %s: the engine restarted; index cleared", self.name, why)
+        self.index.clear(self.name)
+        self.stream.last_seq = None
+        self.stream.seen.clear()
+
+    async def _fill_gap(self, start: int, upto: int) -> None:
+        """Batches start..upto-1 were lost: replay them, or mark the instance stale. The replay starts at the last
+        batch applied, to check it is still the engine's (one that restarted unheard reuses the numbers)."""
+        got = await self._replay(start - 1)
+        if got:
+            first_seq, first = got[0]
+            if first is not None and first_seq == start - 1 and self.stream.seen.get(first_seq, first.ts) != first.ts:
+                self._restarted(f"batch {first_seq} is not the one received under that number")
+                await self._resync("restarted")
+                return
+            if first_seq <= start:
+                self._apply_run(got)
+                if self.stream.last_seq >= upto - 1:
+                    return
+        self._set_state(_STALE, f"batches {start}..{upto - 1} lost" +
+                        ("" if self.replay_endpoint else " (no replay endpoint)"))
+
+    async def _resync(self, why: str) -> None:
+        """Rebuild the instance's index from its first batch, through replay; stale if that cannot be done."""
+        got = await self._replay(0)
+        if got == []:  # it has published nothing yet (a new process): in step from its first batch
+            if self.stream.last_seq is not None:
+                self._restarted("its replay buffer is empty")
+            self._set_state(_FRESH, f"{why}; nothing published yet")
+            return
+        if got and got[0][0] == 0:
+            self.index.clear(self.name)
+            self.stream.last_seq = None
+            self.stream.seen.clear()
+            self._apply_run(got)
+            if self.stream.last_seq == got[-1][0]:
+                self._set_state(_FRESH, f"{why}; replayed from batch 0")
+                return
+            why += f"; batch {0 if self.stream.last_seq is None else self.stream.last_seq + 1} cannot be read"
+        elif self.replay_endpoint is not None:
+            why += "; its replay does not reach back to batch 0"
+        self._set_state(_STALE, why if self.replay_endpoint else why + " (no replay endpoint)")
+
+    async def _retry_if_stale(self) -> None:
+        if self.fresh or self.replay_endpoint is None or time.monotonic() < self._next_retry:
+            return
+        self._next_retry = time.monotonic() + self.idle_s
+        await self._resync("stale")
+
+    async def _idle_check(self) -> None:
+        """Nothing heard for idle_s: ask the replay socket for our last batch, to find an engine that restarted
+        and has published nothing since (its predecessor's blocks would otherwise stay here) and batches lost
+        without a later one to show the gap."""
+        last = self.stream.last_seq
+        if not self.fresh or last is None or self.replay_endpoint is None:
+            await self._retry_if_stale()
+            return
+        got = await self._replay(last)
+        if got is None:
+            return  # the engine is not answering (down, or restarting): nothing to conclude yet
+        first = got[0][1] if got else None
+        if first is None or got[0][0] != last or self.stream.seen.get(last, first.ts) != first.ts:
+            self._restarted(f"its replay no longer holds batch {last} as received")
+            await self._resync("restarted")
+            return
+        self._apply_run(got[1:])
+
+    def _apply_run(self, got: list[tuple[int, EventBatch | None]]) -> None:
+        """Replayed batches, in order, as far as they follow on from the last applied without a hole or an
+        unreadable one."""
+        for seq, batch in got:
+            s = self.stream
+            if s.last_seq is not None and seq <= s.last_seq:
+                continue
+            if batch is None or (s.last_seq is None and seq != 0) or (s.last_seq is not None and seq != s.last_seq + 1):
+                return
+            self._apply(seq, batch)
+
+    async def _replay(self, start: int) -> list[tuple[int, EventBatch | None]] | None:
+        """The batches the instance still buffers from `start` on (None: no replay endpoint, or it failed)."""
+        if self.replay_endpoint is None:
+            return None
+        import zmq
+
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: list[tuple[int, EventBatch | None]] = []
+        try:
+            sock.connect(self.replay_endpoint)
+            await sock.send_multipart((b"", encode_seq(start)))
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                while True:
+                    frames = await sock.recv_multipart()
+                    if len(frames) == 4 and frames[2] == encode_seq(-1):
+                        break
+                    decoded = self._decode(frames[1:])
+                    if decoded is not None:
+                        got.append(decoded)
+        except (TimeoutError, OSError) as exc:
+            self.metrics.replays.labels(self.name, "failed").inc()
+            log.warning("kv events %s: replay from %d failed: %s", self.name, start, str(exc) or "timed out")
+            return None
+        finally:
+            sock.close(linger=0)
+        self.metrics.replays.labels(self.name, "ok").inc()
+        return sorted(got, key=lambda sb: sb[0])
+
+    def _set_state(self, state: str, why: str) -> None:
+        if self.stream.state != state:
+            (log.warning if state == _STALE else log.info)("kv events %s: %s (%s)", self.name, state, why)
+        self.stream.state = state
+        self.metrics.stale.labels(self.name).set(1 if state == _STALE else 0)
+        if state == _FRESH:
+            self.index.fresh.add(self.name)
+        else:
+            self.index.fresh.discard(self.name)
+
+
+class KvEventSources:
+    """One subscriber per instance, following the fleet's membership (static, file, DNS, Kubernetes, admin API),
+    and the exact index's bound shared out among them."""
+
+    def __init__(self, index: ExactIndex, metrics: KvEventMetrics, topic: str, max_blocks: int) -> None:
+        self.index, self.metrics, self.topic = index, metrics, topic
+        self.max_blocks = max_blocks  # over all instances
+        self.subscribers: dict[str, KvEventSubscriber] = {}
+        self._running = False
+        self._closing: set[asyncio.Task] = set()
+
+    def add(self, name: str, endpoint: str | None, replay_endpoint: str | None) -> None:
+        """Follow an instance's events (again, if its endpoints changed); None: it publishes none."""
+        sub = self.subscribers.get(name)
+        if sub is not None and (sub.endpoint, sub.replay_endpoint) == (endpoint, replay_endpoint):
+            return
+        self.remove(name)
+        if endpoint is None:
+            return
+        sub = self.subscribers[name] = KvEventSubscriber(name, endpoint, self.index, self.metrics,
+                                                         replay_endpoint, self.topic)
+        self._share_bound()
+        log.info("kv events %s: subscribing to %s (replay: %s)", name, endpoint, replay_endpoint or "none")
+        if self._running:
+            asyncio.get_running_loop().create_task(sub.start())
+
+    def remove(self, name: str) -> None:
+        sub = self.subscribers.pop(name, None)
+        if sub is not None:
+            task = sub.cancel()
+            if task is not None:
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            self._share_bound()
+
+    async def start(self) -> None:
+        """Start every subscriber, and give them (together) up to a replay's timeout to catch up with what their
+        engines published before the router started, so a late replica's first decisions are already exact."""
+        self._running = True
+        for sub in self.subscribers.values():
+            await sub.start()
+        waits = [sub.ready.wait() for sub in self.subscribers.values()]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*waits), REPLAY_TIMEOUT_S + 0.5)
+
+    async def stop(self) -> None:
+        self._running = False
+        for name in list(self.subscribers):
+            self.remove(name)
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def _share_bound(self) -> None:
+        self.index.max_blocks = max(1, self.max_blocks // max(1, len(self.subscribers)))
