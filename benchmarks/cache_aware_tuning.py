@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
-from warmroute.core.strategies import CacheAwareStrategy, StrategySettings
+from dataclasses import replace
+
+from warmroute.core.strategies import StrategySettings, merge_layers
 from warmroute.sim.report import summarize
 from warmroute.sim.simulator import Simulation, SimSettings
 from warmroute.workloads.registry import make_workload
@@ -29,7 +31,7 @@ CASES = [
      dict(hot=0.6, max_tokens=2)),
     ("70B, 24k-token prefixes, 29 of them, 64 clients", "shared",
      SimSettings(instances=7, profile="70b", max_running=256, requests=1500, concurrency=64,
-                 concurrency_threshold=64),
+                 routing=StrategySettings(concurrency_threshold=64)),
      dict(pool_size=29, system_tokens=24576, question_tokens=256, zipf=0.0, max_tokens=128)),
 ]
 
@@ -43,10 +45,8 @@ def main() -> None:
     print(f"{'case':<50} {'setting':<44} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>6} {'spread':>6}")
     for label, workload, settings, params in CASES:
         for _, change in VARIANTS:
-            sim = Simulation(settings, make_workload(workload, seed=0, **params), "cache_aware")
-            sim.strategy = CacheAwareStrategy(StrategySettings(
-                prefix_length=settings.prefix_length, concurrency_threshold=settings.concurrency_threshold,
-                block_bytes=sim.block_bytes, **change))
+            changed = replace(settings, routing=StrategySettings(**merge_layers(settings.routing.model_dump(), change)))
+            sim = Simulation(changed, make_workload(workload, seed=0, **params), "cache_aware")
             s = summarize(sim.run())
             setting = ", ".join(f"{k}={v:g}" for k, v in change.items())
             print(f"{label:<50} {setting:<44} {s.hit_rate:>8.1%} {s.ttft_p50_ms:>7.0f}ms {s.ttft_p99_ms:>7.0f}ms "

@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import replace
-
 from warmroute.core.fleet import Fleet
-from warmroute.core.strategies import (PRIVATE, STRATEGIES, SWAMPED, CacheAwareStrategy, Decision, StrategySettings,
-                                       kv_pressure)
+from warmroute.core.stages import Handles
+from warmroute.core.stages.prefix_match import PRIVATE, SWAMPED, PrefixMatch, index_depths, kv_pressure
+from warmroute.core.strategies import (CACHE_AWARE, CacheAwareStrategy, Decision, Strategy, StrategySettings,
+                                       make_strategy)
 from warmroute.sim.report import summarize
 from warmroute.sim.simulator import SimSettings, Simulation
 from warmroute.workloads.registry import make_workload
@@ -66,8 +66,8 @@ def pressure(fleet: Fleet, name: str, matched_tokens: int) -> float:
 
 
 # -- part 1 --------------------------------------------------------------------------------------------------
-def prediction_by_pressure(seed: int, requests: int, variant: str) -> None:
-    sim = Simulation(settings(seed, requests), make_workload("chat", seed=seed, **CHAT), variant)
+def prediction_by_pressure(seed: int, requests: int, name: str) -> None:
+    sim = simulation(name, settings(seed, requests), make_workload("chat", seed=seed, **CHAT))
     choose, seen = sim.strategy.choose, []
 
     def observed(key, fleet):  # the decision and its instance's pressure, at routing time
@@ -83,7 +83,7 @@ def prediction_by_pressure(seed: int, requests: int, variant: str) -> None:
             continue
         b = max([0.0, *[t for t in BUCKETS if x >= t]])
         rows.setdefault(b, []).append((d.matched_tokens, rec.cached_tokens, (rec.first_token - rec.arrival) * 1000))
-    print(f"\nPart 1: {variant}, seed {seed}, {requests} requests; continuations (predicted match > 400 tokens)")
+    print(f"\nPart 1: {name}, seed {seed}, {requests} requests; continuations (predicted match > 400 tokens)")
     print(f"{'pressure':>10} {'requests':>8} {'predicted':>9} {'found':>7} {'found %':>7} {'TTFT p50':>8} "
           f"{'TTFT p90':>8}")
     for b in sorted(rows):
@@ -95,125 +95,113 @@ def prediction_by_pressure(seed: int, requests: int, variant: str) -> None:
 
 
 # -- part 2 --------------------------------------------------------------------------------------------------
-class _Tuned(CacheAwareStrategy):
-    overrides: dict = {}
-
-    def __init__(self, settings: StrategySettings | None = None, seed: int | None = None) -> None:
-        super().__init__(replace(settings or StrategySettings(), **self.overrides), seed)
-
-
 NO_HOLD = dict(hold_kv_limit=1000.0)
 ALWAYS = dict(sticky_kv_limit=1000.0, **NO_HOLD)
+TUNED = {  # variant -> cache_aware's settings changed
+    "no holding (hold_kv_limit 1000)": NO_HOLD,
+    "hold_kv_limit 1.3": dict(hold_kv_limit=1.3),
+    "hold_kv_limit 1.5": dict(hold_kv_limit=1.5),
+    "always sticky (limit 1000)": ALWAYS,
+    "sticky_kv_limit 2.0": dict(sticky_kv_limit=2.0, **NO_HOLD),
+    "sticky_kv_limit 1.5": dict(sticky_kv_limit=1.5, **NO_HOLD),
+    "tight guard (ε 0.5, slack 0)": dict(balance_factor=0.5, balance_slack=0, **ALWAYS),
+    "miss weight 4 (private)": dict(miss_weight=4.0, **ALWAYS),
+}
+NO_HOLD_NAME, ALWAYS_NAME, TIGHT_NAME = "no holding (hold_kv_limit 1000)", "always sticky (limit 1000)", \
+    "tight guard (ε 0.5, slack 0)"
 
 
-class NoHold(_Tuned):
-    name = "no holding (hold_kv_limit 1000)"
-    overrides = NO_HOLD
+SURVIVAL_LOW, SURVIVAL_HIGH = 1.25, 1.75
 
 
-class Hold13(_Tuned):
-    name = "hold_kv_limit 1.3"
-    overrides = dict(hold_kv_limit=1.3)
+def survival_discounted(blocks, fleet: Fleet) -> dict[str, int]:
+    """The index's depths, the unshared part of each holder's match discounted by the holder's KV pressure."""
+    depths = index_depths(blocks, fleet)
+    if not depths:
+        return depths
+    shared = sorted(depths.values())[-2] if len(depths) > 1 else 0  # what others hold too stays fresh
+    out = {}
+    for name, depth in depths.items():
+        x = pressure(fleet, name, depth * fleet.block_tokens)
+        keep = min(depth, shared)
+        survives = min(1.0, max(0.0, (SURVIVAL_HIGH - x) / (SURVIVAL_HIGH - SURVIVAL_LOW)))
+        out[name] = keep + round((depth - keep) * survives)
+    return out
 
 
-class Hold15(_Tuned):
-    name = "hold_kv_limit 1.5"
-    overrides = dict(hold_kv_limit=1.5)
+class SurvivalDiscount(Strategy):
+    """cache_aware (always sticky) with survival-discounted depths; its decisions report the index's own
+    prediction, as cache_aware's do."""
 
+    def __init__(self, settings: StrategySettings) -> None:
+        base = CACHE_AWARE.build("survival discount", settings, Handles(depths=survival_discounted))
+        super().__init__(base.name, base.settings, base.pipeline, records_prefixes=True)
 
-class AlwaysSticky(_Tuned):
-    name = "always sticky (limit 1000)"
-    overrides = ALWAYS
-
-
-class Limit2(_Tuned):
-    name = "sticky_kv_limit 2.0"
-    overrides = dict(sticky_kv_limit=2.0, **NO_HOLD)
-
-
-class Limit15(_Tuned):
-    name = "sticky_kv_limit 1.5"
-    overrides = dict(sticky_kv_limit=1.5, **NO_HOLD)
-
-
-class TightGuard(_Tuned):
-    name = "tight guard (ε 0.5, slack 0)"
-    overrides = dict(balance_factor=0.5, balance_slack=0, **ALWAYS)
-
-
-class LowMissWeight(_Tuned):
-    name = "miss weight 4 (private)"
-    overrides = dict(miss_weight=4.0, **ALWAYS)
-
-
-class SurvivalDiscount(_Tuned):
-    """Discounts the unshared part of each holder's match by the holder's KV pressure."""
-    name = "survival discount"
-    overrides = ALWAYS
-    LOW, HIGH = 1.25, 1.75
-
-    def match_depths(self, blocks, fleet):
-        depths = super().match_depths(blocks, fleet)
-        if not depths:
-            return depths
-        shared = sorted(depths.values())[-2] if len(depths) > 1 else 0  # what others hold too stays fresh
-        out = {}
-        for name, depth in depths.items():
-            x = pressure(fleet, name, depth * fleet.block_tokens)
-            keep = min(depth, shared)
-            out[name] = keep + round((depth - keep) * min(1.0, max(0.0, (self.HIGH - x) / (self.HIGH - self.LOW))))
-        return out
-
-    def choose(self, key, fleet):  # the decision reports the index's own prediction, as cache_aware's does
+    def choose(self, key, fleet):
         d = super().choose(key, fleet)
         raw = fleet.index.match_depths(d.blocks).get(d.instance, 0) * fleet.block_tokens if d.blocks else 0
         return Decision(d.instance, d.reason, min(raw, d.prompt_tokens), d.prompt_tokens, d.blocks, d.private)
 
+    decision = CacheAwareStrategy.decision
 
-class CountRelease(_Tuned):
-    """sticky_kv_limit 1.75, and a conversation also let go where its instance has >= K x the mean in flight."""
-    name = "count release 1.5x mean"
-    overrides = NO_HOLD
-    K = 1.5
 
-    def miss_weight_for(self, depths, fleet):
-        alpha, held_by = super().miss_weight_for(depths, fleet)
+class CountRelease(PrefixMatch):
+    """A conversation also let go where its instance has at least k x the fleet's mean requests in flight."""
+
+    def __init__(self, base: PrefixMatch, k: float) -> None:
+        super().__init__(base.miss_weight, base.shared_miss_weight, base.sticky_kv_limit, base.depths)
+        self.k = k
+
+    def miss_weight_for(self, req):
+        alpha, held_by = super().miss_weight_for(req)
         if held_by != PRIVATE:  # not private, or already released
             return alpha, held_by
-        holder = fleet.instances[max(depths, key=depths.__getitem__)]
-        up = fleet.routable()
-        if holder.inflight >= self.K * sum(i.inflight for i in up) / len(up):
-            return self.settings.shared_miss_weight, SWAMPED
+        holder = req.fleet.instances[max(req.depths, key=req.depths.__getitem__)]
+        up = req.fleet.routable()
+        if holder.inflight >= self.k * sum(i.inflight for i in up) / len(up):
+            return self.shared_miss_weight, SWAMPED
         return alpha, held_by
 
 
-class CountRelease125(CountRelease):
-    name = "count release 1.25x mean"
-    K = 1.25
+def count_release(k: float, settings: StrategySettings) -> Strategy:
+    s = make_strategy("cache_aware", settings)
+    s.name = f"count release {k:g}x mean"
+    s.pipeline = s.pipeline.replaced("prefix_match", CountRelease(s.pipeline.stage("prefix_match"), k))
+    return s
 
 
-VARIANTS = ["cache_aware", NoHold.name, Hold13.name, Hold15.name, AlwaysSticky.name, Limit2.name, Limit15.name,
-            TightGuard.name, LowMissWeight.name, SurvivalDiscount.name, CountRelease.name, CountRelease125.name,
-            "least_loaded", "sglang_like", "oracle"]
+def simulation(name: str, base: SimSettings, workload) -> Simulation:
+    """The variant's simulation: its settings changed (the router's admission queue reads them too), and its
+    strategy: a registered one by name, or an object built from those settings."""
+    changes = TUNED.get(name) or (ALWAYS if name == "survival discount" else
+                                  NO_HOLD if name.startswith("count release") else {})
+    settings = base
+    for setting, value in changes.items():
+        settings = settings.changed(setting, value)
+    strategy: str | Strategy = "cache_aware" if name in TUNED else name
+    if name == "survival discount":
+        strategy = SurvivalDiscount(settings.strategy_settings())
+    elif name.startswith("count release"):
+        strategy = count_release(float(name.split()[2].rstrip("x")), settings.strategy_settings())
+    return Simulation(settings, workload, strategy)
 
 
-def register() -> None:
-    for cls in (NoHold, Hold13, Hold15, AlwaysSticky, Limit2, Limit15, TightGuard, LowMissWeight, SurvivalDiscount,
-                CountRelease, CountRelease125):
-        STRATEGIES[cls.name] = cls
+VARIANTS = ["cache_aware", NO_HOLD_NAME, "hold_kv_limit 1.3", "hold_kv_limit 1.5", ALWAYS_NAME, "sticky_kv_limit 2.0",
+            "sticky_kv_limit 1.5", TIGHT_NAME, "miss weight 4 (private)", "survival discount",
+            "count release 1.5x mean", "count release 1.25x mean", "least_loaded", "sglang_like", "oracle"]
 
 
 def trade_off(seeds: int, requests: int) -> None:
     print(f"\nPart 2: {seeds} seeds x {requests} requests, means")
     print(f"{'variant':<30} {'hit rate':>8} {'TTFT p50':>8} {'TTFT p99':>8} {'req/s':>6} {'spread':>6}")
-    for variant in VARIANTS:
+    for name in VARIANTS:
         rows = []
         for seed in range(seeds):
-            sim = Simulation(settings(seed, requests), make_workload("chat", seed=seed, **CHAT), variant)
+            sim = simulation(name, settings(seed, requests), make_workload("chat", seed=seed, **CHAT))
             s = summarize(sim.run())
             rows.append((s.hit_rate, s.ttft_p50_ms, s.ttft_p99_ms, s.throughput_rps, s.load_spread))
         m = [statistics.mean(c) for c in zip(*rows)]
-        print(f"{variant:<30} {m[0]:>8.1%} {m[1]:>8.0f} {m[2]:>8.0f} {m[3]:>6.2f} {m[4]:>6.2f}", flush=True)
+        print(f"{name:<30} {m[0]:>8.1%} {m[1]:>8.0f} {m[2]:>8.0f} {m[3]:>6.2f} {m[4]:>6.2f}", flush=True)
 
 
 OTHERS = [
@@ -228,15 +216,15 @@ def other_workloads(seeds: int) -> None:
     print(f"\nPart 3: {seeds} seeds, means")
     print(f"{'case':<18} {'variant':<30} {'hit rate':>8} {'TTFT p50':>8} {'TTFT p99':>8} {'req/s':>6}")
     for label, workload, sim_settings, params in OTHERS:
-        for variant in ("cache_aware", NoHold.name, AlwaysSticky.name, TightGuard.name):
+        for name in ("cache_aware", NO_HOLD_NAME, ALWAYS_NAME, TIGHT_NAME):
             rows = []
             for seed in range(seeds):
-                sim = Simulation(SimSettings(instances=4, seed=seed, **sim_settings),
-                                 make_workload(workload, seed=seed, **params), variant)
+                sim = simulation(name, SimSettings(instances=4, seed=seed, **sim_settings),
+                                 make_workload(workload, seed=seed, **params))
                 s = summarize(sim.run())
                 rows.append((s.hit_rate, s.ttft_p50_ms, s.ttft_p99_ms, s.throughput_rps))
             m = [statistics.mean(c) for c in zip(*rows)]
-            print(f"{label:<18} {variant:<30} {m[0]:>8.1%} {m[1]:>8.0f} {m[2]:>8.0f} {m[3]:>6.2f}", flush=True)
+            print(f"{label:<18} {name:<30} {m[0]:>8.1%} {m[1]:>8.0f} {m[2]:>8.0f} {m[3]:>6.2f}", flush=True)
 
 
 def main() -> None:
@@ -244,9 +232,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--requests", type=int, default=3000)
     args = ap.parse_args()
-    register()
-    for variant in (AlwaysSticky.name, NoHold.name):  # without holding: each choice is one dispatch
-        prediction_by_pressure(0, args.requests, variant)
+    for name in (ALWAYS_NAME, NO_HOLD_NAME):  # without holding: each choice is one dispatch
+        prediction_by_pressure(0, args.requests, name)
     trade_off(args.seeds, args.requests)
     other_workloads(args.seeds)
 

@@ -19,7 +19,8 @@ work that never varies (scheduling, other tenants), to read the p99s above again
 
 --engine-load gives every instance a scraped engine load (the cost model's engine terms then run for all).
 --baseline GITREV also runs the core modules (block_hash, rendezvous, block_cache, prefix_index, strategies) as
-they are at that git revision, on a second fleet and index built the same way, in turns of 50 requests with
+they are at that git revision (a revision before the pipeline runs its cost scan in Python: the compiled one
+has another interface now; compare such revisions from their own checkouts instead), on a second fleet and index built the same way, in turns of 50 requests with
 the working tree's (the same requests), so that both see the same machine load; the table then shows both and
 their ratio (baseline / now).
 """
@@ -38,8 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from warmroute.core import block_hash, prefix_index, strategies
-from warmroute.core.fleet import Fleet, FleetSettings
+from warmroute.core import block_hash, prefix_index, rendezvous, strategies
+from warmroute.core.fleet import Fleet, FleetSettings, Instance
+from warmroute.core.stages import compiled
 from warmroute.core.routing_key import RoutingKey, key_for_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,10 +102,12 @@ def baseline_core(rev: str) -> Core:
     # The compiled extensions are the working tree's builds, shared with it: the baseline's strategies just
     # configured the one _scan module with its own rendezvous; configure it again as the working tree does (so
     # the baseline's ties are weighed by this tree's code too). Before 2026-11-30 the block hash returned a list.
-    if strategies._scan is not None:
-        strategies._scan.configure(strategies.Instance, strategies.rendezvous.hash_fn,
-                                   strategies.rendezvous.name_bytes, strategies.rendezvous.encoded,
-                                   strategies.rendezvous.hash_fn_address())
+    if compiled._scan is not None:
+        compiled._scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes, rendezvous.encoded,
+                                 rendezvous.hash_fn_address())
+        old = mods["strategies"]
+        if hasattr(old, "scan_python"):  # a revision before the pipeline: its scan's interface is not this _scan's
+            old.scan = old.scan_python
     hashes = mods["block_hash"].block_hashes
     if not hasattr(mods["prefix_index"], "CompiledPrefixIndex"):
         def hashes(data: bytes, seed: int = 0, block_bytes: int = 64, _h=hashes) -> list[int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import replace
 
 from warmroute.sim.report import summarize
 from warmroute.sim.simulator import SimSettings, Simulation
@@ -42,9 +41,8 @@ def main() -> None:
         for name, factor in VARIANTS:
             rows = []
             for seed in range(args.seeds):
-                s = Simulation(SimSettings(instances=4, seed=seed, **sim), make_workload(workload, seed=seed, **params),
-                               "cache_aware")
-                s.strategy.settings = replace(s.strategy.settings, hot_balance_factor=factor)
+                s = Simulation(SimSettings(instances=4, seed=seed, **sim).changed("hot_balance_factor", factor),
+                               make_workload(workload, seed=seed, **params), "cache_aware")
                 rows.append(summarize(s.run()))
             mean = lambda f: statistics.mean(f(r) for r in rows)  # noqa: E731
             spreads = [r.load_spread for r in rows]

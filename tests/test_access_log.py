@@ -9,7 +9,7 @@ import logging
 import aiohttp
 import pytest
 
-from test_router_proxy import CHAT, JSON_TYPE, Upstream, router_for
+from fake_upstream import CHAT, JSON_TYPE, Upstream, router_for
 from warmroute.router.access_log import LOGGER
 
 SECRET = "prompt-text-that-must-not-be-logged"

@@ -95,7 +95,8 @@ def test_a_request_whose_instance_is_busy_waits_for_it_rather_than_spill_onto_a_
     frees, before an older request it holds nothing of."""
     f = fleet(2)
     a, b = sorted(f.instances)
-    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=strategy_threshold(True, 8)))
+    s = make_strategy("cache_aware", StrategySettings().model_copy(
+        update={"concurrency_threshold": strategy_threshold(True, 8)}))  # out of the settings' range, on purpose
     adm = _adm(f, concurrency_threshold=8, spill_headroom=0.25, aging_tokens_per_s=200.0)
     k = key(SYSTEM)
     f.index.record(a, k.blocks())

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from warmroute.core.block_cache import BlockCache
-from test_prefix_index import apply_op
+from index_ops import apply_op
 from warmroute.core.prefix_index import STORES
 
 

@@ -54,7 +54,7 @@ def test_the_pool_points_at_the_pickers_grpc_port_and_the_picker_at_the_pool(tmp
     settings = load_settings({}, tmp_path / "warmroute.yaml", env=env)
     assert settings.epp_port == named["containerPort"]
     assert settings.inference_pool == pool["metadata"]["name"]
-    assert settings.hold_timeout < 10  # below the gateway's ext_proc message timeout
+    assert settings.cache_aware.hold_timeout < 10  # below the gateway's ext_proc message timeout
     probes = {container[p]["grpc"]["service"] for p in ("readinessProbe", "livenessProbe")}
     assert probes == {"readiness", "liveness"} and all(container[p]["grpc"]["port"] == named["containerPort"]
                                                         for p in ("readinessProbe", "livenessProbe"))

@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.popularity import Popularity
 from warmroute.core.routing_key import key_for_json
-from warmroute.core.strategies import HOT_SPREAD, CacheAwareStrategy, Decision, StrategySettings
+from warmroute.core.strategies import HOT_SPREAD, CacheAwareStrategy, Decision, StrategySettings, make_strategy
 
 
 def test_share_is_the_decayed_fraction_of_requests():
@@ -60,7 +60,7 @@ def _route(strategy: CacheAwareStrategy, fleet: Fleet, key) -> Decision:
 def test_a_hot_prefix_is_copied_until_request_counts_are_even():
     hot = "You are the support assistant of a large shop. " * 40
     for factor, bound in ((0.2, 1.3), (1000.0, None)):
-        fleet, strategy = Fleet(FleetSettings()), CacheAwareStrategy(StrategySettings(hot_balance_factor=factor))
+        fleet, strategy = Fleet(FleetSettings()), make_strategy("cache_aware", StrategySettings(hot_balance_factor=factor))
         for j in range(4):
             fleet.add(f"i{j}", 10**7)
         counts = {f"i{j}": 0 for j in range(4)}
@@ -82,7 +82,7 @@ def test_a_hot_prefix_is_copied_until_request_counts_are_even():
 
 def test_a_conversation_is_not_moved_by_the_guard():
     """A prefix only one request stream uses is never hot, however busy its instance is."""
-    fleet, strategy = Fleet(FleetSettings()), CacheAwareStrategy()
+    fleet, strategy = Fleet(FleetSettings()), make_strategy("cache_aware")
     for j in range(4):
         fleet.add(f"i{j}", 10**7)
     history = "system: be brief. "

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from warmroute.core import prefix_index
 from warmroute.core.block_hash import block_hashes
+from index_ops import apply_op
 from warmroute.core.prefix_index import STORES, CompiledPrefixIndex, PythonPrefixIndex
 
 
@@ -134,20 +135,6 @@ _ops = st.lists(st.one_of(
     st.tuples(st.just("remove"), st.sampled_from(_NAMES)),
     st.tuples(st.just("add"), st.sampled_from(_NAMES), st.integers(0, 60)),
 ), max_size=60)
-
-
-def apply_op(idx, chains, op, name, *args):
-    """One operation of a generated sequence (tests/test_block_cache_model.py draws them too)."""
-    if op == "record":
-        idx.record(name, chains[args[0]][: args[1]])
-    elif op == "forget":
-        return idx.forget(name, chains[args[0]][args[1]:])
-    elif op == "resize":
-        idx.resize_instance(name, args[0])
-    elif op == "remove":
-        idx.remove_instance(name)
-    else:
-        idx.add_instance(name, args[0])
 
 
 def _state(idx):

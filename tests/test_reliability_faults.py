@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from test_router_proxy import CHAT, Upstream, router_for
+from fake_upstream import CHAT, Upstream, router_for
 from warmroute.bench.processes import free_ports
 from warmroute.router.app import ROUTER
 

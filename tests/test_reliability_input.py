@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_router_proxy import CHAT, Upstream, router_for
+from fake_upstream import CHAT, Upstream, router_for
 
 HEADER_TIMEOUT = 0.5  # client_header_timeout of the router under test
 BODY_TIMEOUT = 0.5  # idle_timeout: the most time between two pieces of a body

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from test_router_proxy import CHAT, JSON_TYPE, Upstream, router_for
+from fake_upstream import CHAT, JSON_TYPE, Upstream, router_for
 from warmroute.bench.processes import free_ports
 from warmroute.router import auth
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from test_router_proxy import CHAT, Upstream, router_for
+from fake_upstream import CHAT, Upstream, router_for
 from warmroute.core.routing_key import KeyError_, key_for_json
 from warmroute.router.app import ROUTER
 

@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from test_router_proxy import CHAT, Upstream, router_for
+from fake_upstream import CHAT, Upstream, router_for
 from warmroute.core.fleet import Fleet
 from warmroute.core.routing_key import key_for_json
 from warmroute.core.strategies import STRATEGIES, ModelNotServed, make_strategy

@@ -146,7 +146,7 @@ def _choice_for_a_prefix_only_a_holds(swamped: bool = False, **settings) -> str:
     a.queued_prefill_tokens, a.inflight = 4 * key.tokens, 4
     if swamped:
         a.inflight_prompt_tokens = 2 * a.kv_capacity_tokens
-    assert router.strategy.settings.shared_miss_weight == 1.0
+    assert router.strategy.settings.cache_aware.shared_miss_weight == 1.0
     return router.decide(key).instance
 
 

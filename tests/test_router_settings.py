@@ -102,6 +102,33 @@ def test_precedence_cli_over_env_over_file_over_default(tmp_path):
     assert [(b.name, b.kv_capacity_tokens) for b in s.backends] == [("10.0.0.1-8000", None), ("big", 2_000_000)]
 
 
+def test_a_strategys_settings_nest_under_its_name_and_keep_their_plain_names(tmp_path):
+    """cache_aware's knobs: nested in the file (or at its top level, as older files have them), plain-named as
+    flags and environment variables, with the same precedence setting by setting."""
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("backends: [http://10.0.0.1:8000]\n"
+                   "cache_aware:\n  miss_weight: 8\n  hold_kv_limit: 2.0\n  balance_slack: 6\n"
+                   "sticky_kv_limit: 3.0\n")
+    env = {"WARMROUTE_HOLD_KV_LIMIT": "2.5", "WARMROUTE_BALANCE_SLACK": "7"}
+    s = load({"balance_slack": "9"}, env, cfg)
+    ca = s.cache_aware
+    assert (ca.miss_weight, ca.sticky_kv_limit) == (8.0, 3.0)  # file, nested and flat
+    assert ca.hold_kv_limit == 2.5  # env beats the file's nested value
+    assert ca.balance_slack == 9  # CLI beats both
+    assert ca.hold_keep == 1.5  # default
+    assert s.strategy_settings().cache_aware == ca and type(s.strategy_settings()).__name__ == "StrategySettings"
+
+
+def test_a_strategys_bad_setting_is_named_by_its_flag(tmp_path):
+    with pytest.raises(UsageError, match=r"invalid setting hold_kv_limit = '-1' \(--hold-kv-limit, "
+                                         r"WARMROUTE_HOLD_KV_LIMIT\): must be a number from 0 to 1000"):
+        load(env={"WARMROUTE_HOLD_KV_LIMIT": "-1"})
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("backends: [http://10.0.0.1:8000]\ncache_aware:\n  bogus: 1\n")
+    with pytest.raises(UsageError, match="unknown setting cache_aware.bogus"):
+        load(config=cfg)
+
+
 def test_env_backends_are_comma_separated():
     s = load(env={"WARMROUTE_BACKENDS": f"x={URL}, http://127.0.0.1:10"})
     assert [(b.name, b.url) for b in s.backends] == [("x", URL), ("127.0.0.1-10", "http://127.0.0.1:10")]

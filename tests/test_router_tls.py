@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from client_helpers import wait_for
-from test_router_proxy import CHAT, Upstream, router_for
+from fake_upstream import CHAT, Upstream, router_for
 from warmroute.errors import UsageError
 from warmroute.router.app import ROUTER
 from warmroute.router.settings import load_settings

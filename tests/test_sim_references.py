@@ -7,7 +7,8 @@ from __future__ import annotations
 from warmroute.core.fleet import Fleet
 from warmroute.core.routing_key import key_for_json
 from warmroute.core.strategies import AFFINITY, OVERLOAD_SPILL, StrategySettings
-from warmroute.sim.references import SglangLikeStrategy
+from warmroute.core.strategies import Strategy
+from warmroute.sim.references import sglang_like
 
 SYSTEM = "You are a careful assistant. " * 40  # ≈1,100 characters
 
@@ -17,11 +18,11 @@ def chat(system: str, question: str):
         {"role": "system", "content": system}, {"role": "user", "content": question}]})
 
 
-def setup(n: int = 3) -> tuple[Fleet, SglangLikeStrategy]:
+def setup(n: int = 3) -> tuple[Fleet, Strategy]:
     fleet = Fleet()
     for i in range(n):
         fleet.add(f"w{i}", 100_000)
-    return fleet, SglangLikeStrategy(StrategySettings())
+    return fleet, sglang_like(StrategySettings())
 
 
 def test_a_long_match_goes_to_its_holder_whatever_the_load():

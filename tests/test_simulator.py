@@ -2,10 +2,9 @@ import json
 import subprocess
 import sys
 
-from dataclasses import replace
-
 import pytest
 
+from warmroute.core.strategies import CacheAwareSettings, StrategySettings
 from warmroute.sim.report import summarize, table
 from warmroute.sim.simulator import SimSettings, Simulation
 from warmroute.workloads.registry import make_workload
@@ -106,12 +105,11 @@ def test_hot_prompt_at_a_fixed_rate_is_spread_by_its_popularity(rate):
     holding in the router: unguarded, a hot prompt's holders fill up and holding then changes that variant);
     with the shipped settings holding changes next to nothing here."""
     settings = SimSettings(instances=4, requests=3000, rate=rate, kv_capacity_tokens=10240, max_running=8, seed=1,
-                           hold_kv_limit=1000.0)
+                           routing=StrategySettings(hold_kv_limit=1000.0))
     workload = lambda: make_workload("hot", seed=1, hot=0.6, max_tokens=2)  # noqa: E731
     guarded = Simulation(settings, workload(), "cache_aware")
-    unguarded = Simulation(settings, workload(), "cache_aware")
-    unguarded.strategy.settings = replace(unguarded.strategy.settings, hot_balance_factor=1000.0)
-    shipped = Simulation(replace(settings, hold_kv_limit=SimSettings.hold_kv_limit), workload(), "cache_aware")
+    unguarded = Simulation(settings.changed("hot_balance_factor", 1000.0), workload(), "cache_aware")
+    shipped = Simulation(settings.changed("hold_kv_limit", CacheAwareSettings().hold_kv_limit), workload(), "cache_aware")
     on, off, as_shipped = summarize(guarded.run()), summarize(unguarded.run()), summarize(shipped.run())
     assert on.load_spread <= 1.3 < off.load_spread
     assert on.hit_rate > off.hit_rate - 0.02

@@ -7,6 +7,8 @@ import pytest
 from warmroute.core import rendezvous
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import key_for_json
+from warmroute.core.pipeline import Request, Scorer
+from warmroute.core.stages import SCORERS
 from warmroute.core.strategies import (CACHE_HIT, COLD, KV_SPILL, OVERLOAD_SPILL, UNHEALTHY_FALLBACK,
                                        NoInstanceAvailable, StrategySettings, make_strategy)
 
@@ -82,11 +84,11 @@ def test_cache_aware_returns_to_the_instance_holding_the_longest_prefix():
 
 def test_cache_aware_prefers_a_cached_prefix_over_an_idle_instance_until_the_queue_costs_more():
     f = fleet(2)
-    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))  # isolate the cost model
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=10.0))  # isolate the cost model
     warm = route(s, f, key(SYSTEM, "q0"))
     f.finished(warm.instance, warm.uncached_tokens, got_first_token=False)
     other = next(n for n in f.instances if n != warm.instance)
-    alpha = s.settings.miss_weight  # one instance holds the prefix: a private one
+    alpha = s.settings.cache_aware.miss_weight  # one instance holds the prefix: a private one
     prompt = key(SYSTEM, "q1").tokens
     f.instances[warm.instance].queued_prefill_tokens = 0.5 * alpha * prompt  # less than α x a cold prefill
     assert s.choose(key(SYSTEM, "q1"), f).instance == warm.instance
@@ -99,7 +101,7 @@ def test_cache_aware_sticks_to_a_private_prefix_but_copies_a_shared_one():
     """The miss weight depends on who holds the prefix: the same queue in front of the holders keeps a prefix
     only one instance holds there, and sends a prefix two instances hold to a third, idle one."""
     f = fleet(3)
-    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=10.0))
     a, b, c = sorted(f.instances)
     k = key(SYSTEM, "q1")
     queue = 4 * k.tokens  # between the shared (1) and the private (16) miss weight x the prompt
@@ -115,7 +117,7 @@ def _conversation_on_the_first_of_two():
     """Two instances of 10,000 KV tokens; only the first holds a conversation's prefix and has 4 requests in
     flight there, a queue worth 4 of its prompts (between 1 and 16 x the prompt)."""
     f = fleet(2, capacity=10_000)
-    s = make_strategy("cache_aware", StrategySettings(balance_factor=100.0))
+    s = make_strategy("cache_aware", StrategySettings(balance_factor=10.0))
     a, b = sorted(f.instances)
     k = key(SYSTEM, "q1")
     f.index.record(a, k.blocks())
@@ -140,7 +142,7 @@ def test_cache_aware_lets_a_private_prefix_go_when_its_holder_is_swamped():
     assert s.choose(k, f).instance == a
     holder.engine = EngineLoad(waiting=4, running=4, foreign_requests=4.0)  # ...2.0 x with another router's
     assert s.choose(k, f).instance == b
-    never = make_strategy("cache_aware", StrategySettings(balance_factor=100.0, sticky_kv_limit=1000.0))
+    never = make_strategy("cache_aware", StrategySettings(balance_factor=10.0, sticky_kv_limit=1000.0))
     assert never.choose(k, f).instance == a
 
 
@@ -159,7 +161,7 @@ def test_cache_aware_bounded_load_guard(slack):
 
 def test_cache_aware_respects_the_concurrency_threshold():
     f = fleet(3)
-    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=2, balance_factor=100.0))
+    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=2, balance_factor=10.0))
     for _ in range(6):
         route(s, f, key(SYSTEM))
     assert [i.inflight for i in f.instances.values()] == [2, 2, 2]
@@ -190,7 +192,8 @@ def test_hot_prompt_warms_a_few_instances_and_never_breaks_the_guard():
         if hot:
             hot_instances[d.instance] += 1
         loads = [i.inflight for i in f.instances.values()]
-        assert max(loads) <= math.ceil((1 + settings.balance_factor) * sum(loads) / 4) + settings.balance_slack
+        guard = settings.cache_aware
+        assert max(loads) <= math.ceil((1 + guard.balance_factor) * sum(loads) / 4) + guard.balance_slack
         running.append((d.instance, d.uncached_tokens))
         if len(running) > 16:  # a steady 16 in flight: the oldest completes
             name, unc = running.pop(0)
@@ -225,3 +228,42 @@ def test_random_is_reproducible_with_a_seed():
 def test_unknown_strategy():
     with pytest.raises(ValueError, match="unknown strategy"):
         make_strategy("fastest")
+
+
+class _Prefers(Scorer):
+    """A scorer registered by a test: instance `favourite` costs nothing, every other one a second."""
+
+    name = "prefers"
+
+    def __init__(self, favourite: str) -> None:
+        self.favourite = favourite
+
+    def score(self, req, candidates):
+        return [0.0 if i.name == self.favourite else 1.0 for i in candidates]
+
+
+def test_a_registered_scorer_is_named_by_the_scorers_setting_and_runs_stage_by_stage(monkeypatch):
+    monkeypatch.setitem(SCORERS, "prefers", lambda s, h: _Prefers("i2"))
+    f = fleet()
+    settings = StrategySettings(scorers={"estimated_ttft": 1.0, "prefers": 2.0})
+    s = make_strategy("cache_aware", settings)
+    assert [(x.name, x.weight) for x in s.pipeline.scorers] == [("estimated_ttft", 1.0), ("prefers", 2.0)]
+    assert s.pipeline.fast is None  # only cache_aware's own stages run compiled
+    d = s.choose(key(SYSTEM), f)
+    assert d.instance == "i2" and d.reason == COLD
+    with pytest.raises(ValueError, match="unknown scorer 'absent'"):
+        StrategySettings(scorers="estimated_ttft=1,absent=1")
+
+
+def test_the_trace_says_which_stage_removed_which_instance():
+    f = fleet()
+    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=3))
+    f.instances["i1"].inflight = 3  # at the ConcurrencyThreshold: the load guard removes it
+    f.instances["i3"].healthy = False
+    req = Request(key(SYSTEM), f, f.routable())
+    s.pipeline.run(req)
+    trace = dict(s.pipeline.trace(req))
+    assert trace["routable"] == ["i0", "i1", "i2"]
+    assert trace["load_guard"] == ["i0", "i2"]
+    assert trace["hot_share"] == ["i0", "i2"]  # not hot: keeps them all
+    assert set(trace["least_loaded_ties"]) <= {"i0", "i2"}

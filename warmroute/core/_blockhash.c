@@ -6,11 +6,11 @@
  *     c_j = sum_l (w ^ (w >> 29)) * lane_key[l mod 8]      (mod 2^64)
  *     c_j = fmix64(c_j);  c_0 ^= seed
  *     h_k = sum_{j<=k} c_j * P^-j                            (mod 2^64)
- * numpy needs about ten array passes and a tolist() for this (≈ 20 µs for a 32,000-byte key); here it is one
- * loop over the words. The result is a Chain: the hashes as 64-bit words in one object, a read-only sequence
+ * numpy needs about ten array passes and a tolist() for this; here it is one loop over the words (timings:
+ * docs/tuning.md). The result is a Chain: the hashes as 64-bit words in one object, a read-only sequence
  * of ints to Python (indexing, slicing, iteration, == with lists) and a buffer of uint64 to C (the compiled
- * prefix index reads it without any int). Making 500 Python ints took more than the hashing (~6 of ~10 µs for
- * 32,000 bytes); now an int is made only where Python code reads one.
+ * prefix index reads it without any int). Making the Python ints cost more than the hashing itself, so an
+ * int is made only where Python code reads one.
  *
  * A Chain of a bytes object is lazy: it keeps the bytes and computes its hashes when they are first read, and
  * only as far as they are read (the hashes are chained, so h_k needs blocks 0..k and nothing after). Its length
@@ -119,8 +119,8 @@ static inline uint64_t block_value(const unsigned char *b, Py_ssize_t width) {
 
 /* The hashing loop is compiled twice where GCC can (x86-64, GCC 11+): for CPUs with AVX-512 (x86-64-v4),
  * whose 64-bit vector multiply computes a block's eight lane products at once, and for any x86-64; the loader
- * picks one when the module is imported. Same values either way (integer arithmetic mod 2^64); a 32,000-byte
- * key hashes in 1.5 instead of 4.2 µs on the development machine (AMD EPYC; docs/benchmarks.md). */
+ * picks one when the module is imported. Same values either way (integer arithmetic mod 2^64); the gain is
+ * in docs/tuning.md. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__linux__)
 #define WR_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "default")))
 #else

@@ -9,10 +9,10 @@
  *     forget(slot, blocks)      -> blocks removed
  *     match(blocks, names)      -> {names[slot]: depth}: the longest cached prefix per slot, by bisection
  *     holds(slot, block), entries(slot=-1), distinct(), nbytes(), lru_order(slot) (tests)
- * The Python version (dicts of Python ints, an OrderedDict per instance) costs ~400 bytes per entry and a
- * 32,000-character cold prompt ~0.5 ms to record at a full index; here an entry is an open-addressing slot
- * and a list node (~60-100 bytes, all allocated through PyMem so tracemalloc sees it) and memory is touched
- * a few cache lines per block. Block hashes are 64-bit ints (as block_hash produces); others raise.
+ * The Python version (dicts of Python ints, an OrderedDict per instance) costs several times the memory per
+ * entry and is slow to record a long cold prompt at a full index (docs/tuning.md); here an entry is an
+ * open-addressing slot and a list node (all allocated through PyMem so tracemalloc sees it) and memory is
+ * touched a few cache lines per block. Block hashes are 64-bit ints (as block_hash produces); others raise.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

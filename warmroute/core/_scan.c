@@ -1,13 +1,10 @@
-/* cache_aware's per-instance scan, compiled: the same rule as strategies.scan_python, in one pass.
+/* cache_aware's filters, scorer and tie-breaking in one pass (see warmroute/core/stages/compiled.py).
  *
- * scan(up, miss, miss_all, prompt, mean, threshold, balance_factor, balance_slack, hot_factor, hot_slack,
- *      slack_tokens, least_slack) -> Instance | list[Instance] | None
- *
- * See scan_python for what each argument means; this computes the same values in the same order of floating-
- * point operations, so both decide alike (tests/test_choose_equivalence.py runs both against a plain loop).
- * Attributes are read as Python reads them (an int or a float where the dataclass says so), except that for
- * an exact Instance (a dataclass with __slots__, see configure) the fields are read at their slot's offset:
- * ~1 ns instead of ~20 for a generic attribute lookup, five fields of 64 instances per decision. An empty
+ * scan(up, params) -> Instance | list[Instance] | None, params a stages.compiled.ScanParams: the stages
+ * load_guard, hot_share, estimated_ttft, tie_slack and least_loaded_ties, computing the same values in the same
+ * order of floating-point operations as they do, so both decide alike (tests/test_choose_equivalence.py).
+ * Attributes are read as Python reads them, except that for an exact Instance (a dataclass with __slots__, see
+ * configure) the fields are read at their slot's offset, which is what makes this pass worth compiling. An empty
  * slot, or any other object, goes through getattr and raises as Python would.
  */
 #define PY_SSIZE_T_CLEAN
@@ -90,12 +87,14 @@ static int backlog(PyObject *engine, PyObject *inst, double prompt, double mean,
 
 static PyObject *scan(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *up, *miss, *result = NULL;
-    double miss_all, prompt, mean, balance_factor, hot_factor, hot_slack, slack_tokens;
-    long threshold, balance_slack, least_slack;
-    if (!PyArg_ParseTuple(args, "O!O!dddldldddl", &PyList_Type, &up, &PyDict_Type, &miss, &miss_all, &prompt,
-                          &mean, &threshold, &balance_factor, &balance_slack, &hot_factor, &hot_slack,
-                          &slack_tokens, &least_slack))
+    PyObject *up, *params, *miss, *result = NULL;
+    double balance_factor, hot_factor, hot_slack, miss_all, prompt, mean, slack_tokens, least_slack;
+    long threshold, balance_slack;
+    int hot;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &up, &PyTuple_Type, &params)) return NULL;
+    /* ScanParams's fields, in its order */
+    if (!PyArg_ParseTuple(params, "ldlpddO!ddddd", &threshold, &balance_factor, &balance_slack, &hot, &hot_factor,
+                          &hot_slack, &PyDict_Type, &miss, &miss_all, &prompt, &mean, &slack_tokens, &least_slack))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(up);
     if (n == 0) {
@@ -110,7 +109,6 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     /* The guard: in flight (plus the engine's foreign requests) against min(threshold, ceil((1+e)(sum+1)/n)+k).
      * Sums are taken in the list's order, as Python's sum() does. */
     double total = 0.0, sent = 0.0;
-    int hot = hot_factor >= 0.0;
     for (Py_ssize_t i = 0; i < n; i++, filled++) {
         Row *r = &rows[i];
         r->inst = PyList_GET_ITEM(up, i);
@@ -151,8 +149,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         goto done;
     }
 
-    /* A hot prefix: not onto an instance sent more than (1+d) x the mean of recent requests (unless all are). */
-    if (hot) {
+    /* A hot prefix: not onto an instance sent more than its share of recent requests (unless all were). */
+    if (hot) {  /* HotShare.cap: (1+d) x the mean over all routable instances + slack */
         double share_cap = (1.0 + hot_factor) * sent / (double)n + hot_slack;
         Py_ssize_t fair = 0;
         for (Py_ssize_t i = 0; i < m; i++) fair += rows[i].recent <= share_cap;
@@ -197,7 +195,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     }
     double limit = best + slack_tokens / slowest;
     Py_ssize_t tied = 0;
-    long least = LONG_MAX;
+    long least = LONG_MAX;  /* least_slack may be inf: the step is not in the pipeline, every tie stays */
     for (Py_ssize_t i = 0; i < m; i++) {
         if (rows[i].cost <= limit) {
             Row tmp = rows[tied]; rows[tied] = rows[i]; rows[i] = tmp;
@@ -205,10 +203,10 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             tied++;
         }
     }
-    if (tied > 1 && least_slack >= 0) {  /* equal cost: the least loaded of them (and those close to it) */
+    if (tied > 1 && !isinf(least_slack)) {  /* equal cost: the least loaded of them (and those close to it) */
         Py_ssize_t k = 0;
         for (Py_ssize_t i = 0; i < tied; i++) {
-            if (rows[i].inflight <= least + least_slack) {
+            if ((double)rows[i].inflight <= (double)least + least_slack) {
                 Row tmp = rows[k]; rows[k] = rows[i]; rows[i] = tmp;
                 k++;
             }
@@ -233,8 +231,8 @@ done:
  * the function that fills it (configure). */
 static PyObject *hash_fn = NULL, *name_bytes = NULL, *encode = NULL;
 /* The same xxh3 function of the xxhash library, called directly where rendezvous.py found its address (the
- * library's XXH3_64bits_withSeed, exported by the xxhash package's extension): ~10 ns a weight instead of ~60
- * through its Python wrapper. NULL: call hash_fn. configure checks the two agree before using it. */
+ * library's XXH3_64bits_withSeed, exported by the xxhash package's extension), which skips the Python
+ * wrapper's call overhead. NULL: call hash_fn. configure checks the two agree before using it. */
 typedef uint64_t (*xxh3_seeded)(const void *data, size_t len, uint64_t seed);
 static xxh3_seeded native_xxh3 = NULL;
 
@@ -411,7 +409,7 @@ static PyObject *native_weights(PyObject *self, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"scan", scan, METH_VARARGS, "cache_aware's per-instance scan (see strategies.scan_python)."},
+    {"scan", scan, METH_VARARGS, "cache_aware's filters, scorer and tie-breaking (see stages/compiled.py)."},
     {"top", top, METH_VARARGS, "The instance rendezvous.top(seed, their names) picks (see rendezvous.py)."},
     {"routable", routable, METH_VARARGS, "Fleet.routable's filter over a dict of instances."},
     {"configure", configure, METH_VARARGS, "Instance's slot offsets and rendezvous's weight function."},
@@ -433,5 +431,10 @@ PyMODINIT_FUNC PyInit__scan(void) {
         *names[i].slot = PyUnicode_InternFromString(names[i].name);
         if (*names[i].slot == NULL) return NULL;
     }
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "API", 2) < 0) {  /* stages/compiled.py's API */
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

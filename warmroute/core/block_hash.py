@@ -5,8 +5,8 @@ block size vLLM caches by default). Block k's hash depends on the seed and on ev
 so two keys share the first k hashes exactly when they share the first k blocks: the chain property the
 engine's prefix cache has.
 
-Hashing 500 blocks one xxhash call at a time costs ~65 µs in CPython, so the whole chain is computed in
-numpy, in as few array operations as possible (each costs ~0.5 µs of call overhead on 500 blocks):
+Hashing a long prompt's blocks one xxhash call at a time is slow in CPython, so the whole chain is computed in
+numpy, in as few array operations as possible (each has a fixed call overhead; timings in docs/tuning.md):
   * every 8-byte word gets a xorshift (x ^ x >> 29, so a flipped top bit also changes a low bit; a purely
     linear hash lets two top-bit flips cancel), and each block's words are combined with odd per-lane
     multipliers (one dot product per block): the block's content sum c_j;
@@ -19,7 +19,7 @@ Deterministic across processes and machines, so router replicas, the emulated en
 all agree on every hash.
 
 The same construction is also compiled (`_blockhash.c`, built by `pip install` where a C compiler is found):
-one loop over the words instead of ten array passes, ≈ 4 instead of ≈ 20 µs for a 32,000-byte key, returned as
+one loop over the words instead of ten array passes (docs/tuning.md), returned as
 a Chain (the hashes as uint64 words; ints made only where Python reads one). A Chain of a bytes key is lazy: it
 hashes when first read, and only as far as read, so a cold prompt (nobody holds its first block) is hashed past
 its first block only when the router records it, after the request has been sent. `block_hashes` uses it when

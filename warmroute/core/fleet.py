@@ -37,7 +37,7 @@ class Instance:
     pending: int = 0  # requests sent here that have not had a first token
     # Prompt tokens of the requests in flight here: the KV cache they will need (Decision.kv_tokens: a prefix
     # they share counted once, as cached). Above the instance's capacity, histories of requests still queued
-    # get evicted before their turn (benchmarks/chat_tail.py).
+    # get evicted before their turn.
     inflight_prompt_tokens: int = 0
     requests_total: int = 0
     recent: float = 0.0  # requests sent here lately, fading (in units of Fleet.recent_unit.value)
@@ -52,14 +52,14 @@ class Instance:
 def routable_python(instances: dict[str, Instance], serving: frozenset[str] | None) -> list[Instance]:
     """The instances that take requests: healthy, not draining, and in `serving` unless it is None."""
     if serving is None:  # the usual case: every instance may serve it (no lists, or a homogeneous fleet)
-        # Instance.routable spelt out: 1.5 instead of 4.1 us at 64 instances (0.25 instead of 0.5 at 4).
+        # Instance.routable spelt out: a property call per instance would be most of this filter's time.
         return [i for i in instances.values() if i.healthy and not i.draining]
     return [i for i in instances.values() if i.healthy and not i.draining and i.name in serving]
 
 
-# Compiled where a C compiler was found (core/_scan.c): it reads the two fields at their slots once strategies.py
-# has configured _scan with Instance's layout (before that, through getattr: slower, same answer), 0.8 instead of
-# 1.6 µs at 64 instances, on every decision. The same list in the same order (tests/test_choose_equivalence.py).
+# Compiled where a C compiler was found (core/_scan.c), because it runs on every decision: it reads the two fields
+# at their slots once stages/compiled.py has configured _scan with Instance's layout (before that, through getattr:
+# slower, same answer). The same list in the same order (tests/test_choose_equivalence.py).
 try:
     if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
         raise ImportError("WARMROUTE_PURE_PYTHON=1")
@@ -85,7 +85,7 @@ class Fleet:
     cache_scale: fb.CapacityScale = field(default_factory=fb.CapacityScale)  # learnt from engine feedback
     mean_uncached_tokens: float = 0.0  # per request sent, a running mean (sizes other routers' queued requests)
     # Seconds from sending a request to its first token, a running mean over the fleet (how long cache_aware
-    # lets a held request keep its instance scales with it: StrategySettings.hold_keep); 0 until measured.
+    # lets a held request keep its instance scales with it: CacheAwareSettings.hold_keep); 0 until measured.
     mean_ttft_s: float = 0.0
     _ttft_seen: int = field(default=0, init=False, repr=False)
     recent_unit: FadingUnit = field(default_factory=FadingUnit, init=False)  # the unit of Instance.recent

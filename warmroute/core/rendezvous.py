@@ -44,7 +44,7 @@ def weight(key: int, name: str) -> int:
 
 
 def _weights(key: int, names: Sequence[str]) -> list[int]:
-    """weight(key, n) for every name, looped in C (map) rather than in Python: ≈ 40 ns a name instead of ≈ 150."""
+    """weight(key, n) for every name, looped in C (map) rather than in Python, which is several times faster."""
     try:
         raw = list(map(name_bytes.__getitem__, names))
     except KeyError:  # a name not seen before

@@ -20,7 +20,7 @@ from warmroute.core.exact_index import BYTES_PER_BLOCK, ExactIndex, token_seed
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
                                         key_for_json, key_for_raw)
-from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, StrategySettings, make_strategy
+from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy
 from warmroute.router.errors import ApiError, bad_request, no_instance
 from warmroute.router.metrics import Metrics
 from warmroute.router.prompt_tokens import OFFLOAD_CHARS, PromptTokenizer
@@ -56,19 +56,16 @@ class Router:
                                          feedback=settings.engine_feedback))
         for b in settings.backends:
             self.fleet.add(b.name, b.kv_capacity_tokens)
-        self.strategy = make_strategy(settings.strategy, StrategySettings(
-            prefix_length=settings.prefix_length,
-            concurrency_threshold=strategy_threshold(settings.admission, settings.concurrency_threshold),
-            balance_factor=settings.balance_factor, hot_balance_factor=settings.hot_balance_factor,
-            miss_weight=settings.miss_weight,
-            shared_miss_weight=settings.shared_miss_weight, sticky_kv_limit=settings.sticky_kv_limit,
-            hold_kv_limit=settings.hold_kv_limit, hold_keep=settings.hold_keep, block_bytes=settings.block_bytes))
+        threshold = strategy_threshold(settings.admission, settings.concurrency_threshold)
+        self.strategy = make_strategy(settings.strategy, settings.strategy_settings().model_copy(
+            update={"concurrency_threshold": threshold}))  # admission owns the real one (may be out of range)
         self._any = make_strategy("least_loaded")
         self.admission = Admission(AdmissionSettings(
             enabled=settings.admission, concurrency_threshold=settings.concurrency_threshold,
-            kv_limit=settings.hold_kv_limit, max_requests=settings.queue_max_requests,
-            max_bytes=settings.queue_max_bytes, timeout_s=settings.queue_timeout, patience_s=settings.hold_timeout,
-            hold_keep=settings.hold_keep, spill_headroom=settings.spill_headroom,
+            kv_limit=settings.cache_aware.hold_kv_limit, max_requests=settings.queue_max_requests,
+            max_bytes=settings.queue_max_bytes, timeout_s=settings.queue_timeout,
+            patience_s=settings.cache_aware.hold_timeout, hold_keep=settings.cache_aware.hold_keep,
+            spill_headroom=settings.spill_headroom,
             aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights), self.fleet)
         self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
         self.tokenizer: PromptTokenizer | None = None

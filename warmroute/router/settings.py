@@ -1,7 +1,11 @@
 """Every setting of `warmroute serve`: one pydantic model, read from CLI flags > WARMROUTE_* env > YAML file > defaults.
 
 The model is the single source of truth: the CLI flags (router/cli.py) and docs/configuration.md are both
-generated from it, so a setting cannot exist in one place and not in another.
+generated from it, so a setting cannot exist in one place and not in another. The routing strategies' settings
+are the core's own model (core/strategies.py StrategySettings, which RouterSettings extends): a strategy's knobs
+nest under its name in YAML (`cache_aware: {balance_factor: 2}`) and keep their plain names as flags
+(`--balance-factor`), environment variables (`WARMROUTE_BALANCE_FACTOR`) and top-level YAML keys.
+`warmroute simulate` generates its router flags from the same model (add_strategy_arguments).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import argparse
 import importlib.util
 import re
 import ssl
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -17,10 +22,11 @@ from urllib.parse import urlsplit
 import xxhash
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from warmroute.core.admission import AdmissionSettings
-from warmroute.core.strategies import HOLD_TIMEOUT_S, STRATEGIES, StrategySettings
+from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, merge_layers, own_setting
 from warmroute.errors import UsageError
 
 ENV_PREFIX = "WARMROUTE_"
@@ -128,8 +134,8 @@ def parse_size(value: Any) -> Any:
     return int(float(m.group(1)) * {"B": 1, "K": KiB, "M": MiB, "G": GiB}[unit])
 
 
-class RouterSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+class RouterSettings(BaseSettings, StrategySettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=False)
 
     backends: Annotated[list[Backend], NoDecode] = Field(
         default_factory=list,
@@ -184,54 +190,6 @@ class RouterSettings(BaseSettings):
                     "ORIGINAL_DST cluster, which reads one address; Envoy's override_host load-balancing policy reads "
                     "the list (deploy/envoy/).")
     strategy: StrategyName = Field("cache_aware", description="Routing strategy.")
-    prefix_length: int = Field(
-        4096, ge=1024, le=65536,
-        description="PrefixLength: characters of message text (OpenAI routes) or bytes of body (/invocations) "
-                    "that identify a prefix.")
-    concurrency_threshold: int = Field(
-        32, ge=1, le=1024,
-        description="ConcurrencyThreshold: most in-flight requests the prefix-selected instance may have "
-                    "before a request goes elsewhere.")
-    balance_factor: float = Field(
-        StrategySettings.balance_factor, ge=0.0, le=10.0,
-        description="cache_aware's bounded-load factor epsilon: no instance above (1+epsilon) x mean in-flight "
-                    f"+ {StrategySettings.balance_slack}.")
-    hot_balance_factor: float = Field(
-        StrategySettings.hot_balance_factor, ge=0.0, le=1000.0,
-        description="cache_aware's guard for hot prefixes, delta: a prefix on at least 1/N of the recent requests "
-                    "(N instances) skips the instances sent more than (1+delta) x the mean of recent requests "
-                    f"+ {StrategySettings.hot_balance_slack:g}, so it is copied to more instances instead of "
-                    "loading a few. 1000: off.")
-    miss_weight: float = Field(
-        StrategySettings.miss_weight, ge=0.0, le=1000.0,
-        description="cache_aware's cost of an uncached prompt token, relative to a queued one, when one "
-                    "instance holds the prompt's deepest cached prefix (a conversation, a document): higher "
-                    "keeps such prompts on their instance longer.")
-    shared_miss_weight: float = Field(
-        StrategySettings.shared_miss_weight, ge=0.0, le=1000.0,
-        description="The same when several instances hold it (a popular prefix) or none: lower copies a "
-                    "popular prefix to more instances sooner.")
-    sticky_kv_limit: float = Field(
-        StrategySettings.sticky_kv_limit, ge=0.0, le=1000.0,
-        description="cache_aware keeps a prompt on the one instance holding its prefix (miss_weight) only while "
-                    "the prompts in flight there need at most this many times its KV cache; beyond, the engine "
-                    "evicts queued histories anyway, and the prompt weighs its miss like a shared one. "
-                    "1000: always sticky.")
-    hold_kv_limit: float = Field(
-        StrategySettings.hold_kv_limit, ge=0.0, le=1000.0,
-        description="cache_aware holds such a prompt in the router while the prompts in flight at its instance, "
-                    "with it, would need more than this many times its KV cache (there the engine would evict its "
-                    "history while it queues), and looks again whenever a request finishes (see hold_keep). "
-                    "1000: never holds.")
-    hold_keep: float = Field(
-        StrategySettings.hold_keep, ge=0.0, le=1000.0,
-        description="A held request keeps the instance first chosen for it until it has waited this many times "
-                    "the fleet's mean time to first token; then it is decided again (and may go elsewhere) "
-                    "whenever a request finishes. 0: decided again every time.")
-    hold_timeout: float = Field(
-        HOLD_TIMEOUT_S, ge=0.0, le=3600,
-        description="Seconds a request waiting on hold_kv_limit waits for its own instance with that limit "
-                    "applied; then its own instance, or any other, takes it as soon as it has a free slot.")
     admission: bool = Field(
         True, description="Admission control: a request whose instance has no room (concurrency_threshold in "
                           "flight, or hold_kv_limit of KV demand) waits in the router, in a bounded queue with "
@@ -540,11 +498,19 @@ def load_settings(cli_values: dict[str, Any] | None = None, config_file: str | P
         env_source = EnvSettingsSource(RouterSettings)
         if env is not None:  # tests pass their own environment
             env_source.env_vars = {k.lower(): v for k, v in env.items()}
-        merged = {**file_values, **env_source(), **(cli_values or {})}
+        env_values = {**env_source(), **_own_settings_from_env(env_source.env_vars)}
+        merged = merge_layers(file_values, env_values, cli_values or {})
         # Everything is in `merged`, so the model's own env reading cannot change the outcome.
         return RouterSettings(**merged)
     except ValidationError as exc:
         raise UsageError(describe_errors(exc)) from None
+
+
+def _own_settings_from_env(env_vars: Mapping[str, str | None]) -> dict[str, Any]:
+    """Strategies' own settings by their plain names (WARMROUTE_BALANCE_FACTOR), which the model's env reading
+    does not see (they are nested fields)."""
+    names = [n for model in OWN_SETTINGS.values() for n in model.model_fields]
+    return {n: env_vars[env_of(n).lower()] for n in names if env_vars.get(env_of(n).lower()) is not None}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -557,7 +523,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UsageError(f"config file {path} must be a mapping of setting: value")
     values = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(values) - set(RouterSettings.model_fields))
+    unknown = sorted(k for k in values if k not in RouterSettings.model_fields and own_setting(k) is None)
     if unknown:
         raise UsageError(f"config file {path}: unknown setting {unknown[0]!r}; "
                          f"known: {', '.join(RouterSettings.model_fields)}")
@@ -569,8 +535,13 @@ def describe_errors(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = err.get("loc") or ()
+        if len(loc) > 1 and loc[0] in OWN_SETTINGS:  # a strategy's own setting: named by its plain name
+            if err["type"] == "extra_forbidden":
+                parts.append(f"unknown setting {'.'.join(map(str, loc))}")
+                continue
+            loc = loc[1:]
         name = str(loc[0]) if loc else ""
-        if name not in RouterSettings.model_fields:
+        if not is_setting(name):
             parts.append(_clean(err["msg"]))
             continue
         got = err.get("input")
@@ -593,8 +564,10 @@ def _clean(msg: str) -> str:
 
 def valid_range(name: str) -> str:
     """'must be an integer from 1,024 to 65,536' and the like, from the field's own constraints."""
-    field = RouterSettings.model_fields[name]
+    field = field_of(name)
     ann = field.annotation
+    if name == "scorers":
+        return "NAME=WEIGHT pairs, comma-separated (weights from 0 to 1000)"
     if getattr(ann, "__origin__", None) is Literal:
         return "must be one of " + ", ".join(ann.__args__)
     if ann is bool:
@@ -626,6 +599,33 @@ def _size(x: int) -> str:
 
 
 # -- names in other places -----------------------------------------------------------------------------------
+def is_setting(name: str) -> bool:
+    return (name in RouterSettings.model_fields and name not in OWN_SETTINGS) or own_setting(name) is not None
+
+
+def field_of(name: str) -> FieldInfo:
+    """The field behind a setting's plain name: RouterSettings' own, or a strategy's (balance_factor)."""
+    nested = own_setting(name)
+    return OWN_SETTINGS[nested[0]].model_fields[name] if nested else RouterSettings.model_fields[name]
+
+
+def setting_names(model: type[BaseModel] | None = None) -> list[str]:
+    """Every setting by its plain name, a strategy's own right after `strategy` (only the strategy settings
+    for model=StrategySettings)."""
+    strategy = [n for n in StrategySettings.model_fields if n not in OWN_SETTINGS]
+    strategy += [n for m in OWN_SETTINGS.values() for n in m.model_fields]
+    if model is StrategySettings:
+        return strategy
+    own = [n for n in RouterSettings.model_fields if n not in StrategySettings.model_fields]
+    at = own.index("strategy") + 1
+    return own[:at] + strategy + own[at:]
+
+
+def yaml_key(name: str) -> str:
+    nested = own_setting(name)
+    return f"{nested[0]}.{name}" if nested else name
+
+
 def flag_of(name: str) -> str:
     return "--backend" if name == "backends" else "--" + name.replace("_", "-")
 
@@ -634,10 +634,13 @@ def env_of(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting; values stay strings so the model validates them like env and file values."""
-    for name, field in RouterSettings.model_fields.items():
-        help_text = f"{field.description} [{env_of(name)}; default {_default_text(name)}]"
+def add_setting_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RouterSettings) -> None:
+    """One flag per setting (of `model`: RouterSettings, or StrategySettings for the simulator); values stay
+    strings so the model validates them like env and file values."""
+    for name in setting_names(model):
+        field = field_of(name)
+        env = f"{env_of(name)}; " if model is RouterSettings else ""  # the simulator reads no environment
+        help_text = f"{field.description} [{env}default {_default_text(name)}]"
         if field.annotation is bool:
             parser.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
@@ -650,12 +653,22 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
                                 default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
 
 
-def cli_values(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if k in RouterSettings.model_fields}
+def cli_values(args: argparse.Namespace, model: type[BaseModel] = RouterSettings) -> dict[str, Any]:
+    names = set(setting_names(model))
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def strategy_settings_from(args: argparse.Namespace) -> StrategySettings:
+    """The strategy settings given as flags (add_setting_arguments(parser, StrategySettings)), validated as
+    `warmroute serve` validates them; a bad one raises a one-line UsageError."""
+    try:
+        return StrategySettings(**merge_layers(cli_values(args, StrategySettings)))
+    except ValidationError as exc:
+        raise UsageError(describe_errors(exc)) from None
 
 
 def _default_text(name: str) -> str:
-    field = RouterSettings.model_fields[name]
+    field = field_of(name)
     if name == "backends":
         return "none (required)"
     value = field.get_default(call_default_factory=True)
@@ -663,6 +676,8 @@ def _default_text(name: str) -> str:
         return "none"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v:g}" for k, v in value.items())
     if name.endswith("_bytes") and isinstance(value, int) and value >= MiB:
         return _size(value)
     return str(value)
@@ -682,15 +697,17 @@ def configuration_markdown() -> str:
         "Every setting can be given as a command-line flag, as an environment variable, or as a key of the",
         "YAML file named by `--config FILE`. Precedence: flag > environment > file > default. An invalid",
         "value stops the router before it binds its port, with one line naming the setting and what is valid,",
-        "and exit status 2.",
+        "and exit status 2. A strategy's own settings nest under its name in the file (`cache_aware:` then",
+        "`balance_factor: 2`); they may also be written at the top level by their plain name, as flags and",
+        "environment variables name them. `warmroute simulate` takes the strategy settings as the same flags.",
         "",
         "| Setting (YAML key) | Flag | Environment | Default | Valid | Meaning |",
         "|---|---|---|---|---|---|",
     ]
-    for name, field in RouterSettings.model_fields.items():
+    for name in setting_names():
         valid = "" if name == "backends" else valid_range(name).removeprefix("must be ")
-        lines.append(f"| `{name}` | `{flag_of(name)}` | `{env_of(name)}` | `{_default_text(name)}` | {valid} "
-                     f"| {field.description} |")
+        lines.append(f"| `{yaml_key(name)}` | `{flag_of(name)}` | `{env_of(name)}` | `{_default_text(name)}` | "
+                     f"{valid} | {field_of(name).description} |")
     lines += [
         "",
         "## Example file",
@@ -705,6 +722,8 @@ def configuration_markdown() -> str:
         "strategy: cache_aware",
         "prefix_length: 8192",
         "concurrency_threshold: 64",
+        "cache_aware:",
+        "  hot_balance_factor: 0.5",
         "index_memory_bytes: 512MiB",
         "```",
         "",

@@ -13,6 +13,8 @@ from pydantic import TypeAdapter, ValidationError
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
 from warmroute.core.admission import AdmissionSettings
 from warmroute.core.strategies import STRATEGIES, StrategySettings
+from warmroute.router.settings import (RouterSettings, add_setting_arguments, describe_errors, field_of,
+                                       setting_names, strategy_settings_from)
 from warmroute.errors import UsageError
 from warmroute.sim.report import Summary, as_json, fmt, plot, summarize, table
 from warmroute.sim.scenarios import SCENARIOS
@@ -20,11 +22,12 @@ from warmroute.sim.simulator import SimResult, SimSettings, Simulation
 from warmroute.workloads.base import Workload
 
 REFERENCES = ("oracle", "pooled", "sglang_like")
-# Settings a --sweep may vary, with their type.
-SWEEPABLE = {f.name: f.type for f in dataclasses.fields(SimSettings)
-             if f.name in ("instances", "kv_capacity_tokens", "router_kv_capacity_tokens", "prefix_length",
-                           "concurrency_threshold", "balance_factor", "hot_balance_factor", "hold_kv_limit",
-                           "hold_keep", "max_running", "rate", "concurrency", "speedup")}
+# Settings a --sweep may vary, with their type: the simulator's own, and every strategy setting.
+SWEEPABLE = {**{f.name: f.type for f in dataclasses.fields(SimSettings)
+                if f.name in ("instances", "kv_capacity_tokens", "router_kv_capacity_tokens", "max_running", "rate",
+                              "concurrency", "speedup")},
+             **{name: str(field_of(name).annotation) for name in setting_names(StrategySettings)
+                if field_of(name).annotation in (int, float, bool)}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,18 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--profile", choices=("8b", "70b"), default="8b")
     f.add_argument("--kv-capacity-tokens", type=int, help="per instance (default: the profile's)")
     f.add_argument("--max-running", type=int, default=64)
-    r = parser.add_argument_group("router")
-    r.add_argument("--prefix-length", type=int, default=4096)
-    r.add_argument("--concurrency-threshold", type=int, default=32)
-    r.add_argument("--balance-factor", type=float, default=StrategySettings.balance_factor)
-    r.add_argument("--hot-balance-factor", type=float, default=StrategySettings.hot_balance_factor,
-                   help="cache_aware's guard for hot prefixes (1000: off); see `warmroute serve --help`")
-    r.add_argument("--hold-kv-limit", type=float, default=StrategySettings.hold_kv_limit,
-                   help="cache_aware holds a conversation in the router while its instance is this full (1000: "
-                        "never); see `warmroute serve --help`")
-    r.add_argument("--hold-keep", type=float, default=StrategySettings.hold_keep,
-                   help="a held request keeps its instance until it has waited this many times the fleet's mean "
-                        "time to first token; see `warmroute serve --help`")
+    r = parser.add_argument_group("router", "the strategies' settings, as `warmroute serve` takes them")
+    add_setting_arguments(r, StrategySettings)
     r.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
                    help="the router's admission queue: a request whose instance has no room waits in the router "
                         "(default: on, as `warmroute serve`)")
@@ -76,9 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validated(name: str, value: object, flag: str | None = None) -> None:
-    """Check a router setting against the router's own settings model (one set of valid ranges)."""
-    from warmroute.router.settings import RouterSettings
-
+    """Check a value against the router's own settings model (one set of valid ranges)."""
     field = RouterSettings.model_fields[name]
     try:
         TypeAdapter(Annotated[field.annotation, *field.metadata]).validate_python(value)
@@ -87,9 +78,8 @@ def _validated(name: str, value: object, flag: str | None = None) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSettings:
-    for name in ("prefix_length", "concurrency_threshold", "balance_factor", "hot_balance_factor", "hold_kv_limit",
-                 "hold_keep", "queue_timeout"):
-        _validated(name, getattr(args, name))
+    routing = strategy_settings_from(args)
+    _validated("queue_timeout", args.queue_timeout)
     if args.router_kv_capacity_tokens is not None:
         _validated("kv_capacity_tokens", args.router_kv_capacity_tokens, "--router-kv-capacity-tokens")
     for name in ("instances", "requests", "max_running"):
@@ -101,10 +91,8 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
     return SimSettings(
         instances=args.instances, profile=args.profile, kv_capacity_tokens=args.kv_capacity_tokens,
         max_running=args.max_running, router_kv_capacity_tokens=args.router_kv_capacity_tokens,
-        feedback=args.feedback, prefix_length=args.prefix_length,
-        concurrency_threshold=args.concurrency_threshold, balance_factor=args.balance_factor,
-        hot_balance_factor=args.hot_balance_factor, hold_kv_limit=args.hold_kv_limit, hold_keep=args.hold_keep,
-        admission=args.admission, queue_timeout_s=args.queue_timeout, requests=args.requests,
+        feedback=args.feedback, routing=routing, admission=args.admission, queue_timeout_s=args.queue_timeout,
+        requests=args.requests,
         rate=args.rate, concurrency=closed, speedup=args.speedup,
         scale_events=[_scale_event(s) for s in args.scale_at], seed=args.seed)
 
@@ -158,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     runs: list[tuple[str, SimSettings]] = [("", base)]
     if args.sweep:
         name, values = _sweep(args.sweep)
-        runs = [(f"{name}={v}", dataclasses.replace(base, **{name: v})) for v in values]
+        runs = [(f"{name}={v}", _changed(base, name, v)) for v in values]
     out: list[dict] = []
     best: tuple[float, str] | None = None
     for label, settings in runs:
@@ -177,6 +165,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"best setting for {_main_strategy(strategies)} by TTFT p50: {best[1]}")
         print(f"simulated in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _changed(base: SimSettings, name: str, value: object) -> SimSettings:
+    try:
+        return base.changed(name, value)
+    except ValidationError as exc:
+        raise UsageError(f"--sweep {name}={value}: {describe_errors(exc)}") from None
 
 
 def _main_strategy(strategies: list[str]) -> str:

@@ -18,48 +18,53 @@ And one peer, so the simulator can reproduce what the HTTP comparison with it sh
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-from warmroute.core.fleet import Fleet
+from warmroute.core.decision import AFFINITY, OVERLOAD_SPILL
+from warmroute.core.fleet import Fleet, Instance
+from warmroute.core.pipeline import Picker, Pipeline, Request
 from warmroute.core.prefix_index import PrefixIndex
-from warmroute.core.routing_key import RoutingKey
-from warmroute.core.strategies import (AFFINITY, CacheAwareStrategy, Decision, OVERLOAD_SPILL, Strategy,
-                                       StrategySettings, _least_loaded, _routable)
+from warmroute.core.stages import Handles
+from warmroute.core.stages.load_guard import least_loaded
+from warmroute.core.stages.prefix_match import DepthSource
+from warmroute.core.strategies import CACHE_AWARE, Strategy, StrategySettings, StrategySpec
 from warmroute.engine.model import EngineModel
 
 
-class OracleStrategy(CacheAwareStrategy):
-    name = "oracle"
-    records_prefixes = False  # it reads the truth, so it keeps no estimate
-
-    def __init__(self, settings: StrategySettings, engines: dict[str, EngineModel]) -> None:
-        super().__init__(settings)
-        self.engines = engines
-
-    def match_depths(self, blocks: list[int], fleet: Fleet) -> dict[str, int]:
+def engine_depths(engines: dict[str, EngineModel]) -> DepthSource:
+    """The oracle's depth source: what each engine really holds."""
+    def depths(blocks: Sequence[int], fleet: Fleet) -> dict[str, int]:
         out = {}
-        for name, model in self.engines.items():
+        for name, model in engines.items():
             n = model.pool.match(blocks)
             if n:
                 out[name] = n
         return out
+    return depths
 
 
-class SglangLikeStrategy(Strategy):
+ORACLE = StrategySpec(CACHE_AWARE.stages, CACHE_AWARE.cls, records_prefixes=False)  # it reads the truth
+
+
+def oracle(settings: StrategySettings, engines: dict[str, EngineModel]) -> Strategy:
+    return ORACLE.build("oracle", settings, Handles(depths=engine_depths(engines)))
+
+
+class SglangLikePick(Picker):
     name = "sglang_like"
     CACHE_THRESHOLD = 0.3  # smg's --cache-threshold default
     SPILL_RELATIVE = 1.5  # --balance-rel-threshold
     TREE_BLOCKS = 1 << 40  # no capacity: smg's tree is pruned by size and time, far above these runs
 
-    def __init__(self, settings: StrategySettings) -> None:
-        super().__init__(settings)
+    def __init__(self) -> None:
         self.trees = PrefixIndex(self.TREE_BLOCKS)
 
-    def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
-        up = _routable(fleet)
+    def pick(self, req: Request, candidates: list[Instance]) -> Instance:
+        up, key, fleet = candidates, req.key, req.fleet
         for inst in up:
             if self.trees.capacity(inst.name) == 0:
                 self.trees.add_instance(inst.name, self.TREE_BLOCKS)
-        blocks = key.blocks(self.settings.block_bytes)
+        blocks = key.blocks(fleet.settings.block_bytes)
         depths = self.trees.match_depths(blocks) if blocks else {}
         best = max(up, key=lambda i: depths.get(i.name, 0))  # the first of equal matches, as smg's tree walk
         if depths.get(best.name, 0) * fleet.block_tokens > self.CACHE_THRESHOLD * key.tokens:
@@ -68,6 +73,14 @@ class SglangLikeStrategy(Strategy):
             choice, reason = min(up, key=lambda i: self.trees.entries(i.name)), AFFINITY
         mean = sum(i.inflight for i in up) / len(up)
         if choice.inflight > mean + max(4.0, 2 * math.sqrt(mean)) and choice.inflight > self.SPILL_RELATIVE * mean:
-            choice, reason = _least_loaded(up), OVERLOAD_SPILL
+            choice, reason = least_loaded(up), OVERLOAD_SPILL
         self.trees.record(choice.name, blocks)
-        return Decision(choice.name, reason, 0, key.tokens)
+        req.picked_reason = reason
+        return choice
+
+    def explain(self, req: Request, chosen: Instance) -> str | None:
+        return req.picked_reason
+
+
+def sglang_like(settings: StrategySettings) -> Strategy:
+    return Strategy("sglang_like", settings, Pipeline(pickers=[SglangLikePick()]))

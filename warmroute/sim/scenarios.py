@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from warmroute.core.strategies import StrategySettings
 from warmroute.engine.profiles import PROFILES
 from warmroute.sim.simulator import SimSettings
 from warmroute.workloads.shared import SharedPrompts
@@ -36,7 +37,7 @@ class ScenarioCase:
 def reference_70b(requests: int = 1500, seed: int = 0) -> list[ScenarioCase]:
     capacity = PROFILES["70b"].kv_capacity_tokens
     base = SimSettings(instances=7, profile="70b", max_running=256, requests=requests, seed=seed,
-                       prefix_length=4096, concurrency_threshold=64)
+                       routing=StrategySettings(prefix_length=4096, concurrency_threshold=64))
     cases = []
     for tokens in PREFIX_TOKENS:
         for fill in POOL_FILL:

@@ -14,14 +14,14 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from warmroute.core.admission import (Admission, AdmissionSettings, QueueFull, Waiter, decide_at,
                                       strategy_threshold)
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
-from warmroute.core.strategies import (HOLD_TIMEOUT_S, Decision, NoInstanceAvailable, Strategy, StrategySettings,
-                                       make_strategy)
+from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy,
+                                       merge_layers)
 from warmroute.engine.model import EngineConfig, EngineModel
 from warmroute.workloads.base import Workload
 from warmroute.workloads.request import Session, WorkloadRequest
@@ -36,19 +36,15 @@ class SimSettings:
     feedback: bool = True  # correct the router's index from the cached tokens each engine reports
     max_running: int = 64
     max_batched_tokens: int = 8192
-    prefix_length: int = 4096
-    concurrency_threshold: int = 32
-    balance_factor: float = StrategySettings.balance_factor
-    hot_balance_factor: float = StrategySettings.hot_balance_factor
+    # The router's strategy settings, as `warmroute serve` takes them (hold_kv_limit, hold_keep and hold_timeout
+    # included: the admission queue applies them).
+    routing: StrategySettings = field(default_factory=StrategySettings)
     requests: int = 10_000
     rate: float | None = None  # open loop (Poisson sessions per second); None with no concurrency: the trace's
     concurrency: int | None = None  # closed loop: this many sessions in flight
     speedup: float = 1.0  # trace timestamps are divided by this
     scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
     window_s: float = 10.0  # time-series bucket
-    hold_kv_limit: float = StrategySettings.hold_kv_limit
-    hold_timeout_s: float = HOLD_TIMEOUT_S  # the router's hold_timeout: then a held request goes anyway
-    hold_keep: float = StrategySettings.hold_keep
     admission: bool = True  # the router's admission queue (core/admission.py); off: every request goes at once
     queue_timeout_s: float = AdmissionSettings.timeout_s  # a waiting request is refused (429) after this
     seed: int = 0
@@ -61,23 +57,27 @@ class SimSettings:
         if scale == 1:
             return cfg
         t = cfg.timing
-        from dataclasses import replace
         timing = replace(t, prefill_ms_per_token=t.prefill_ms_per_token / scale,
                          context_ms_per_token=t.context_ms_per_token / scale,
                          prefill_context_ms=t.prefill_context_ms / scale, decode_growth=t.decode_growth / scale)
         return replace(cfg, timing=timing, kv_capacity_tokens=cfg.kv_capacity_tokens * scale)
 
-    def strategy_settings(self, block_bytes: int) -> StrategySettings:
-        return StrategySettings(prefix_length=self.prefix_length,
-                                concurrency_threshold=strategy_threshold(self.admission, self.concurrency_threshold),
-                                balance_factor=self.balance_factor, hot_balance_factor=self.hot_balance_factor,
-                                hold_kv_limit=self.hold_kv_limit, hold_keep=self.hold_keep,
-                                block_bytes=block_bytes)
+    def strategy_settings(self) -> StrategySettings:
+        """The strategy's settings; with admission on, the queue owns the ConcurrencyThreshold (as in the router)."""
+        threshold = strategy_threshold(self.admission, self.routing.concurrency_threshold)
+        return self.routing.model_copy(update={"concurrency_threshold": threshold})
+
+    def changed(self, name: str, value: object) -> SimSettings:
+        """A copy with one setting changed: the simulator's own, or a strategy setting by its plain name."""
+        if name in {f.name for f in fields(self)}:
+            return replace(self, **{name: value})
+        return replace(self, routing=StrategySettings(**merge_layers(self.routing.model_dump(), {name: value})))
 
     def admission_settings(self) -> AdmissionSettings:
-        return AdmissionSettings(enabled=self.admission, concurrency_threshold=self.concurrency_threshold,
-                                 kv_limit=self.hold_kv_limit, timeout_s=self.queue_timeout_s,
-                                 patience_s=self.hold_timeout_s, hold_keep=self.hold_keep)
+        ca = self.routing.cache_aware
+        return AdmissionSettings(enabled=self.admission, concurrency_threshold=self.routing.concurrency_threshold,
+                                 kv_limit=ca.hold_kv_limit, timeout_s=self.queue_timeout_s,
+                                 patience_s=ca.hold_timeout, hold_keep=ca.hold_keep)
 
 
 @dataclass
@@ -138,7 +138,7 @@ class Simulation:
         if pooled:
             self.strategy = make_strategy("least_loaded")
         elif isinstance(strategy, str):
-            self.strategy = make_strategy_for_sim(strategy, settings.strategy_settings(self.block_bytes),
+            self.strategy = make_strategy_for_sim(strategy, settings.strategy_settings(),
                                                   settings.seed, self)
         else:
             self.strategy = strategy
@@ -324,7 +324,7 @@ class Simulation:
 
     def _send(self, now: float, arrival: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
               key: RoutingKey, d: Decision) -> None:
-        self._note_prefix(key.prefix_hash(self.s.prefix_length), d.instance)
+        self._note_prefix(key.prefix_hash(self.s.routing.prefix_length), d.instance)
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None,
                                              d.kv_tokens)
@@ -387,9 +387,9 @@ class Simulation:
 
 def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim: Simulation) -> Strategy:
     if name == "oracle":
-        from warmroute.sim.references import OracleStrategy
-        return OracleStrategy(settings, {n: i.model for n, i in sim.instances.items()})
+        from warmroute.sim.references import oracle
+        return oracle(settings, {n: i.model for n, i in sim.instances.items()})
     if name == "sglang_like":
-        from warmroute.sim.references import SglangLikeStrategy
-        return SglangLikeStrategy(settings)
+        from warmroute.sim.references import sglang_like
+        return sglang_like(settings)
     return make_strategy(name, settings, seed=seed)

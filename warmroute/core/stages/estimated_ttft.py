@@ -1,0 +1,23 @@
+"""Scorer: the estimated time to first token on each instance, (prefill queued there + α × this request's
+uncached tokens there) / its prefill rate; queued prefill includes what the engine reports beyond this
+router's books (other routers' waiting requests, a prompt that does not fit its free KV cache)."""
+
+from __future__ import annotations
+
+from warmroute.core.decision import OVERLOAD_SPILL
+from warmroute.core.engine_load import backlog_tokens
+from warmroute.core.fleet import Instance
+from warmroute.core.pipeline import Request, Scorer
+
+
+class EstimatedTtft(Scorer):
+    name = "estimated_ttft"
+
+    def score(self, req: Request, candidates: list[Instance]) -> list[float]:
+        get, miss_all, prompt, mean = req.miss.get, req.miss_all, req.prompt, req.fleet.mean_uncached_tokens
+        return [((i.queued_prefill_tokens if i.engine is None
+                  else i.queued_prefill_tokens + backlog_tokens(i.engine, prompt, i.kv_capacity_tokens, mean))
+                 + get(i.name, miss_all)) / i.prefill_tokens_per_s for i in candidates]
+
+    def explain(self, req: Request, chosen: Instance) -> str | None:
+        return OVERLOAD_SPILL  # a holder's queue (or the guard) made another instance sooner
