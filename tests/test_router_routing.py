@@ -167,7 +167,7 @@ def _swamped_router(**settings):
     """A router whose `a` holds a conversation (a prompt of ~300 tokens) and has three fully cached prompts of
     4,600 tokens in flight, 1.38x its KV cache: the conversation's next turn, kept on `a`, would take it past
     hold_kv_limit (1.4)."""
-    router = make_router(kv_capacity_tokens=10_000, **settings)
+    router = make_router(**{"kv_capacity_tokens": 10_000, "hold_kv_limit": 1.4, **settings})
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "tell me about caches " * 60}]})
     key = router.key_of("/v1/chat/completions", body.encode(), None)
     router.fleet.index.record("a", key.blocks())
@@ -222,7 +222,7 @@ async def test_a_client_that_leaves_while_queued_leaves_nothing_behind():
 
 
 async def test_hold_kv_limit_1000_or_admission_off_never_waits():
-    for settings in ({"hold_kv_limit": 1000.0}, {"admission": False}):
+    for settings in ({"hold_kv_limit": 1000.0}, {"admission": False, "hold_kv_limit": 1.4}):
         router, key, _ = _swamped_router(**settings)
         decision = router.decide(key)
         assert await asyncio.wait_for(router.admit(key, decision), 0.1) == (decision, 0.0)

@@ -81,11 +81,12 @@ class CacheAwareSettings(BaseModel):
                     "evicts queued histories anyway, and the prompt weighs its miss like a shared one. "
                     "1000: always sticky.")
     hold_kv_limit: float = Field(
-        1.4, ge=0.0, le=1000.0,
+        1000.0, ge=0.0, le=1000.0,
         description="cache_aware holds such a prompt in the router while the prompts in flight at its instance, "
                     "with it, would need more than this many times its KV cache (there the engine would evict its "
                     "history while it queues), and looks again whenever a request finishes (see hold_keep). "
-                    "1000: never holds.")
+                    "1000 (the default): never holds on KV demand, only at the concurrency threshold; with the "
+                    "admission queue a limit of 1.4 cost hit rate and throughput (docs/tuning.md).")
     hold_keep: float = Field(
         1.5, ge=0.0, le=1000.0,
         description="A held request keeps the instance first chosen for it until it has waited this many times "
