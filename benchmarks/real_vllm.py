@@ -42,7 +42,7 @@ import aiohttp
 from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.processes import Child, free_ports
 from warmroute.core.rendezvous import top
-from warmroute.core.strategies import hash_text
+from warmroute.core.stages.affinity import hash_text
 from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, find_vllm_python, shared_tiny_model
 from warmroute.workloads import Session, Workload
 from warmroute.workloads.shared import SharedPrompts
