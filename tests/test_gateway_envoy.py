@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from client_helpers import wait_for
+from client_helpers import read_answer, wait_for
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
 
@@ -145,16 +145,7 @@ async def _ask(client: aiohttp.ClientSession, url: str, body: dict, pieces: int 
     payload = {"data": _pieces(data, pieces), "headers": {"Content-Type": "application/json"}} if pieces > 1 \
         else {"json": body}
     async with client.post(url + "/v1/chat/completions", **payload) as r:
-        assert r.status == 200, await r.text()
-        instance, reason = r.headers["x-warmroute-instance"], r.headers["x-warmroute-reason"]
-        if body.get("stream"):
-            usage = None
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    usage = json.loads(line[6:]).get("usage") or usage
-        else:
-            usage = (await r.json())["usage"]
-    return instance, reason, usage
+        return await read_answer(r, bool(body.get("stream")))
 
 
 def _books(running) -> dict[str, int]:
