@@ -31,10 +31,12 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.routing_key import RoutingKey
-from warmroute.core.strategies import OVERLOAD_SPILL, UNHEALTHY_FALLBACK, Decision, Strategy, kv_pressure
+from warmroute.core.strategies import (OVERLOAD_SPILL, UNHEALTHY_FALLBACK, Decision, Strategy, StrategySettings,
+                                       kv_pressure)
 
 # Why a waiting request was refused (the label values of the sheds metric).
 QUEUE_FULL = "queue_full"  # the queue's bounds were reached, by requests of no lower priority
@@ -61,9 +63,9 @@ def strategy_threshold(admission: bool, concurrency_threshold: int) -> int:
 class AdmissionSettings:
     enabled: bool = True
     concurrency_threshold: int = 32  # the strategy's: an instance has room under it
-    # KV demand (kv_pressure, with the request) an instance may reach and still take a request; the former
-    # conversation hold's limit (StrategySettings.hold_kv_limit), now applied to every request.
-    kv_limit: float = 1.4
+    # KV demand (kv_pressure, with the request) an instance may reach and still take a request: cache_aware's
+    # hold_kv_limit, applied to every request (1000: off, as that setting's default).
+    kv_limit: float = 1000.0
     max_requests: int = 4096
     max_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 60.0  # a waiter's deadline: then 429
@@ -75,11 +77,8 @@ class AdmissionSettings:
     hold_keep: float = 1.5
     # An instance with at least this share of the threshold free takes any waiter (the reference's spill to an
     # instance with more spare capacity); a busier one only those that lose nothing there, or (aging) have
-    # waited long enough. Both at 1.0 / 0: with 128 closed-loop clients on 4 emulated instances, 0.5 and 0
-    # cut the hit rate from 84% to 71% and throughput from 45 to 30 req/s, 0.25 and 2,000 tokens/s to 58% and
-    # 22: under sustained overload every request waits, so any spill rule moves many of them, the misses slow
-    # the engines and the waits grow (docs/benchmarks.md). Nothing starves: a waiter is served at its instance
-    # in its turn, and timeout_s bounds the wait.
+    # waited long enough. Idle-only by default: under sustained overload any looser rule moves many waiters and
+    # scatters their prefixes (docs/benchmarks.md, Overload). Nothing starves: timeout_s bounds every wait.
     spill_headroom: float = 1.0
     aging_tokens_per_s: float = 0.0  # matched tokens a waiter is willing to lose elsewhere per second waited
     fair_slack: float = 4.0  # requests a tenant may be ahead of the least-served waiting tenant
@@ -109,6 +108,14 @@ class Waiter:
     instance: str | None = None  # assigned by pump: where it goes (a slot is reserved there until `dispatched`)
     shed: str | None = None  # set when refused: one of SHED_REASONS
     payload: object = None  # the shell's (the router's future, the simulator's request)
+
+
+def admission_settings(routing: StrategySettings, enabled: bool, **queue: Any) -> AdmissionSettings:
+    """The queue's settings from the strategy's (threshold, and cache_aware's KV limit and hold timing) plus the
+    queue's own bounds in `queue`: the one mapping the router and the simulator both use."""
+    ca = routing.cache_aware
+    return AdmissionSettings(enabled=enabled, concurrency_threshold=routing.concurrency_threshold,
+                             kv_limit=ca.hold_kv_limit, patience_s=ca.hold_timeout, hold_keep=ca.hold_keep, **queue)
 
 
 def decide_at(strategy: Strategy, key: RoutingKey, fleet: Fleet, name: str, first: str | None = None) -> Decision:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from warmroute.core.admission import (DEADLINE, IMMEDIATE, NO_INSTANCE, PREEMPTED, QUEUE_FULL, Admission,
-                                      AdmissionSettings, QueueFull, Waiter, decide_at, strategy_threshold)
+                                      QueueFull, Waiter, admission_settings, decide_at, strategy_threshold)
 from warmroute.core.exact_index import BYTES_PER_BLOCK, ExactIndex, token_seed
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
@@ -60,12 +60,9 @@ class Router:
         self.strategy = make_strategy(settings.strategy, settings.strategy_settings().model_copy(
             update={"concurrency_threshold": threshold}))  # admission owns the real one (may be out of range)
         self._any = make_strategy("least_loaded")
-        self.admission = Admission(AdmissionSettings(
-            enabled=settings.admission, concurrency_threshold=settings.concurrency_threshold,
-            kv_limit=settings.cache_aware.hold_kv_limit, max_requests=settings.queue_max_requests,
-            max_bytes=settings.queue_max_bytes, timeout_s=settings.queue_timeout,
-            patience_s=settings.cache_aware.hold_timeout, hold_keep=settings.cache_aware.hold_keep,
-            spill_headroom=settings.spill_headroom,
+        self.admission = Admission(admission_settings(
+            settings, settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
+            timeout_s=settings.queue_timeout, spill_headroom=settings.spill_headroom,
             aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights), self.fleet)
         self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
         self.tokenizer: PromptTokenizer | None = None

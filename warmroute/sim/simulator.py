@@ -16,8 +16,8 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 
-from warmroute.core.admission import (Admission, AdmissionSettings, QueueFull, Waiter, decide_at,
-                                      strategy_threshold)
+from warmroute.core.admission import (Admission, AdmissionSettings, QueueFull, Waiter, admission_settings,
+                                      decide_at, strategy_threshold)
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
 from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy,
@@ -74,10 +74,7 @@ class SimSettings:
         return replace(self, routing=StrategySettings(**merge_layers(self.routing.model_dump(), {name: value})))
 
     def admission_settings(self) -> AdmissionSettings:
-        ca = self.routing.cache_aware
-        return AdmissionSettings(enabled=self.admission, concurrency_threshold=self.routing.concurrency_threshold,
-                                 kv_limit=ca.hold_kv_limit, timeout_s=self.queue_timeout_s,
-                                 patience_s=ca.hold_timeout, hold_keep=ca.hold_keep)
+        return admission_settings(self.routing, self.admission, timeout_s=self.queue_timeout_s)
 
 
 @dataclass
