@@ -4,8 +4,8 @@
     PYTHONPATH=. .venv/bin/python benchmarks/precise_vllm.py [--vllm-python .venv-vllm/bin/python] [--docs 3]
         [--questions 4] [--model-dir DIR]
 
-Writes the tiny random-weight Llama and its tokenizer (warmroute/realengine/hf_model.py) unless --model-dir has
-one, starts vLLM with --kv-events-config (events on an ipc socket, replay on 127.0.0.1), then a router with
+Uses the tiny random-weight Llama and its tokenizer (warmroute/realengine/hf_model.py) unless --model-dir names
+another, starts one vLLM through `warmroute fleet`'s VllmFleet (KV events and replay on 127.0.0.1), then a router with
 kv_events on. Sends `docs` x `questions` chats (each document ~1.2k tokens, then a question), one at a time,
 and prints per request the reason, the tokens vLLM reported cached and the router's prediction (the
 x-warmroute-predicted-hit share x vLLM's prompt tokens); then the exact index's state and the router's KV-event
@@ -18,29 +18,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
 
+from warmroute.bench.stats import percentile
+from warmroute.realengine.vllm_fleet import (VllmFleet, VllmFleetSpec, VllmInstance, VllmMissing, find_vllm_python,
+                                             shared_tiny_model)
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chat(doc: int, question: int) -> dict:
@@ -50,41 +40,13 @@ def chat(doc: int, question: int) -> dict:
                                                                           f"{question} say?"}]}
 
 
-async def start_vllm(python: str, model: Path, work: Path) -> tuple[subprocess.Popen, int, dict]:
-    port, replay = free_port(), free_port()
-    events = {"kv_events_endpoint": f"ipc://{work}/events", "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}"}
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
-              "endpoint": events["kv_events_endpoint"], "replay_endpoint": events["kv_events_replay_endpoint"]}
-    args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "4096",
-            "--disable-uvicorn-access-log", "--kv-events-config", json.dumps(config)]
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "VLLM_CACHE_ROOT": str(Path(python).resolve().parents[1] / "vllm-cache")}
-    log = open(work / "vllm.log", "w")
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    start = time.monotonic()
-    async with aiohttp.ClientSession() as s:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"vLLM exited: see {work / 'vllm.log'}")
-            try:
-                async with s.get(f"http://127.0.0.1:{port}/health") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(1)
-    print(f"vLLM up in {time.monotonic() - start:.0f} s", flush=True)
-    return proc, port, events
-
-
-async def router_for(model: Path, port: int, events: dict, precise: bool = True):
+async def router_for(model: Path, vllm: VllmInstance, precise: bool = True):
+    events = {"kv_events_endpoint": f"tcp://127.0.0.1:{vllm.events_port}",
+              "kv_events_replay_endpoint": f"tcp://127.0.0.1:{vllm.replay_port}"}
     extra = {"kv_events": True, "tokenizer": str(model), "kv_events_topic": "kv-events"} if precise else {}
     return await start_router(load_settings({
-        "backends": [{"name": "v0", "url": f"http://127.0.0.1:{port}", **events}], "port": 0,
-        "engine_metrics": False, **extra}, env={}))
+        "backends": [{"name": "v0", "url": vllm.url, **events}], "port": 0, "engine_metrics": False, **extra},
+        env={}))
 
 
 async def one_pass(client: aiohttp.ClientSession, router, docs: range, questions: int) -> list[int]:
@@ -99,8 +61,7 @@ async def one_pass(client: aiohttp.ClientSession, router, docs: range, questions
 
 
 def summary(errors: list[int]) -> str:
-    ranked = sorted(errors)
-    return f"median {ranked[len(ranked) // 2]}, p90 {ranked[min(len(ranked) - 1, int(0.9 * len(ranked)))]} tokens"
+    return f"median {percentile(errors, 50):.0f}, p90 {percentile(errors, 90):.0f} tokens"
 
 
 async def ask(client: aiohttp.ClientSession, router, body: dict) -> tuple[str, int, int, int]:
@@ -115,53 +76,57 @@ async def ask(client: aiohttp.ClientSession, router, body: dict) -> tuple[str, i
 
 
 async def run(args: argparse.Namespace, work: Path) -> None:
-    model = Path(args.model_dir) if args.model_dir else work / "model"
-    if not (model / "config.json").exists():
-        from warmroute.realengine.hf_model import write_hf_model
-
-        write_hf_model(model)
-    proc, port, events = await start_vllm(args.vllm_python, model, work)
-    routers = []
-    try:
-        routers.append(await router_for(model, port, events))
-        async with aiohttp.ClientSession() as client:
-            print(f"{'doc':>3} {'q':>2} {'reason':<28} {'prompt':>6} {'predicted':>9} {'vLLM cached':>11}")
-            precise = await one_pass(client, routers[0], range(args.docs), args.questions)
-            exact = routers[0].app[ROUTER].exact
-            blocks = exact.instances["v0"]
-            print(f"fresh: {sorted(exact.fresh)}; blocks {exact.size('v0')} of {blocks.block_size} tokens; "
-                  f"orphans {blocks.orphans}, partial {blocks.partial}")
-            async with client.get(routers[0].url + "/metrics") as r:
-                for line in (await r.text()).splitlines():
-                    if line.startswith("warmroute_kv_") and "_created" not in line:
-                        print(line)
-            routers.append(await router_for(model, port, events))  # a replica started late
-            reason, prompt, predicted, cached = await ask(client, routers[1], chat(0, args.questions))
-            print(f"late replica: {reason}, predicted {predicted}, vLLM cached {cached} of {prompt}")
-            routers.append(await router_for(model, port, events, precise=False))  # other documents: cold in vLLM
-            print("approximate mode (kv_events off), other documents:")
-            approximate = await one_pass(client, routers[2], range(args.docs, 2 * args.docs), args.questions)
-            print(f"|predicted - cached|: precise {summary(precise)}; approximate {summary(approximate)}")
-    finally:
-        for router in routers:
-            await router.stop()
-        os.killpg(proc.pid, signal.SIGTERM)
+    python = find_vllm_python(args.vllm_python)
+    model = Path(args.model_dir) if args.model_dir else shared_tiny_model(python)
+    spec = VllmFleetSpec(model_dir=model, count=1, served_model_name="tiny", python=python)
+    with VllmFleet(spec, work) as fleet:
+        await fleet.wait_ready()
+        vllm = fleet.instances[0]
+        print(f"vLLM up at {vllm.url} (logs in {work})", flush=True)
+        routers = []
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            await compare(args, model, vllm, routers)
+        finally:
+            for router in routers:
+                await router.stop()
+
+
+async def compare(args: argparse.Namespace, model: Path, vllm: VllmInstance, routers: list) -> None:
+    """Precise mode, a replica started late, then approximate mode on other documents (routers kept in
+    `routers` for the caller to stop)."""
+    routers.append(await router_for(model, vllm))
+    async with aiohttp.ClientSession() as client:
+        print(f"{'doc':>3} {'q':>2} {'reason':<28} {'prompt':>6} {'predicted':>9} {'vLLM cached':>11}")
+        precise = await one_pass(client, routers[0], range(args.docs), args.questions)
+        exact = routers[0].app[ROUTER].exact
+        blocks = exact.instances["v0"]
+        print(f"fresh: {sorted(exact.fresh)}; blocks {exact.size('v0')} of {blocks.block_size} tokens; "
+              f"orphans {blocks.orphans}, partial {blocks.partial}")
+        async with client.get(routers[0].url + "/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith("warmroute_kv_") and "_created" not in line:
+                    print(line)
+        routers.append(await router_for(model, vllm))  # a replica started late
+        reason, prompt, predicted, cached = await ask(client, routers[1], chat(0, args.questions))
+        print(f"late replica: {reason}, predicted {predicted}, vLLM cached {cached} of {prompt}")
+        routers.append(await router_for(model, vllm, precise=False))  # other documents: cold in vLLM
+        print("approximate mode (kv_events off), other documents:")
+        approximate = await one_pass(client, routers[2], range(args.docs, 2 * args.docs), args.questions)
+        print(f"|predicted - cached|: precise {summary(precise)}; approximate {summary(approximate)}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--vllm-python", help="the interpreter with vLLM (default: as `warmroute fleet` finds it)")
     ap.add_argument("--model-dir", help="a model directory to use instead of writing the tiny one")
     ap.add_argument("--docs", type=int, default=3)
     ap.add_argument("--questions", type=int, default=4)
     args = ap.parse_args()
-    if not Path(args.vllm_python).exists():
-        print(f"no vLLM at {args.vllm_python} (--vllm-python)", file=sys.stderr)
-        raise SystemExit(2)
+    try:
+        find_vllm_python(args.vllm_python)
+    except VllmMissing as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None
     with tempfile.TemporaryDirectory(prefix="warmroute-precise-vllm-") as work:
         asyncio.run(run(args, Path(work)))
 
