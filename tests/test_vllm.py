@@ -26,7 +26,8 @@ from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, VllmMissin
     shared_tiny_model
 from warmroute.workloads.text import filler, rng_for
 
-pytestmark = pytest.mark.vllm
+# Starting vLLM may take up to the fleet's 900 s readiness limit on a cold, busy machine.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 MODEL = "warmroute-tiny"
 KV_BYTES = 16 << 20

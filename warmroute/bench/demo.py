@@ -103,14 +103,17 @@ def run(args: argparse.Namespace) -> int:
         args.max_tokens = MAX_TOKENS
     workload = workload_from_args(args)
     plan = plan_for(workload, args.concurrency)
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the children on `kill` too, not only on Ctrl-C
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # stop the children on `kill` too, not only on Ctrl-C
     console = Console(stderr=True)
     if not args.json:
         console.print(f"[bold]warmroute demo[/]: {plan.instances} emulated instances, "
                       f"{plan.kv_capacity_tokens:,} KV tokens each (a quarter of the '{workload.name}' "
                       f"working set), {plan.concurrency} concurrent sessions, "
                       f"{args.warmup:g}+{args.duration:g} s per strategy")
-    results = asyncio.run(_compare(workload, plan, args, console))
+    try:
+        results = asyncio.run(_compare(workload, plan, args, console))
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # a caller in the same process (a test) keeps its own handler
     _report(results, plan, args)
     return 0 if all(r.ok for r in results) else 1
 
