@@ -44,9 +44,9 @@ class AutoscaleSettings(DemandSettings):
                              description="Seconds from creating an instance to its first request (scheduling, "
                                          "image, weights); it costs instance-seconds from creation.")
     scale_down_window_s: float = Field(
-        120.0, ge=0.0, le=3600.0,
+        300.0, ge=0.0, le=3600.0,
         description="Scale down only to the highest count asked for over this many seconds (the HPA's "
-                    "stabilisation window).")
+                    "stabilisation window; 300 s is Kubernetes' default).")
     scale_in: Literal["cache_aware", "arbitrary", "newest"] = Field(
         "newest", description="Which instance a scale-in drains: cache_aware (the one whose cached prefixes, "
                               "weighted by demand, no other holds the least of: core/cache_value.py), arbitrary "
