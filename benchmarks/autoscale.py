@@ -43,17 +43,17 @@ class Case:
     steady_instances: int = 8  # the fleet the scale-in comparison starts from
 
 
-def case(name: str, trace: str) -> Case:
+def case(name: str, trace: str, seed: int = 1) -> Case:
     shape = ramp_and_burst()
     if name == "ramp-burst":
         return Case("mixed workload, 128 output tokens, 12 sessions/s at peak x ramp-burst (x2 burst)",
-                    make_workload("mixed", seed=1, max_tokens=128),
-                    SimSettings(instances=2, requests=10**9, rate=12.0, rate_shape=shape, seed=1),
+                    make_workload("mixed", seed=seed, max_tokens=128),
+                    SimSettings(instances=2, requests=10**9, rate=12.0, rate_shape=shape, seed=seed),
                     slo=dict(slo_ttft_s=1.0))
     if name == "mooncake":
         return Case("Mooncake conversation trace, x1 speed at peak x ramp-burst (x2 burst)",
-                    make_workload("trace", seed=1, path=trace),
-                    SimSettings(instances=6, requests=10**9, speedup=1.0, rate_shape=shape, seed=1),
+                    make_workload("trace", seed=seed, path=trace),
+                    SimSettings(instances=6, requests=10**9, speedup=1.0, rate_shape=shape, seed=seed),
                     slo=dict(slo_ttft_s=10.0, slo_tokens_per_s=4000.0), steady_instances=16)
     raise SystemExit(f"unknown workload {name!r}: ramp-burst or mooncake")
 
@@ -114,12 +114,13 @@ def main() -> None:
     parser.add_argument("--trace", default=TRACE)
     parser.add_argument("--utilization-targets", default=",".join(map(str, UTILIZATION_TARGETS)))
     parser.add_argument("--demand-targets", default=",".join(map(str, DEMAND_TARGETS)))
+    parser.add_argument("--seed", type=int, default=1, help="workload and arrival seed")
     parser.add_argument("--scale-in-only", action="store_true", help="only the scale-in policies, steady load")
     args = parser.parse_args()
     sweeps = {DEMAND: [float(t) for t in args.demand_targets.split(",")],
               UTILIZATION: [float(t) for t in args.utilization_targets.split(",")]}
     for name in args.workloads.split(","):
-        c, started = case(name, args.trace), time.perf_counter()
+        c, started = case(name, args.trace, args.seed), time.perf_counter()
         print(f"== {name}: {c.label}", flush=True)
         if args.scale_in_only:
             scale_in_comparison(c)
