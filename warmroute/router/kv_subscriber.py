@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -27,6 +28,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from warmroute.core.exact_index import ExactIndex
 from warmroute.core.kv_events import AllBlocksCleared, BadMessage, EventBatch, decode_batch, decode_seq, encode_seq
 from warmroute.router.background import cancel_all
+from warmroute.router.members import Member
+from warmroute.router.settings import Backend
 
 log = logging.getLogger("warmroute.router")
 
@@ -317,16 +320,32 @@ class KvEventSubscriber:
             self.index.fresh.discard(self.name)
 
 
-class KvEventSources:
-    """One subscriber per instance, following the fleet's membership (static, file, DNS, Kubernetes, admin API),
-    and the exact index's bound shared out among them."""
+Endpoints = Callable[[Backend], tuple[str | None, str | None]]  # an instance's (publisher, replay) endpoints
 
-    def __init__(self, index: ExactIndex, metrics: KvEventMetrics, topic: str, max_blocks: int) -> None:
+
+class KvEventSources:
+    """A component (precise mode): one subscriber per instance, following the fleet's membership (members.py:
+    static, file, DNS, Kubernetes, admin API), and the exact index's bound shared out among them."""
+
+    name = "kv-events"
+
+    def __init__(self, index: ExactIndex, metrics: KvEventMetrics, topic: str, max_blocks: int,
+                 endpoints: Endpoints) -> None:
         self.index, self.metrics, self.topic = index, metrics, topic
         self.max_blocks = max_blocks  # over all instances
+        self.endpoints = endpoints
         self.subscribers: dict[str, KvEventSubscriber] = {}
         self._running = False
         self._closing: set[asyncio.Task] = set()
+
+    # -- membership ------------------------------------------------------------------------------------------
+    def added(self, member: Member) -> None:
+        self.add(member.name, *self.endpoints(member.backend))
+
+    changed = added
+
+    def removed(self, name: str) -> None:
+        self.remove(name)
 
     def add(self, name: str, endpoint: str | None, replay_endpoint: str | None) -> None:
         """Follow an instance's events (again, if its endpoints changed); None: it publishes none."""
