@@ -46,7 +46,7 @@ from warmroute.router.metrics import NO_INSTANCE, Metrics
 from warmroute.router.models import CatalogSettings, ModelCatalog, fetch_models
 from warmroute.router.proxy import Proxy
 from warmroute.router.routing import SESSION_HEADER, Router
-from warmroute.router.settings import RouterSettings, kv_event_endpoints, upstream_tls
+from warmroute.router.settings import RouterSettings, kv_event_source, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
 from warmroute.router.tenancy import priority_of, tenant_of
 
@@ -259,7 +259,7 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[PROXY] = proxy = Proxy(router, health_, upstreams, settings)
     app[SCRAPER] = scraper = EngineScraper(router.fleet, upstreams, ScrapeSettings.of(settings), metrics_)
     app[CATALOG] = catalog = ModelCatalog(router.fleet, upstreams, CatalogSettings.of(settings), router.lora_adapters)
-    app[KV_EVENTS] = kv_events = _kv_events(settings, router, metrics_)
+    app[KV_EVENTS] = kv_events = _kv_events(settings, router, metrics_, upstreams)
     app[MEMBERSHIP] = membership = Membership(router.fleet, settings.backends, settings.capacity_configured)
     membership.subscribe(metrics_, replay=False)  # built with the configured backends, as the fleet was
     for follower in (catalog, scraper, kv_events, proxy, health_):  # health last: it checks a new instance
@@ -290,12 +290,13 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     return app
 
 
-def _kv_events(settings: RouterSettings, router: Router, metrics_: Metrics) -> KvEventSources | None:
+def _kv_events(settings: RouterSettings, router: Router, metrics_: Metrics,
+               upstreams: Upstreams) -> KvEventSources | None:
     """Precise mode's subscribers (one per instance, following membership); None in any other mode."""
     if router.exact is None:
         return None
     return KvEventSources(router.exact, KvEventMetrics(metrics_.registry), settings.kv_events_topic,
-                          settings.index_memory_bytes // BYTES_PER_BLOCK, partial(kv_event_endpoints, settings))
+                          settings.index_memory_bytes // BYTES_PER_BLOCK, partial(kv_event_source, settings), upstreams)
 
 
 def _components(app: web.Application, links: Links | None) -> Components:
