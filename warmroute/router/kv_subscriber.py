@@ -451,7 +451,8 @@ class KvEventSources:
             await sub.start()
         waits = [sub.ready.wait() for sub in self.subscribers.values()]
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*waits), REPLAY_TIMEOUT_S + 0.5)
+            async with asyncio.timeout(REPLAY_TIMEOUT_S + 0.5):  # not wait_for: it can drop a cancel (3.11)
+                await asyncio.gather(*waits)
 
     async def stop(self) -> None:
         self._running = False
