@@ -75,18 +75,17 @@ class Periodic:
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
+        self.running = False  # from the start of start() (its first round included) to stop()
         self._task: asyncio.Task | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._task is not None
-
     async def start(self) -> None:
+        self.running = True
         if self.round_at_start:
             await self.round()
         self._task = asyncio.create_task(self._loop(), name=f"warmroute-{self.name}")
 
     async def stop(self) -> None:
+        self.running = False
         task, self._task = self._task, None
         await cancel_all([task])
 
