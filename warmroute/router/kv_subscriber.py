@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from warmroute.core.exact_index import ExactIndex
 from warmroute.core.kv_events import (AllBlocksCleared, BadMessage, EventBatch, EventSource, decode_batch, decode_seq,
                                      encode_seq, source_from_vllm)
+from warmroute.router.background import cancel_all
 
 log = logging.getLogger("warmroute.router")
 
@@ -108,6 +109,9 @@ class KvEventSubscriber:
         return self.stream.state == _FRESH
 
     async def start(self) -> None:
+        self.launch()
+
+    def launch(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"warmroute-kv-events-{self.name}")
 
     def cancel(self) -> asyncio.Task | None:
@@ -122,10 +126,7 @@ class KvEventSubscriber:
         return task
 
     async def stop(self) -> None:
-        task = self.cancel()
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all([self.cancel()])
 
     async def _run(self) -> None:
         import zmq
@@ -144,8 +145,9 @@ class KvEventSubscriber:
                 await self._resync("subscribed")
             self.ready.set()
             while True:
-                try:
-                    frames = await asyncio.wait_for(sock.recv_multipart(), self.idle_s)
+                try:  # not wait_for: on Python 3.11 it drops a cancel that meets a finished receive
+                    async with asyncio.timeout(self.idle_s):
+                        frames = await sock.recv_multipart()
                 except TimeoutError:
                     await self._idle_check()
                     continue
@@ -399,7 +401,7 @@ class KvEventSources:
         log.info("kv events %s: subscribing to %s (replay: %s)", name,
                  f"what {url}{SOURCES_PATH} names" if url else endpoint, replay_endpoint or "none")
         if self._running:
-            asyncio.get_running_loop().create_task(sub.start())
+            sub.launch()  # at once: a remove() right after must find its task to cancel
 
     def _discover_at(self, url: str) -> Discover:
         async def ask() -> tuple[int, Any]:
@@ -435,7 +437,7 @@ class KvEventSources:
         self._running = False
         for name in list(self.subscribers):
             self.remove(name)
-        await asyncio.gather(*self._closing, return_exceptions=True)
+        await cancel_all(self._closing)
         self.session = None
 
     def _share_bound(self) -> None:
