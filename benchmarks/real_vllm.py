@@ -2,7 +2,7 @@
 """warmroute in front of 2 real vLLM instances on CPUs, against every prefix pinned by hand.
 
     .venv/bin/python benchmarks/real_vllm.py [--rounds 3] [--duration 20] [--warmup 5] [--json FILE]
-        [--workload shared|rag|mixed] [--contenders random,prefix,cache_aware,precise]
+        [--workload shared|rag|mixed|chat] [--contenders random,prefix,cache_aware,precise]
 
 Needs vLLM (`python3 dev.py vllm`). Starts 2 vLLM instances once (the tiny model, one core each, a KV cache
 smaller than the workload's working set), then per round runs every contender once, in an order rotated each
@@ -16,7 +16,8 @@ loop), each instance's prefix cache reset before every run:
   precise           cache_aware with the engines' KV-cache events (it asks each vLLM where it publishes)
 
 `--workload rag` is KV pressure in llm-d's shape instead: equally popular documents whose contexts fill 75% of
-the fleet's KV cache (as vLLM reports it), a unique question each; `--workload mixed` is the demo's blend.
+the fleet's KV cache (as vLLM reports it), a unique question each; `--workload mixed` is the demo's blend,
+`--workload chat` multi-turn chats.
 The pinned contenders need the shared-prefix workload.
 
 Reports medians over rounds (and ranges) of the engines' own prefix-cache hit rate (vllm:prefix_cache_hits
@@ -187,7 +188,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=12 << 20, help="per instance (default 12 MiB)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--workload", choices=("shared", "rag", "mixed"), default="shared")
+    p.add_argument("--workload", choices=("shared", "rag", "mixed", "chat"), default="shared")
     p.add_argument("--contenders", help=f"default: {','.join(CONTENDERS)} (shared), {','.join(ROUTED)} (others)")
     p.add_argument("--json", type=Path, help="write every run's figures here")
     args = p.parse_args()
@@ -235,8 +236,8 @@ async def main(args: argparse.Namespace) -> int:
 
 
 async def workload_for(args: argparse.Namespace, fleet: VllmFleet, names: list[str]) -> Workload:
-    if args.workload == "mixed":
-        return make_workload("mixed", seed=0, model=MODEL, max_tokens=args.max_tokens)
+    if args.workload in ("mixed", "chat"):
+        return make_workload(args.workload, seed=0, model=MODEL, max_tokens=args.max_tokens)
     if args.workload == "rag":
         capacity = sum([await kv_capacity_tokens(u) for u in fleet.urls])
         doc_tokens = 1200  # warmroute's 4-character units: ~950 tokens of the tiny model's tokenizer
