@@ -98,8 +98,10 @@ class KvEventPublisher:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
-        # destroy, not term: term waits forever for any socket of the context still open; destroy closes them.
-        self._ctx.destroy(linger=0)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._ctx.destroy(linger=0)  # term() would block for as long as any socket of it stayed open
 
     async def _serve_replay(self) -> None:
         assert self._replay is not None
