@@ -9,7 +9,7 @@ round, on the same shared-prefix traffic (equally popular system prompts, short 
 loop), each instance's prefix cache reset before every run:
 
   pinned            each prefix sent by the client straight to one instance (prefix i to instance i mod 2)
-  pinned_forwarder  the same pinning through a plain TCP forwarder (benchmarks/tcp_forwarder.py)
+  pinned_forwarder  the same pinning through a plain TCP forwarder (warmroute.bench.tcp_forwarder)
   session           the same pinning through warmroute's `session` strategy (one `user` per prefix)
   random, prefix, cache_aware   warmroute's strategies
 
@@ -28,7 +28,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -40,7 +39,9 @@ from typing import Any, ClassVar
 import aiohttp
 
 from warmroute.bench.loadgen import BenchSettings, run_bench
+from warmroute.bench.cpu import process_cpu_s
 from warmroute.bench.processes import Child, free_ports
+from warmroute.bench.record import write_outputs
 from warmroute.core.rendezvous import top
 from warmroute.core.stages.affinity import hash_text
 from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, find_vllm_python, shared_tiny_model
@@ -49,7 +50,6 @@ from warmroute.workloads.shared import SharedPrompts
 
 CONTENDERS = ("pinned", "pinned_forwarder", "session", "random", "prefix", "cache_aware")
 MODEL = "warmroute-tiny"
-FORWARDER = Path(__file__).with_name("tcp_forwarder.py")
 HEADER = re.compile(r"\[system prompt (\d+)\]")
 
 
@@ -83,12 +83,6 @@ def labels_pinned_like(prefixes: int, names: list[str]) -> dict[int, str]:
     return out
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def reset_caches(urls: list[str]) -> None:
     async with aiohttp.ClientSession() as s:
         for url in urls:
@@ -98,7 +92,7 @@ async def reset_caches(urls: list[str]) -> None:
 
 
 async def run_one(contender: str, args: argparse.Namespace, fleet: VllmFleet, workload: Workload,
-                  forwarder: tuple[subprocess.Popen, list[str]], log_dir: Path) -> dict[str, Any]:
+                  forwarder: tuple[Child, list[str]], log_dir: Path) -> dict[str, Any]:
     """Reset both caches, then warm up and measure one contender; its proxy's CPU is read around the window."""
     urls = fleet.urls
     await reset_caches(urls)
@@ -124,7 +118,7 @@ async def measure(args: argparse.Namespace, target: str, workload: Workload, url
                              engine_metrics=[u + "/metrics" for u in urls], label=label, drain_s=30.0, route=route)
 
     await run_bench(target, workload, settings(args.warmup))
-    before = cpu_s(pid) if pid else 0.0
+    before = process_cpu_s(pid) if pid else 0.0
     result = await run_bench(target, workload, settings(args.duration))
     s = result.summary()
     sent = s["requests"] + len(result.errors)
@@ -133,7 +127,7 @@ async def measure(args: argparse.Namespace, target: str, workload: Workload, url
             "errors": len(result.errors), "requests": s["requests"],
             "prediction_error_median_tokens": s["prediction_error_tokens"]["median_abs"],
             "requests_by_instance": s["instances"]["requests"],
-            "proxy_cpu_ms_per_req": round(1000 * (cpu_s(pid) - before) / sent, 2) if pid and sent else None}
+            "proxy_cpu_ms_per_req": round(1000 * (process_cpu_s(pid) - before) / sent, 2) if pid and sent else None}
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -196,11 +190,9 @@ async def main(args: argparse.Namespace) -> int:
                               system_tokens=args.system_tokens, question_tokens=40, zipf=0.0)
         workload = Labelled(inner=inner, labels=labels_pinned_like(args.prefixes, names))
         ports = free_ports(len(names), fleet.instances[-1].port + 20)
-        forward = subprocess.Popen([sys.executable, str(FORWARDER),
-                                    *(f"{ports + k}={i.port}" for k, i in enumerate(fleet.instances))],
-                                   stdout=subprocess.DEVNULL)
-        try:
-            await asyncio.sleep(1.0)
+        pairs = [f"{ports + k}={i.port}" for k, i in enumerate(fleet.instances)]
+        with Child("forwarder", pairs, log_dir, module="warmroute.bench.tcp_forwarder") as forward:
+            await forward.wait_for_log("forwarding", 1, timeout_s=30)
             forwarder = (forward, [f"http://127.0.0.1:{ports + k}" for k in range(len(names))])
             for r in range(args.rounds):
                 order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
@@ -208,12 +200,9 @@ async def main(args: argparse.Namespace) -> int:
                     figures = await run_one(c, args, fleet, workload, forwarder, log_dir)
                     results[c].append(figures)
                     print(f"round {r + 1} {c}: {json.dumps(figures)}", file=sys.stderr, flush=True)
-        finally:
-            forward.terminate()
-            forward.wait()
     print(table(results))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_outputs(args.json, results)
     return 0
 
 

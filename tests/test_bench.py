@@ -13,9 +13,9 @@ from aiohttp import web
 
 from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.report import render_table
-from warmroute.bench.scrape import counter_sum
 from warmroute.bench.stats import BenchResult, RequestRecord, load_spread, percentile
 from warmroute.cli import main
+from warmroute.prometheus_text import sample_sum
 from warmroute.workloads import make_workload
 
 
@@ -38,7 +38,7 @@ def test_load_spread_counts_idle_instances():
     assert load_spread({}) is None
 
 
-def test_counter_sum_reads_prometheus_text():
+def test_sample_sum_reads_prometheus_text():
     text = "\n".join([
         "# HELP vllm:prefix_cache_hits_total Hits.",
         "# TYPE vllm:prefix_cache_hits_total counter",
@@ -47,9 +47,11 @@ def test_counter_sum_reads_prometheus_text():
         "vllm:prefix_cache_hits_created 1.7e9",
         "vllm:prefix_cache_queries_total 400",
     ])
-    assert counter_sum(text, "vllm:prefix_cache_hits_total") == 150.0
-    assert counter_sum(text, "vllm:prefix_cache_queries_total") == 400.0
-    assert counter_sum(text, "vllm:num_requests_running") is None
+    assert sample_sum(text, "vllm:prefix_cache_hits_total") == 150.0
+    assert sample_sum(text, "vllm:prefix_cache_queries_total") == 400.0
+    assert sample_sum(text, "vllm:num_requests_running") is None
+    with pytest.raises(ValueError):
+        sample_sum("vllm:prefix_cache_hits_total{engine=\"0\" 1\n", "vllm:prefix_cache_hits_total")
 
 
 def record(tag="shared", ttft=0.1, e2e=0.5, out=8, prompt=100, cached=50, instance="a", error=None):
