@@ -81,6 +81,34 @@ async def test_trivial_instances_answer_like_an_engine():
             await s.close()
 
 
+async def _exchange(url: str, data: bytes) -> bytes:
+    """Write raw bytes to a trivial instance, read until it closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    writer.write(data)
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_trivial_instances_refuse_bad_requests_and_answer_pipelined_ones_in_order():
+    servers = await start_trivial_fleet(1)
+    url = servers[0].url
+    try:
+        too_long = await _exchange(url, b"GET /health HTTP/1.1\r\nX: " + b"x" * 70_000 + b"\r\n\r\n")
+        assert too_long.startswith(b"HTTP/1.1 400 ") and b"head too large" in too_long
+        too_big = await _exchange(url, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n{")
+        assert too_big.startswith(b"HTTP/1.1 413 ")
+        assert (await _exchange(url, b"NONSENSE\r\n\r\n")).startswith(b"HTTP/1.1 400 ")
+        both = await _exchange(url, b"GET /health HTTP/1.1\r\n\r\n"
+                                    b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert both.startswith(b"HTTP/1.1 200 ") and both.count(b"HTTP/1.1 200 ") == 2
+        assert both.endswith(b'"max_model_len":1048576}]}')
+    finally:
+        for s in servers:
+            await s.close()
+
+
 def test_latency_summary_and_verdict():
     pairs = [(0.001, 0.0015)] * 99 + [(0.002, 0.006)]
     s = sat.latency_summary(pairs)
