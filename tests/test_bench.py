@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from fake_upstream import Upstream
 from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.report import render_table
 from warmroute.bench.stats import BenchResult, RequestRecord, load_spread, percentile
@@ -88,26 +89,20 @@ def test_prediction_error_is_predicted_minus_reported_cached_tokens_in_the_engin
 
 # -- over HTTP: a small stand-in engine ------------------------------------------------------------------------
 class FakeEngine:
-    """Streams `tokens` content chunks, then usage with half the prompt cached; counts cache tokens."""
+    """A stand-in instance (fake_upstream.Upstream, serving model `fake-model`) that streams `tokens` content
+    chunks, then usage with half the prompt cached, and counts cache tokens in its /metrics."""
 
     def __init__(self, tokens: int = 3, status: int = 200) -> None:
         self.tokens, self.status = tokens, status
         self.hits = self.queries = 0
+        self.upstream = Upstream("engine-1", ("fake-model",))
+        self.upstream.behaviour = self.answer
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.chat)
-        return app
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "fake-model"}]})
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=f"vllm:prefix_cache_hits_total {self.hits}\n"
-                                 f"vllm:prefix_cache_queries_total {self.queries}\n")
+    async def answer(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/metrics":
+            return web.Response(text=f"vllm:prefix_cache_hits_total {self.hits}\n"
+                                     f"vllm:prefix_cache_queries_total {self.queries}\n")
+        return await self.chat(request)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -131,10 +126,24 @@ class FakeEngine:
 SMALL = {"pool_size": 4, "system_tokens": 50, "question_tokens": 10}
 
 
-async def test_bench_measures_a_streaming_server(aiohttp_server):
-    engine = FakeEngine()
-    server = await aiohttp_server(engine.app())
-    url = str(server.make_url("")).rstrip("/")
+@pytest.fixture
+async def fake_engine():
+    """start(**FakeEngine's arguments) -> (the engine, its base URL); stopped after the test."""
+    started: list[FakeEngine] = []
+
+    async def start(**kwargs) -> tuple[FakeEngine, str]:
+        engine = FakeEngine(**kwargs)
+        await engine.upstream.start()
+        started.append(engine)
+        return engine, engine.upstream.url
+
+    yield start
+    for engine in started:
+        await engine.upstream.stop()
+
+
+async def test_bench_measures_a_streaming_server(fake_engine):
+    engine, url = await fake_engine()
     settings = BenchSettings(concurrency=4, duration_s=0.6, warmup_s=0.2, engine_metrics=[url + "/metrics"])
     result = await run_bench(url, make_workload("shared", **SMALL), settings)
     s = result.summary()
@@ -145,20 +154,18 @@ async def test_bench_measures_a_streaming_server(aiohttp_server):
     assert s["throughput"]["output_tokens_per_s"] == pytest.approx(3 * s["throughput"]["requests_per_s"], rel=0.01)
 
 
-async def test_bench_counts_errors_by_kind(aiohttp_server):
-    server = await aiohttp_server(FakeEngine(status=503).app())
-    url = str(server.make_url("")).rstrip("/")
+async def test_bench_counts_errors_by_kind(fake_engine):
+    _, url = await fake_engine(status=503)
     result = await run_bench(url, make_workload("shared", **SMALL),
                              BenchSettings(rate=50, duration_s=0.3, warmup_s=0))
     assert result.summary()["requests"] == 0 and result.errors["http_503"] > 3
     assert result.duration_s == pytest.approx(0.3, abs=0.02)  # the window, though no arrival ends it
 
 
-async def test_trace_replay_follows_timestamps_and_ends_with_the_trace(aiohttp_server, tmp_path):
+async def test_trace_replay_follows_timestamps_and_ends_with_the_trace(fake_engine, tmp_path):
     lines = [{"timestamp": t, "input_length": 100, "output_length": 2, "hash_ids": [0]} for t in (0, 200, 400)]
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
-    server = await aiohttp_server(FakeEngine().app())
-    url = str(server.make_url("")).rstrip("/")
+    _, url = await fake_engine()
     result = await run_bench(url, make_workload("trace", path=str(tmp_path / "t.jsonl")),
                              BenchSettings(duration_s=10, warmup_s=0, speedup=2.0))
     starts = sorted(r.start_s for r in result.records)
@@ -273,9 +280,8 @@ def test_free_ports_stay_below_the_ephemeral_range_and_skip_taken_ones(monkeypat
     assert processes.free_ports(3, 39999) >= 40000  # no room for three below the range: above it, never below start
 
 
-async def test_requests_still_running_after_the_drain_are_unfinished_errors(aiohttp_server):
-    server = await aiohttp_server(FakeEngine(tokens=1000).app())  # 5 s per request
-    url = str(server.make_url("")).rstrip("/")
+async def test_requests_still_running_after_the_drain_are_unfinished_errors(fake_engine):
+    _, url = await fake_engine(tokens=1000)  # 5 s per request
     result = await run_bench(url, make_workload("shared", **SMALL),
                              BenchSettings(concurrency=2, duration_s=0.3, warmup_s=0, drain_s=0.2))
     assert result.errors == {"unfinished": 2} and not result.ok

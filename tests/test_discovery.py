@@ -14,9 +14,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from client_helpers import wait_for
+from fake_upstream import Upstream
 from warmroute.router.app import DISCOVERY, METRICS, ROUTER
 from warmroute.router.discovery import read_backends_file, with_host
 from warmroute.router.server import start_router
@@ -27,48 +27,13 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}
 
 
-class Engine:
-    """A stand-in engine: /health, and every other path answers with its name, after `delay` seconds."""
-
-    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
-        self.name, self.host = name, host
-        self.delay = 0.0
-        self.hits = 0
-        self.runner: web.AppRunner | None = None
-
-    async def start(self, port: int = 0) -> Engine:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_route("*", "/{tail:.*}", self._any)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, self.host, port).start()
-        self.port = self.runner.addresses[0][1]
-        self.url = f"http://{self.host}:{self.port}"
-        return self
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _any(self, request: web.Request) -> web.Response:
-        await request.read()
-        self.hits += 1
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        return web.json_response({"engine": self.name})
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-
-
 def base(**values) -> dict:
     return {"port": 0, "health_interval": 3600, "engine_metrics": False, "models_interval": 0, **values}
 
 
 @pytest.fixture
 async def engines():
-    started = [await Engine(f"e{i}").start() for i in range(3)]
+    started = [await Upstream(f"e{i}", models=None).start() for i in range(3)]
     yield started
     for e in started:
         await e.stop()
@@ -275,7 +240,7 @@ async def test_admin_api_needs_the_token_and_does_not_exist_without_one(engines)
                         assert r.status == 401, (method, path, headers)
                         assert r.headers["WWW-Authenticate"].startswith("Bearer")
                         assert TOKEN not in await r.text()
-            assert e0.hits == 0  # never forwarded to an engine either
+            assert e0.seen == []  # never forwarded to an engine either
         assert set(router.app[ROUTER].fleet.instances) == {"e0"}
     finally:
         await router.stop()
@@ -289,7 +254,7 @@ async def test_admin_api_needs_the_token_and_does_not_exist_without_one(engines)
                                           json={"name": "z", "url": e0.url}) as r:
                     assert r.status == 404, (method, path)
                     assert "admin_token" in (await r.json())["error"]["message"]
-        assert e0.hits == 0
+        assert e0.seen == []
         assert set(router.app[ROUTER].fleet.instances) == {"e0"}
     finally:
         await router.stop()
@@ -298,9 +263,9 @@ async def test_admin_api_needs_the_token_and_does_not_exist_without_one(engines)
 # -- DNS --------------------------------------------------------------------------------------------------------
 async def test_dns_names_become_one_instance_per_address_and_follow_changes():
     # Engines on 127.0.0.1 and 127.0.0.2 (both loopback on Linux), one port; the resolver is injected.
-    first = await Engine("a1", "127.0.0.1").start()
+    first = await Upstream("a1", models=None).start()
     try:
-        second = await Engine("a2", "127.0.0.2").start(first.port)
+        second = await Upstream("a2", models=None).start(first.port, host="127.0.0.2")
     except OSError:
         await first.stop()
         pytest.skip("127.0.0.2 is not usable here")
@@ -328,7 +293,7 @@ async def test_dns_names_become_one_instance_per_address_and_follow_changes():
                 body = {**CHAT, "messages": [{"role": "user", "content": f"d{i} " * 300}]}
                 async with client.post(str(server.make_url("/v1/chat/completions")), json=body) as r:
                     assert r.status == 200
-        assert first.hits and second.hits
+        assert first.seen and second.seen
         answers["engines.test"] = ["127.0.0.2"]  # the first address goes: its instance drains away
         await wait_for(lambda: set(fleet.instances) == {"pool-1"})
         answers["engines.test"] = []  # a failed lookup keeps the last addresses

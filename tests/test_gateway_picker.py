@@ -16,7 +16,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # 
 from google.protobuf import struct_pb2  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from client_helpers import StubEngine, wait_for  # noqa: E402
+from client_helpers import wait_for  # noqa: E402
+from fake_upstream import Upstream  # noqa: E402
 from warmroute.gateway.endpoints import endpoint_of  # noqa: E402
 from warmroute.gateway.picker import DESTINATION, SERVED, SERVICE_NAME, SUBSET  # noqa: E402
 from warmroute.gateway.server import start_picker  # noqa: E402
@@ -27,7 +28,7 @@ Mode = modes.ProcessingMode
 
 @pytest.fixture
 async def stubs():
-    engines = [await StubEngine(f"s{i}").start() for i in range(3)]
+    engines = [await Upstream(f"s{i}", models=None).start() for i in range(3)]
     yield engines
     for e in engines:
         await e.stop()
@@ -278,9 +279,6 @@ def test_what_the_picker_cannot_do_is_one_line_and_exit_2(argv, words, capsys):
     assert main(["epp", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and err.startswith("warmroute epp: error:")
-
-
-from test_shared_index import redis_url  # noqa: E402,F401  (the fixture: a redis-server of its own)
 
 
 async def _decided(channel: grpc.aio.Channel, text: str) -> tuple[str, str]:

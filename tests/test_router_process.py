@@ -16,29 +16,20 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from fake_upstream import Upstream
+
 CHUNKS = 5
 
 
-async def _sse_upstream() -> tuple[web.AppRunner, str]:
-    async def sse(request: web.Request) -> web.StreamResponse:
-        chunks = json.loads(await request.read()).get("chunks", CHUNKS)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(chunks):
-            await resp.write(f"data: {i}\n\n".encode())
-            await asyncio.sleep(0.1)
-        return resp
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", sse)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+async def _sse(request: web.Request) -> web.StreamResponse:
+    """An event every 0.1 s, as many as the body's `chunks` (default CHUNKS)."""
+    chunks = json.loads(await request.read()).get("chunks", CHUNKS)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(chunks):
+        await resp.write(f"data: {i}\n\n".encode())
+        await asyncio.sleep(0.1)
+    return resp
 
 
 async def _start_router(upstream: str, *extra: str) -> tuple[asyncio.subprocess.Process, str]:
@@ -58,10 +49,11 @@ async def _start_router(upstream: str, *extra: str) -> tuple[asyncio.subprocess.
 @contextlib.asynccontextmanager
 async def _router_over_upstream(*extra: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
     """A router process in front of one streaming upstream; both gone afterwards, whatever happened."""
-    upstream, url = await _sse_upstream()
+    upstream = await Upstream("a", models=None).start()
+    upstream.behaviour = _sse
     proc = None
     try:
-        proc, router = await _start_router(url, *extra)
+        proc, router = await _start_router(upstream.url, *extra)
         yield proc, router
     finally:
         if proc is not None and proc.returncode is None:
@@ -69,7 +61,7 @@ async def _router_over_upstream(*extra: str) -> AsyncIterator[tuple[asyncio.subp
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
-        await upstream.cleanup()
+        await upstream.stop()
 
 
 async def test_sigterm_lets_in_flight_streams_finish_then_exits_0():
