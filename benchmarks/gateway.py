@@ -38,6 +38,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_peers as cp  # noqa: E402
 import saturation as sat  # noqa: E402
 
+from warmroute.bench.formats import pct  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
 from warmroute.bench.rawload import hostport  # noqa: E402
 from warmroute.bench.record import OUT, command_line, load_average, log, now_utc, tree_state, write_outputs  # noqa: E402
@@ -378,12 +380,17 @@ def _median(xs: list[float]) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
+def _by_contender(windows: list[dict[str, Any]], labels: Sequence[str] = CONTENDERS) -> Iterator[tuple[str, list]]:
+    """(label, its windows) for each of `labels` that has any, in that order."""
+    for label in labels:
+        mine = [w for w in windows if w["contender"] == label]
+        if mine:
+            yield label, mine
+
+
 def saturation_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for label in CONTENDERS:
-        mine = [w for w in windows if w["contender"] == label]
-        if not mine:
-            continue
+    for label, mine in _by_contender(windows):
         parts = sorted({k.split("/", 1)[1] for w in mine for k in w["cpu_cores"] if k.startswith(label + "/")})
         cores = {p: _median([w["cpu_cores"].get(f"{label}/{p}", 0.0) for w in mine]) for p in parts}
         rps = _median([w["rps"] for w in mine])
@@ -402,10 +409,7 @@ def saturation_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def latency_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for label in CONTENDERS:
-        mine = [w for w in windows if w["contender"] == label]
-        if not mine:
-            continue
+    for label, mine in _by_contender(windows):
         pairs = [p for w in mine for p in w["pairs"]]
         s = sat.latency_summary(pairs)
         per_round = [sat.latency_summary(w["pairs"]) for w in mine]
@@ -457,8 +461,7 @@ def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[
                 "32 at a time, answered by a null ext_proc service (grpcio's own cost) and by `warmroute epp` "
                 "(4 stub instances); CPU of the serving process per stream, median of the rounds.", "",
                 "| service | CPU per stream (rounds) | streams/s |", "| --- | ---: | ---: |"]
-        for label in ("null ext_proc service", "warmroute epp"):
-            mine = [w for w in picker if w["contender"] == label]
+        for label, mine in _by_contender(picker, ("null ext_proc service", "warmroute epp")):
             rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
             out.append(f"| {label} | {_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds}) | "
                        f"{_median([w['streams_per_s'] for w in mine]):,.0f} |")
@@ -471,15 +474,11 @@ def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[
                 "/metrics over the measured window. `envoy` (round robin, no picker) is the prefix-blind baseline.", "",
                 "| router | fleet hit rate (runs) | client hit rate | TTFT p50 / p99 | requests | errors |",
                 "| --- | ---: | ---: | ---: | ---: | ---: |"]
-        for label in HIT_CONTENDERS:
-            mine = [h for h in hits if h["contender"] == label]
-            if not mine:
-                continue
+        for label, mine in _by_contender(hits, HIT_CONTENDERS):
             fleet = [h["hit_rate"]["fleet"] for h in mine]
-            runs = ", ".join(f"{100 * x:.1f}%" for x in fleet if x is not None)
+            runs = ", ".join(pct(x) for x in fleet if x is not None)
             client = _median([h["hit_rate"]["client"] for h in mine])
-            out.append(f"| {label} | {100 * (_median(fleet) or 0):.1f}% ({runs}) | "
-                       f"{'-' if client is None else f'{100 * client:.1f}%'} | "
+            out.append(f"| {label} | {pct(_median(fleet) or 0)} ({runs}) | {pct(client)} | "
                        f"{_median([h['ttft_ms']['p50'] for h in mine])} / {_median([h['ttft_ms']['p99'] for h in mine])} "
                        f"ms | {sum(h['requests'] for h in mine):,} | "
                        f"{sum(sum(h['errors'].values()) if isinstance(h['errors'], dict) else h['errors'] for h in mine)} |")

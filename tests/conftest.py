@@ -1,4 +1,4 @@
-"""Fixtures every test module may use: two stand-in instances (fake_upstream.Upstream), an HTTP client, a
+"""Fixtures every test module may use: stand-in instances (fake_upstream.Upstream), an HTTP client, a
 real tokenizer for the emulated engine's tests, a kubeconfig pointing at a fake API server, and a
 redis-server of the test's own."""
 
@@ -29,6 +29,15 @@ async def up_b():
     up = await Upstream("b", ("other", "shared")).start()
     yield up
     await up.stop()
+
+
+@pytest.fixture
+async def stand_ins():
+    """Three stand-in instances e0, e1, e2 with no model list (fake_upstream.Upstream)."""
+    started = [await Upstream(f"e{i}", models=None).start() for i in range(3)]
+    yield started
+    for up in started:
+        await up.stop()
 
 
 @pytest.fixture

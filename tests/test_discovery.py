@@ -31,14 +31,6 @@ def base(**values) -> dict:
     return {"port": 0, "health_interval": 3600, "engine_metrics": False, "models_interval": 0, **values}
 
 
-@pytest.fixture
-async def engines():
-    started = [await Upstream(f"e{i}", models=None).start() for i in range(3)]
-    yield started
-    for e in started:
-        await e.stop()
-
-
 # -- the backends file -----------------------------------------------------------------------------------------
 def write(path: Path, text: str) -> None:
     tmp = path.with_suffix(".tmp")
@@ -72,8 +64,8 @@ def test_settings_need_a_source_of_backends(tmp_path):
     assert "x" not in repr(load_settings({"admin_token": "x"}, env={}).admin_token)
 
 
-async def test_backends_file_changes_add_and_drain_instances(tmp_path, engines):
-    e0, e1, e2 = engines
+async def test_backends_file_changes_add_and_drain_instances(tmp_path, stand_ins):
+    e0, e1, e2 = stand_ins
     f = tmp_path / "backends.yaml"
     write(f, f"- e1={e1.url}\n")
     router = await start_router(load_settings(base(backends=[f"e0={e0.url}"], backends_file=str(f),
@@ -101,8 +93,8 @@ async def test_backends_file_changes_add_and_drain_instances(tmp_path, engines):
         await router.stop()
 
 
-async def test_sighup_rereads_the_backends_file(tmp_path, engines):
-    e0, e1, _ = engines
+async def test_sighup_rereads_the_backends_file(tmp_path, stand_ins):
+    e0, e1, _ = stand_ins
     f = tmp_path / "backends.yaml"
     f.write_text(f"- e0={e0.url}\n")
     env = {**os.environ, "WARMROUTE_BACKENDS_FILE_INTERVAL": "3600", "WARMROUTE_ENGINE_METRICS": "false"}
@@ -154,8 +146,8 @@ class socket_port:
 
 
 # -- draining --------------------------------------------------------------------------------------------------
-async def test_a_drained_instance_finishes_its_requests_then_leaves(engines):
-    e0, e1, _ = engines
+async def test_a_drained_instance_finishes_its_requests_then_leaves(stand_ins):
+    e0, e1, _ = stand_ins
     router = await start_router(load_settings(base(backends=[f"e0={e0.url}", f"e1={e1.url}"],
                                                    admin_token=TOKEN, strategy="round_robin"), env={}))
     fleet = router.app[ROUTER].fleet
@@ -184,8 +176,8 @@ async def test_a_drained_instance_finishes_its_requests_then_leaves(engines):
 
 
 # -- the admin API ---------------------------------------------------------------------------------------------
-async def test_admin_api_adds_lists_and_deletes(engines):
-    e0, e1, _ = engines
+async def test_admin_api_adds_lists_and_deletes(stand_ins):
+    e0, e1, _ = stand_ins
     router = await start_router(load_settings(base(backends=[f"e0={e0.url}"], admin_token=TOKEN), env={}))
     fleet = router.app[ROUTER].fleet
     try:
@@ -226,8 +218,8 @@ async def test_admin_api_adds_lists_and_deletes(engines):
         await router.stop()
 
 
-async def test_admin_api_needs_the_token_and_does_not_exist_without_one(engines):
-    e0 = engines[0]
+async def test_admin_api_needs_the_token_and_does_not_exist_without_one(stand_ins):
+    e0 = stand_ins[0]
     router = await start_router(load_settings(base(backends=[f"e0={e0.url}"], admin_token=TOKEN), env={}))
     try:
         async with aiohttp.ClientSession() as client:
@@ -306,8 +298,8 @@ async def test_dns_names_become_one_instance_per_address_and_follow_changes():
         await second.stop()
 
 
-async def test_dns_off_by_default_keeps_the_name_in_the_url(engines):
-    e0 = engines[0]
+async def test_dns_off_by_default_keeps_the_name_in_the_url(stand_ins):
+    e0 = stand_ins[0]
     router = await start_router(load_settings(base(backends=[f"e0=http://localhost:{e0.port}"]), env={}))
     try:
         assert router.app[DISCOVERY].membership.urls == {"e0": f"http://localhost:{e0.port}"}
