@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_peers as cp  # noqa: E402
 import saturation as sat  # noqa: E402
 
-from warmroute.bench.formats import pct  # noqa: E402
+from warmroute.bench.formats import markdown_table, pct  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
 from warmroute.bench.rawload import hostport  # noqa: E402
 from warmroute.bench.record import OUT, command_line, load_average, log, now_utc, tree_state, write_outputs  # noqa: E402
@@ -427,63 +427,74 @@ def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[
            f"{meta['rounds']} rounds, {meta['warmup']} s warm-up + {meta['duration']} s measured per window, ABBA "
            f"order. Code: {meta['tree']}.", ""]
     if sat_rows:
-        out += ["### (a) Saturation throughput: 4 trivial instances (warmroute.bench.trivial) in 1 process", "",
-                "Closed loop, 128 keep-alive connections, chat completions of ≈293 characters, max_tokens 8, every "
-                "other one streamed. req/s: median over the rounds (each round in brackets). CPU per request: the "
-                "process's cores ÷ req/s (medians over the rounds), for Envoy and the picker separately.", "",
-                "| contender | req/s (rounds) | errors | latency p50 / p99 | cores | CPU per request | instances / "
-                "load gen / other cores |", "| --- | ---: | ---: | ---: | --- | --- | ---: |"]
-        for r in sat_rows:
-            rounds = ", ".join(f"{x:,.0f}" for x in r["rounds"])
-            cores = ", ".join(f"{p} {v:.2f}" for p, v in r["cores"].items()) or "-"
-            cpu = ", ".join(f"{p} {v:.0f} µs" for p, v in r["cpu_us"].items() if v is not None) or "-"
-            out.append(f"| {r['label']} | {r['rps']:,.0f} ({rounds}) | {r['errors']} | {r['latency_p50']} / "
-                       f"{r['latency_p99']} ms | {cores} | {cpu} | {r['instances']:.2f} / {r['loadgen']:.2f} / "
-                       f"{r['other']:.2f} |")
-        out.append("")
+        out += _section(
+            "(a) Saturation throughput: 4 trivial instances (warmroute.bench.trivial) in 1 process",
+            "Closed loop, 128 keep-alive connections, chat completions of ≈293 characters, max_tokens 8, every "
+            "other one streamed. req/s: median over the rounds (each round in brackets). CPU per request: the "
+            "process's cores ÷ req/s (medians over the rounds), for Envoy and the picker separately.",
+            ["contender", "req/s (rounds)", "errors", "latency p50 / p99", "cores", "CPU per request",
+             "instances / load gen / other cores"], "lrrrllr", [_saturation_cells(r) for r in sat_rows])
     if lat_rows:
-        out += ["### (b) Added time to first token at 64 concurrent streams", "",
-                "4 trivial instances, tokens 20 ms apart, 32 tokens; 64 sessions each sending the same streamed "
-                "request straight to an instance and through the router at the same moment. Added = routed "
-                "percentile − direct percentile (pairs pooled over the rounds).", "",
-                "| router | pairs | errors | direct TTFT p50 / p99 | routed TTFT p50 / p99 | **added p50 / p99** | "
-                "added p50 per round |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-        for r in lat_rows:
-            rounds = ", ".join(f"{x:.2f}" for x in r["added_p50_rounds"])
-            out.append(f"| {r['label']} | {r['pairs']:,} | {r['errors']} | {r['direct_p50']} / {r['direct_p99']} ms | "
-                       f"{r['router_p50']} / {r['router_p99']} ms | **{r['added_p50']} / {r['added_p99']} ms** | "
-                       f"{rounds} |")
-        out.append("")
+        out += _section(
+            "(b) Added time to first token at 64 concurrent streams",
+            "4 trivial instances, tokens 20 ms apart, 32 tokens; 64 sessions each sending the same streamed "
+            "request straight to an instance and through the router at the same moment. Added = routed "
+            "percentile − direct percentile (pairs pooled over the rounds).",
+            ["router", "pairs", "errors", "direct TTFT p50 / p99", "routed TTFT p50 / p99", "**added p50 / p99**",
+             "added p50 per round"], "lrrrrrl", [_latency_cells(r) for r in lat_rows])
     if picker:
-        out += ["### (c) Where the picker's time goes", "",
-                "The same ext_proc stream (request headers, buffered body of a chat completion, response headers, "
-                "one response body chunk with the usage: 4 messages each way) from a gRPC client in another process, "
-                "32 at a time, answered by a null ext_proc service (grpcio's own cost) and by `warmroute epp` "
-                "(4 stub instances); CPU of the serving process per stream, median of the rounds.", "",
-                "| service | CPU per stream (rounds) | streams/s |", "| --- | ---: | ---: |"]
-        for label, mine in _by_contender(picker, ("null ext_proc service", "warmroute epp")):
-            rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
-            out.append(f"| {label} | {_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds}) | "
-                       f"{_median([w['streams_per_s'] for w in mine]):,.0f} |")
-        out.append("")
+        out += _section(
+            "(c) Where the picker's time goes",
+            "The same ext_proc stream (request headers, buffered body of a chat completion, response headers, "
+            "one response body chunk with the usage: 4 messages each way) from a gRPC client in another process, "
+            "32 at a time, answered by a null ext_proc service (grpcio's own cost) and by `warmroute epp` "
+            "(4 stub instances); CPU of the serving process per stream, median of the rounds.",
+            ["service", "CPU per stream (rounds)", "streams/s"], "lrr",
+            [_picker_cells(label, mine) for label, mine in _by_contender(picker, ("null ext_proc service",
+                                                                                  "warmroute epp"))])
     if hits:
-        out += ["### (d) Hit rate on the mixed workload", "",
-                "benchmarks/compare_peers.py's `mixed` plan (45% shared system prompts, 25% RAG, 25% multi-turn chats, "
-                "5% one hot prompt; 16 sessions in a closed loop, KV capacity 0.6 × the working set over 4 emulated "
-                "engines): fresh engines and a fresh router per run; fleet token hit rate from the engines' "
-                "/metrics over the measured window. `envoy` (round robin, no picker) is the prefix-blind baseline.", "",
-                "| router | fleet hit rate (runs) | client hit rate | TTFT p50 / p99 | requests | errors |",
-                "| --- | ---: | ---: | ---: | ---: | ---: |"]
-        for label, mine in _by_contender(hits, HIT_CONTENDERS):
-            fleet = [h["hit_rate"]["fleet"] for h in mine]
-            runs = ", ".join(pct(x) for x in fleet if x is not None)
-            client = _median([h["hit_rate"]["client"] for h in mine])
-            out.append(f"| {label} | {pct(_median(fleet) or 0)} ({runs}) | {pct(client)} | "
-                       f"{_median([h['ttft_ms']['p50'] for h in mine])} / {_median([h['ttft_ms']['p99'] for h in mine])} "
-                       f"ms | {sum(h['requests'] for h in mine):,} | "
-                       f"{sum(sum(h['errors'].values()) if isinstance(h['errors'], dict) else h['errors'] for h in mine)} |")
-        out.append("")
+        out += _section(
+            "(d) Hit rate on the mixed workload",
+            "benchmarks/compare_peers.py's `mixed` plan (45% shared system prompts, 25% RAG, 25% multi-turn chats, "
+            "5% one hot prompt; 16 sessions in a closed loop, KV capacity 0.6 × the working set over 4 emulated "
+            "engines): fresh engines and a fresh router per run; fleet token hit rate from the engines' "
+            "/metrics over the measured window. `envoy` (round robin, no picker) is the prefix-blind baseline.",
+            ["router", "fleet hit rate (runs)", "client hit rate", "TTFT p50 / p99", "requests", "errors"], "lrrrrr",
+            [_hit_cells(label, mine) for label, mine in _by_contender(hits, HIT_CONTENDERS)])
     return "\n".join(out)
+
+
+def _section(title: str, text: str, header: list[str], align: str, rows: list[list[str]]) -> list[str]:
+    return [f"### {title}", "", text, "", *markdown_table(header, align, rows), ""]
+
+
+def _saturation_cells(r: dict[str, Any]) -> list[str]:
+    rounds = ", ".join(f"{x:,.0f}" for x in r["rounds"])
+    cores = ", ".join(f"{p} {v:.2f}" for p, v in r["cores"].items()) or "-"
+    cpu = ", ".join(f"{p} {v:.0f} µs" for p, v in r["cpu_us"].items() if v is not None) or "-"
+    return [r["label"], f"{r['rps']:,.0f} ({rounds})", str(r["errors"]), f"{r['latency_p50']} / {r['latency_p99']} ms",
+            cores, cpu, f"{r['instances']:.2f} / {r['loadgen']:.2f} / {r['other']:.2f}"]
+
+
+def _latency_cells(r: dict[str, Any]) -> list[str]:
+    rounds = ", ".join(f"{x:.2f}" for x in r["added_p50_rounds"])
+    return [r["label"], f"{r['pairs']:,}", str(r["errors"]), f"{r['direct_p50']} / {r['direct_p99']} ms",
+            f"{r['router_p50']} / {r['router_p99']} ms", f"**{r['added_p50']} / {r['added_p99']} ms**", rounds]
+
+
+def _picker_cells(label: str, mine: list[dict[str, Any]]) -> list[str]:
+    rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
+    return [label, f"{_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds})",
+            f"{_median([w['streams_per_s'] for w in mine]):,.0f}"]
+
+
+def _hit_cells(label: str, mine: list[dict[str, Any]]) -> list[str]:
+    fleet = [h["hit_rate"]["fleet"] for h in mine]
+    runs = ", ".join(pct(x) for x in fleet if x is not None)
+    errors = sum(sum(h["errors"].values()) if isinstance(h["errors"], dict) else h["errors"] for h in mine)
+    return [label, f"{pct(_median(fleet) or 0)} ({runs})", pct(_median([h["hit_rate"]["client"] for h in mine])),
+            f"{_median([h['ttft_ms']['p50'] for h in mine])} / {_median([h['ttft_ms']['p99'] for h in mine])} ms",
+            f"{sum(h['requests'] for h in mine):,}", str(errors)]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

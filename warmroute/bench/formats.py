@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 
 def number(x: float | None, digits: int = 2, unit: str = "") -> str:
     """`x` with thousands separators and `digits` decimals, then `unit` ("1,234.5 req/s")."""
@@ -26,3 +28,10 @@ def pct(x: float | None, digits: int = 1) -> str:
 def times(ratio: float | None, mark: str = "×") -> str:
     """A ratio to a reference, to append to a value: " (0.85×)"; "" when there is none."""
     return "" if ratio is None else f" ({ratio:.2f}{mark})"
+
+
+def markdown_table(header: Sequence[str], align: str, rows: Iterable[Sequence[str]]) -> list[str]:
+    """A Markdown table's lines; `align` has one letter per column, l (left) or r (right: numbers)."""
+    marks = {"l": "---", "r": "---:"}
+    return (["| " + " | ".join(header) + " |", "| " + " | ".join(marks[a] for a in align) + " |"]
+            + ["| " + " | ".join(row) + " |" for row in rows])
