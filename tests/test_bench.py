@@ -12,10 +12,14 @@ import pytest
 from aiohttp import web
 
 from fake_upstream import Upstream
+from warmroute.bench.formats import markdown_table, number, pct
 from warmroute.bench.loadgen import BenchSettings, run_bench
+from warmroute.bench.processes import Child
+from warmroute.bench.record import write_outputs
 from warmroute.bench.report import render_table
 from warmroute.bench.stats import BenchResult, RequestRecord, load_spread, percentile
 from warmroute.cli import main
+from warmroute.errors import UsageError
 from warmroute.prometheus_text import sample_sum
 from warmroute.workloads import make_workload
 
@@ -53,6 +57,25 @@ def test_sample_sum_reads_prometheus_text():
     assert sample_sum(text, "vllm:num_requests_running") is None
     with pytest.raises(ValueError):
         sample_sum("vllm:prefix_cache_hits_total{engine=\"0\" 1\n", "vllm:prefix_cache_hits_total")
+
+
+async def test_a_child_is_ready_when_it_serves_a_model_and_a_failed_one_says_why(tmp_path):
+    argv = [sys.executable, "-m", "warmroute.bench.trivial", "--port", "0", "--model", "tiny"]
+    with Child.command("instance", argv, tmp_path) as child:
+        url = await child.wait_for_url(timeout_s=30)
+        assert await child.wait_for_model(url, timeout_s=30) == "tiny"
+    assert child.proc.returncode is not None  # stopped on leaving the block
+    with Child("broken", ["--port", "not-a-port"], tmp_path, module="warmroute.bench.trivial") as broken:
+        with pytest.raises(UsageError, match="broken exited with status 2: .*invalid int value"):
+            await broken.wait_for_log("listening on", 1, timeout_s=30)
+
+
+def test_outputs_are_json_and_a_markdown_fragment_beside_it(tmp_path):
+    written = write_outputs(tmp_path / "sub" / "run.json", {"rps": 1.5}, "## Section\n\n" + "\n".join(
+        markdown_table(["name", "value"], "lr", [["a", number(1234.5, 1)], ["b", pct(None)]])))
+    assert written == [tmp_path / "sub" / "run.json", tmp_path / "sub" / "run.md"]
+    assert json.loads(written[0].read_text()) == {"rps": 1.5}
+    assert written[1].read_text() == "## Section\n\n| name | value |\n| --- | ---: |\n| a | 1,234.5 |\n| b | - |\n"
 
 
 def record(tag="shared", ttft=0.1, e2e=0.5, out=8, prompt=100, cached=50, instance="a", error=None):
