@@ -44,7 +44,7 @@ from warmroute.bench.processes import Child, free_ports
 from warmroute.bench.record import write_outputs
 from warmroute.core.rendezvous import top
 from warmroute.core.stages.affinity import hash_text
-from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, find_vllm_python, shared_tiny_model
+from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, VllmMissing, find_vllm_python, shared_tiny_model
 from warmroute.workloads import Session, Workload
 from warmroute.workloads.shared import SharedPrompts
 
@@ -214,5 +214,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         raise SystemExit(asyncio.run(main(parse_args())))
+    except VllmMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
