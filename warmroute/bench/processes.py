@@ -70,6 +70,10 @@ class Child:
         self.signal_group(signal.SIGKILL)  # also any grandchild the child left behind
         self.proc.wait()
 
+    async def exited(self, timeout_s: float) -> int:
+        """The child's exit status once it has ended (subprocess.TimeoutExpired after `timeout_s`)."""
+        return await asyncio.to_thread(self.proc.wait, timeout_s)
+
     def signal_group(self, sig: signal.Signals) -> None:
         try:
             os.killpg(self.proc.pid, sig)  # its own session: the group id is its pid
