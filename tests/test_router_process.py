@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import signal
 import tempfile
 import time
@@ -18,6 +17,7 @@ from aiohttp import web
 
 from fake_upstream import Upstream
 from warmroute.bench.processes import Child
+from warmroute.prometheus_text import read_samples
 
 CHUNKS = 5
 
@@ -116,9 +116,9 @@ async def test_workers_share_their_index_and_their_metrics():
                     pid = (await r.json())["pid"]
                 async with client.get(router + "/metrics") as r:
                     text = await r.text()
-            entries = float(re.search(r"^warmroute_index_entries (\S+)$", text, re.M).group(1))
-            answered = sum(float(v) for v in re.findall(r'^warmroute_requests_total\{[^}]*status="200"\} (\S+)$',
-                                                          text, re.M))
+            samples = read_samples(text, ("warmroute_index_entries", "warmroute_requests_total"))
+            entries = sum(v for _, v in samples["warmroute_index_entries"])
+            answered = sum(v for labels, v in samples["warmroute_requests_total"] if labels.get("status") == "200")
             readings[pid] = (entries, answered)  # the latest reading of each worker
             await asyncio.sleep(0.05)
         proc.proc.send_signal(signal.SIGTERM)
