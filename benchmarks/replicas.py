@@ -6,8 +6,9 @@
 
 For every replica count N: a fresh emulated fleet (`warmroute engine --count 4`, cold caches, each instance's
 KV capacity a quarter of the workload's working set, as in `warmroute demo`), N independent `warmroute serve`
-processes (each its own prefix index; no shared state) in front of it, and a round-robin front (`front`
-below: a tiny streaming aiohttp proxy that sends each request to the next replica) in front of those. The
+processes (each its own prefix index; no shared state) in front of it, and a round-robin front
+(`warmroute.bench.front`: a tiny streaming aiohttp proxy that sends each request to the next replica) in front
+of those. The
 same workload (same seed) runs through the front with `warmroute.bench.run_bench`; the fleet hit rate comes
 from the engines' own prefix-cache counters over the measured window. With one replica the front is still
 there, so every run pays the same extra hop. Mode `independent`: nothing shared between replicas; mode
@@ -24,14 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-
-import aiohttp
-from aiohttp import web
 
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
 from warmroute.bench.demo import FleetPlan, plan_for
@@ -39,46 +36,6 @@ from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.processes import Child, free_ports
 from warmroute.bench.record import OUT, command_line, write_outputs
 from warmroute.bench.stats import BenchResult
-
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
-
-
-# -- the round-robin front -----------------------------------------------------------------------------------------
-def front_app(upstreams: list[str]) -> web.Application:
-    """Each request to the next upstream in turn; the answer streamed back chunk by chunk."""
-    turn = itertools.cycle(upstreams)
-
-    async def on_start(app: web.Application) -> None:
-        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                               timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
-
-    async def on_stop(app: web.Application) -> None:
-        await app["session"].close()
-
-    async def forward(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        async with request.app["session"].request(request.method, next(turn) + request.path_qs, data=body or None,
-                                                  headers=headers) as up:
-            resp = web.StreamResponse(status=up.status, headers={k: v for k, v in up.headers.items()
-                                                                 if k.lower() not in HOP_BY_HOP})
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
-
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.on_startup.append(on_start)
-    app.on_cleanup.append(on_stop)
-    app.router.add_route("*", "/{tail:.*}", forward)
-    return app
-
-
-def run_front(port: int, upstreams: list[str]) -> None:
-    print(f"front listening on 127.0.0.1:{port}", flush=True)
-    web.run_app(front_app(upstreams), host="127.0.0.1", port=port, access_log=None, print=None)
-
 
 # -- one measurement -----------------------------------------------------------------------------------------------
 async def measure(replicas: int, mode: str, workload, plan: FleetPlan, args: argparse.Namespace,
@@ -113,8 +70,8 @@ async def measure(replicas: int, mode: str, workload, plan: FleetPlan, args: arg
         for child, url in routers:
             await child.wait_for_http(url + "/health", timeout_s=60)
         front_port = router_port + processes
-        front = Child.command(f"front-{replicas}", [sys.executable, __file__, "front", "--port", str(front_port),
-                                                    *(url for _, url in routers)], logs)
+        front = Child(f"front-{replicas}", ["--port", str(front_port), *(url for _, url in routers)], logs,
+                      module="warmroute.bench.front")
         children.append(front)
         target = f"http://127.0.0.1:{front_port}"
         await front.wait_for_http(target + "/health", timeout_s=30)
@@ -162,14 +119,6 @@ def report(results: list[BenchResult], plan: FleetPlan, args: argparse.Namespace
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "front":
-        p = argparse.ArgumentParser()
-        p.add_argument("front")
-        p.add_argument("--port", type=int, required=True)
-        p.add_argument("upstreams", nargs="+")
-        a = p.parse_args()
-        run_front(a.port, a.upstreams)
-        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_arguments(parser, default="mixed")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
