@@ -43,7 +43,7 @@ from warmroute.router.metrics import NO_INSTANCE, Metrics
 from warmroute.router.models import ModelCatalog, fetch_models
 from warmroute.router.proxy import Proxy, make_session
 from warmroute.router.routing import SESSION_HEADER, Router
-from warmroute.router.settings import RouterSettings, kv_event_endpoints, upstream_tls
+from warmroute.router.settings import RouterSettings, kv_event_source, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
 from warmroute.router.tenancy import priority_of, tenant_of
 from warmroute.router.upstream import UpstreamPool
@@ -265,7 +265,7 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
         membership.kv_events = KvEventSources(router.exact, KvEventMetrics(metrics_.registry),
                                               settings.kv_events_topic, settings.index_memory_bytes // BYTES_PER_BLOCK)
         for b in settings.backends:
-            membership.kv_events.add(b.name, *kv_event_endpoints(settings, b))
+            membership.kv_events.add(b.name, *kv_event_source(settings, b))
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
     app[SIBLINGS] = dash.Siblings()
     app[LINKS] = links
@@ -307,7 +307,7 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
                                      server_names=app[SERVER_NAMES])
     kv_events = app[MEMBERSHIP].kv_events
     if kv_events is not None:
-        await kv_events.start()
+        await kv_events.start(session)
     await app[DISCOVERY].start(session)  # the backends file and DNS names, before the first health round
     settings = app[SETTINGS]
     k8s = None

@@ -38,7 +38,7 @@ from warmroute.router.health import Health
 from warmroute.router.metrics import Metrics
 from warmroute.router.models import ModelCatalog
 from warmroute.router.kv_subscriber import KvEventSources
-from warmroute.router.settings import Backend, RouterSettings, kv_event_endpoints, parse_backends
+from warmroute.router.settings import Backend, RouterSettings, kv_event_source, parse_backends
 from warmroute.router.upstream import ServerNames
 from warmroute.router.background import cancel_all
 
@@ -168,7 +168,7 @@ class Membership:
 
     def _follow_events(self, backend: Backend) -> None:
         if self.kv_events is not None:
-            self.kv_events.add(backend.name, *kv_event_endpoints(self.settings, backend))
+            self.kv_events.add(backend.name, *kv_event_source(self.settings, backend))
 
     def drain(self, name: str) -> bool:
         """No new requests; removed once its in-flight requests are done. False if unknown."""
