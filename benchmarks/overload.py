@@ -42,13 +42,14 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import ROOT, Proc, wait_ready  # noqa: E402
+from compare_peers import PEERS_VENV  # noqa: E402
 
 from warmroute.bench.client import send  # noqa: E402
 from warmroute.bench.loadgen import BenchSettings, run_bench  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
+from warmroute.bench.record import write_outputs  # noqa: E402
 from warmroute.bench.scrape import CacheCounters, scrape  # noqa: E402
-from warmroute.bench.stats import RequestRecord, percentile  # noqa: E402
+from warmroute.bench.stats import RequestRecord, percentile, to_ms  # noqa: E402
 from warmroute.workloads import Session, make_workload  # noqa: E402
 
 INSTANCES = 4
@@ -90,20 +91,26 @@ class Stack:
     async def __aenter__(self) -> Stack:
         port = free_ports(INSTANCES)
         self.urls = [f"http://127.0.0.1:{port + i}" for i in range(INSTANCES)]
-        self.engines = Child(f"engines-{self.contender.label}", ["engine", "--count", str(INSTANCES), "--port",
-                                                                 str(port)], self.logs)
-        await self.engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
-        rport = free_ports(2, port + INSTANCES)
-        self.router = Proc(f"router-{self.contender.label}", self.contender.argv(rport, self.urls, self.venv, self.slo,
-                                                                           self.threshold),
-                           self.logs)
-        self.target = f"http://127.0.0.1:{rport}"
-        self.model = await wait_ready(self.router, self.target)
+        self.children: list[Child] = []
+        try:
+            engines = Child(f"engines-{self.contender.label}", ["engine", "--count", str(INSTANCES), "--port",
+                                                                str(port)], self.logs)
+            self.children.append(engines)
+            await engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
+            rport = free_ports(2, port + INSTANCES)
+            argv = self.contender.argv(rport, self.urls, self.venv, self.slo, self.threshold)
+            router = Child.command(f"router-{self.contender.label}", argv, self.logs)
+            self.children.append(router)
+            self.target = f"http://127.0.0.1:{rport}"
+            self.model = await router.wait_for_model(self.target)
+        except BaseException:
+            await self.__aexit__()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.router.stop()
-        self.engines.stop()
+        for child in reversed(self.children):
+            child.stop()
 
     @property
     def metrics(self) -> list[str]:
@@ -199,11 +206,7 @@ def window_stats(recs: list[RequestRecord], start: float, end: float, slo: float
             "refused_429": sum(r.error == "http_429" for r in sent),
             "other_errors": sum(r.error is not None and r.error != "http_429" for r in sent),
             "hit_rate": d.hits / d.queries if d and d.queries else None,
-            "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99))}
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(1000 * x)
+            "ttft_p50_ms": to_ms(percentile(ttft, 50), 0), "ttft_p99_ms": to_ms(percentile(ttft, 99), 0)}
 
 
 def recovery_s(recs: list[RequestRecord], drop: float, end: float, slo: float, window: float = 5.0) -> float | None:
@@ -247,7 +250,7 @@ async def tenants(args: argparse.Namespace, contender: Contender, cap: float, no
         ttft = [r.ttft_s for r in mine if r.ok and r.ttft_s is not None]
         out[t] = {"completed_rps": round(sum(r.ok for r in mine) / span, 2),
                   "goodput_rps": round(sum(x <= args.slo for x in ttft) / span, 2),
-                  "ttft_p99_ms": _ms(percentile(ttft, 99)), "refused_429": sum(r.error == "http_429" for r in mine)}
+                  "ttft_p99_ms": to_ms(percentile(ttft, 99), 0), "refused_429": sum(r.error == "http_429" for r in mine)}
     out["jain"] = jain([out[t]["completed_rps"] for t in names])
     return out
 
@@ -267,7 +270,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--low", type=float, default=60.0, help="surge: seconds at 0.5x capacity after")
     p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO, seconds (goodput)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
+    p.add_argument("--peers-venv", type=Path, default=PEERS_VENV)
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -295,8 +298,7 @@ async def main(argv: list[str]) -> int:
                     results[f"{c.label} {'with' if noisy else 'without'} noisy"] = r = await tenants(args, c, cap, noisy)
                     print(c.label, "noisy" if noisy else "alone", json.dumps(r), flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+        write_outputs(args.json, results)
     print(f"logs: {args.logs}")
     return 0
 

@@ -10,7 +10,7 @@ round, on the same shared-prefix traffic (equally popular system prompts, short 
 loop), each instance's prefix cache reset before every run:
 
   pinned            each prefix sent by the client straight to one instance (prefix i to instance i mod 2)
-  pinned_forwarder  the same pinning through a plain TCP forwarder (benchmarks/tcp_forwarder.py)
+  pinned_forwarder  the same pinning through a plain TCP forwarder (warmroute.bench.tcp_forwarder)
   session           the same pinning through warmroute's `session` strategy (one `user` per prefix)
   random, prefix, cache_aware   warmroute's strategies
   precise           cache_aware with the engines' KV-cache events (it asks each vLLM where it publishes)
@@ -35,7 +35,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -46,11 +45,15 @@ from typing import Any, ClassVar
 
 import aiohttp
 
+from warmroute.bench.cpu import process_cpu_s
 from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.processes import Child, free_ports
+from warmroute.bench.record import write_outputs
+from warmroute.bench.scrape import fetch_metrics
 from warmroute.core.rendezvous import top
 from warmroute.core.stages.affinity import hash_text
-from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, find_vllm_python, shared_tiny_model
+from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, VllmMissing, find_vllm_python, shared_tiny_model
+from warmroute.router.engine_metrics import parse_engine_metrics
 from warmroute.workloads import Session, Workload, make_workload
 from warmroute.workloads.shared import SharedPrompts
 
@@ -58,7 +61,6 @@ CONTENDERS = ("pinned", "pinned_forwarder", "session", "random", "prefix", "cach
 ROUTED = ("random", "prefix", "cache_aware", "precise")  # the contenders any workload can have
 PINNED = ("pinned", "pinned_forwarder", "session")
 MODEL = "warmroute-tiny"
-FORWARDER = Path(__file__).with_name("tcp_forwarder.py")
 HEADER = re.compile(r"\[system prompt (\d+)\]")
 
 
@@ -92,12 +94,6 @@ def labels_pinned_like(prefixes: int, names: list[str]) -> dict[int, str]:
     return out
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def reset_caches(urls: list[str]) -> None:
     async with aiohttp.ClientSession() as s:
         for url in urls:
@@ -107,7 +103,7 @@ async def reset_caches(urls: list[str]) -> None:
 
 
 async def run_one(contender: str, args: argparse.Namespace, fleet: VllmFleet, workload: Workload,
-                  forwarder: tuple[subprocess.Popen, list[str]], log_dir: Path) -> dict[str, Any]:
+                  forwarder: tuple[Child, list[str]], log_dir: Path) -> dict[str, Any]:
     """Reset both caches, then warm up and measure one contender; its proxy's CPU is read around the window."""
     urls = fleet.urls
     await reset_caches(urls)
@@ -135,7 +131,7 @@ async def measure(args: argparse.Namespace, target: str, workload: Workload, url
                              engine_metrics=[u + "/metrics" for u in urls], label=label, drain_s=30.0, route=route)
 
     await run_bench(target, workload, settings(args.warmup))
-    before = cpu_s(pid) if pid else 0.0
+    before = process_cpu_s(pid) if pid else 0.0
     result = await run_bench(target, workload, settings(args.duration))
     s = result.summary()
     sent = s["requests"] + len(result.errors)
@@ -145,7 +141,7 @@ async def measure(args: argparse.Namespace, target: str, workload: Workload, url
             "prediction_error_median_tokens": s["prediction_error_tokens"]["median_abs"],
             "prediction_error_p90_tokens": s["prediction_error_tokens"]["p90_abs"],
             "requests_by_instance": s["instances"]["requests"],
-            "proxy_cpu_ms_per_req": round(1000 * (cpu_s(pid) - before) / sent, 2) if pid and sent else None}
+            "proxy_cpu_ms_per_req": round(1000 * (process_cpu_s(pid) - before) / sent, 2) if pid and sent else None}
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -214,11 +210,9 @@ async def main(args: argparse.Namespace) -> int:
         names = [i.name for i in fleet.instances]
         workload = await workload_for(args, fleet, names)
         ports = free_ports(len(names), fleet.instances[-1].port + 20)
-        forward = subprocess.Popen([sys.executable, str(FORWARDER),
-                                    *(f"{ports + k}={i.port}" for k, i in enumerate(fleet.instances))],
-                                   stdout=subprocess.DEVNULL)
-        try:
-            await asyncio.sleep(1.0)
+        pairs = [f"{ports + k}={i.port}" for k, i in enumerate(fleet.instances)]
+        with Child("forwarder", pairs, log_dir, module="warmroute.bench.tcp_forwarder") as forward:
+            await forward.wait_for_log("forwarding", 1, timeout_s=30)
             forwarder = (forward, [f"http://127.0.0.1:{ports + k}" for k in range(len(names))])
             for r in range(args.rounds):
                 order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
@@ -226,12 +220,9 @@ async def main(args: argparse.Namespace) -> int:
                     figures = await run_one(c, args, fleet, workload, forwarder, log_dir)
                     results[c].append(figures)
                     print(f"round {r + 1} {c}: {json.dumps(figures)}", file=sys.stderr, flush=True)
-        finally:
-            forward.terminate()
-            forward.wait()
     print(table(results))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_outputs(args.json, results)
     return 0
 
 
@@ -252,11 +243,13 @@ async def workload_for(args: argparse.Namespace, fleet: VllmFleet, names: list[s
 
 
 async def kv_capacity_tokens(url: str) -> int:
-    """num_gpu_blocks x block_size, from the instance's vllm:cache_config_info."""
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        line = next(ln for ln in (await r.text()).splitlines() if ln.startswith("vllm:cache_config_info{"))
-    blocks, size = (int(re.search(rf'\b{k}="(\d+)"', line).group(1)) for k in ("num_gpu_blocks", "block_size"))
-    return blocks * size
+    """num_gpu_blocks x block_size, from the instance's vllm:cache_config_info (read as the router reads it)."""
+    async with aiohttp.ClientSession() as s:
+        text, = await fetch_metrics(s, [url + "/metrics"])
+    capacity = parse_engine_metrics(text).capacity_tokens
+    if capacity is None:
+        raise RuntimeError(f"{url}/metrics has no vllm:cache_config_info")
+    return capacity
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -267,5 +260,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         raise SystemExit(asyncio.run(main(parse_args())))
+    except VllmMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None

@@ -14,7 +14,8 @@ import pytest
 import zmq
 from tokenizers import Tokenizer
 
-from client_helpers import StubEngine, wait_for
+from client_helpers import wait_for
+from fake_upstream import Upstream
 from tokenizer_helpers import write_model_dir
 from warmroute.engine.kv_events import KvEventPublisher
 from warmroute.errors import UsageError
@@ -60,7 +61,7 @@ class Instance:
         self.pub.flush()
         return n * BS
 
-    def backend(self, stub: StubEngine) -> dict:
+    def backend(self, stub: Upstream) -> dict:
         entry = {"name": self.name, "url": stub.url, "kv_events_endpoint": self.pub.endpoint}
         if self.pub.replay_endpoint:
             entry["kv_events_replay_endpoint"] = self.pub.replay_endpoint
@@ -69,7 +70,7 @@ class Instance:
 
 @pytest.fixture
 async def fleet(model_dir):
-    stubs = [await StubEngine(n).start() for n in ("a", "b")]
+    stubs = [await Upstream(n, models=None).start() for n in ("a", "b")]
     instances = [Instance("a"), Instance("b", replay=False)]
     for i in instances:
         await i.pub.start()
@@ -176,7 +177,7 @@ async def test_adapter_requests_match_the_blocks_stored_for_that_adapter(fleet, 
 
 async def test_subscribers_follow_membership(model_dir):
     """An instance added through the admin API gets its subscriber (and its events decide); removed, it goes."""
-    stub = await StubEngine("c").start()
+    stub = await Upstream("c", models=None).start()
     inst = Instance("c")
     await inst.pub.start()
     router = await start_router(load_settings({
@@ -203,7 +204,7 @@ async def test_subscribers_follow_membership(model_dir):
 
 
 async def test_a_router_started_after_its_engines_decides_exactly_from_its_first_request(model_dir):
-    stubs = [await StubEngine(n).start() for n in ("a", "b")]
+    stubs = [await Upstream(n, models=None).start() for n in ("a", "b")]
     instances = [Instance("a"), Instance("b")]
     for i in instances:
         await i.pub.start()

@@ -18,9 +18,9 @@ import logging
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from warmroute.core.fleet import Fleet
+from warmroute.prometheus_text import Samples, read_samples
 from warmroute.router.connections import Poller, Upstreams
 from warmroute.router.members import Member
 from warmroute.router.metrics import Metrics
@@ -54,12 +54,9 @@ class EngineSignals:
 
 def parse_engine_metrics(text: str) -> EngineSignals:
     """The signals in a /metrics page; MalformedMetrics if a line we read is not Prometheus text."""
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
-        for family in text_string_to_metric_families(_relevant_lines(text)):
-            for s in family.samples:
-                samples.setdefault(s.name, []).append((s.labels, s.value))
-    except (ValueError, TypeError, IndexError) as exc:
+        samples = read_samples(text, _NAMES)
+    except ValueError as exc:
         raise MalformedMetrics(str(exc)) from None
 
     def values(names: tuple[str, ...]) -> list[float]:
@@ -71,20 +68,7 @@ def parse_engine_metrics(text: str) -> EngineSignals:
                          max(usage) if usage else None, _capacity(samples))
 
 
-def _relevant_lines(text: str) -> str:
-    """Only the lines of the names we read: an engine's page is mostly histograms we would parse for nothing."""
-    keep = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[2] in _NAMES:
-                keep.append(line)
-        elif line.startswith(_NAMES):
-            keep.append(line)
-    return "\n".join(keep) + "\n"
-
-
-def _capacity(samples: dict[str, list[tuple[dict[str, str], float]]]) -> int | None:
+def _capacity(samples: Samples) -> int | None:
     """KV capacity in tokens: vLLM's num_gpu_blocks x block_size labels, or SGLang's gauge."""
     for labels, _ in samples.get(VLLM_CACHE_INFO, []):
         try:
