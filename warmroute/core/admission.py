@@ -158,7 +158,8 @@ class Admission:
             return False
         if not strict_kv or not inst.inflight or inst.kv_capacity_tokens <= 0:
             return True
-        return kv_pressure(inst) + kv_tokens / inst.kv_capacity_tokens <= self.settings.kv_limit
+        scale = self.fleet.cache_scale.value
+        return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.kv_limit
 
     def _headroom(self) -> int:
         return max(1, math.ceil(self.settings.spill_headroom * self.settings.concurrency_threshold))
