@@ -336,6 +336,7 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     if shared is not None:
         app[ROUTER].shared = shared
     await app[HEALTH].check_all(session)  # know who is up before the first request
+    app[HEALTH].serving = True  # from now on, an instance that becomes healthy ramps up (slow start)
     loops = [asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")]
     if links is not None and settings.dashboard:
         loops.append(asyncio.create_task(_send_snapshots(app, links), name="warmroute-dashboard-snapshots"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 
@@ -29,6 +30,9 @@ class Health:
         self.settings = settings
         self.metrics = metrics
         self._failures = dict.fromkeys(urls, 0)
+        # Set once the first round of checks is done (app.py): an instance that becomes healthy after it joined
+        # or recovered while the fleet serves, and ramps up (slow start); those up at start do not.
+        self.serving = False
 
     def is_healthy(self) -> bool:
         return any(i.healthy for i in self.fleet.instances.values())
@@ -95,5 +99,7 @@ class Health:
             return
         if not inst.healthy:
             log.warning("instance %s is healthy again", name)
+            if self.serving:
+                self.fleet.start_ramp(name, time.monotonic())
         inst.healthy = True
         self.metrics.set_healthy(name, True)

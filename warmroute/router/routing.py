@@ -113,8 +113,9 @@ class Router:
                 inst.healthy = True
         if key is None:
             return self._any.choose(_NO_KEY, self.fleet)
+        self.fleet.now = now = time.monotonic()  # the core reads no clock (slow start's ramps)
         if self.exact is not None:
-            self.exact.now = time.monotonic()  # the core reads no clock
+            self.exact.now = now
         return self.strategy.choose(key, self.fleet)
 
     async def key_off_loop(self, path: str, body: bytes, session: str | None) -> RoutingKey | None:
@@ -199,6 +200,7 @@ class Router:
         self.admission.dispatched(waiter)
         self.metrics.admitted(waiter.why)
         try:
+            self.fleet.now = time.monotonic()
             decision = decide_at(self.strategy, key, self.fleet, name, waiter.first)
         except NoInstanceAvailable:
             decision = self.decide(key)
