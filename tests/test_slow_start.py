@@ -8,7 +8,6 @@ import pytest
 from warmroute.core.decision import SLOW_START
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import key_for_json
-from warmroute.core.stages.slow_start import ramp_weight
 from warmroute.core.strategies import CacheAwareSettings, StrategySettings, make_strategy
 
 
@@ -19,13 +18,6 @@ def chat(system: str, user: str):
 
 def settings(window: float) -> StrategySettings:
     return StrategySettings(cache_aware=CacheAwareSettings(slow_start_window=window))
-
-
-def test_the_ramp_is_envoys_curve():
-    assert ramp_weight(0.0, 30.0, 1.0, 0.1) == 0.1  # the floor
-    assert ramp_weight(15.0, 30.0, 1.0, 0.1) == pytest.approx(0.5)
-    assert ramp_weight(15.0, 30.0, 2.0, 0.1) == pytest.approx(0.5 ** 0.5)  # more aggressive: faster at first
-    assert ramp_weight(30.0, 30.0, 1.0, 0.1) == ramp_weight(99.0, 30.0, 1.0, 0.1) == 1.0
 
 
 def test_off_when_the_window_is_zero():

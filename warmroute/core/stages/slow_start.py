@@ -1,10 +1,7 @@
 """Filter: slow start. An instance that has just joined (or come back healthy) takes traffic gradually, as Envoy's
 slow_start does: over `window` seconds its share of the recent requests may grow to a full one along
-
-    weight = max(min_weight, (elapsed / window) ** (1 / aggression))
-
-so it neither sits idle nor drowns in the cold prefills a cost model sends to an empty cache with an empty
-queue. It is skipped once it was sent more than weight × the mean of the routable instances' recent requests;
+core/slow_start.py's weight, max(min_weight, (elapsed / window) ** (1 / aggression)), so it neither sits idle
+nor drowns in the cold prefills a cost model sends to an empty cache with an empty queue. It is skipped once it was sent more than weight × the mean of the routable instances' recent requests;
 and while it is under that, a hot prefix's requests go to it first, so the prefixes most worth holding are
 copied there before anything else. The ramp applies only while some routable instance is not ramping (a fleet
 that starts cold has nothing to ramp against).
@@ -15,13 +12,7 @@ from __future__ import annotations
 from warmroute.core.decision import SLOW_START
 from warmroute.core.fleet import Instance
 from warmroute.core.pipeline import Filter, Request
-
-
-def ramp_weight(elapsed: float, window: float, aggression: float, min_weight: float) -> float:
-    """The share of a full instance's traffic an instance `elapsed` seconds into its ramp may take (0..1]."""
-    if elapsed >= window:
-        return 1.0
-    return max(min_weight, (max(0.0, elapsed) / window) ** (1.0 / aggression))
+from warmroute.core.slow_start import slow_start_weight
 
 
 class SlowStart(Filter):
@@ -41,8 +32,8 @@ class SlowStart(Filter):
         if not ramping or len(ramping) == len(up):
             return
         mean = sum([i.recent for i in up]) / len(up)
-        req.ramp_caps = {i.name: ramp_weight(elapsed[i.name], self.window, self.aggression, self.min_weight) * mean
-                         for i in ramping}
+        req.ramp_caps = {i.name: mean * slow_start_weight(elapsed[i.name], self.window, self.aggression,
+                                                          self.min_weight) for i in ramping}
 
     def filter(self, req: Request, candidates: list[Instance]) -> list[Instance]:
         caps = req.ramp_caps
