@@ -3,8 +3,6 @@ every cold prefill at once, hot prefixes are copied to it first, and a fleet tha
 
 from __future__ import annotations
 
-import pytest
-
 from warmroute.core.decision import SLOW_START
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import key_for_json

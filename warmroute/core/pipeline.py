@@ -103,7 +103,7 @@ class Picker(Stage):
 # A compiled replacement for the filters, scorers and narrowing pickers: the candidates left (one instance, or
 # several for the last picker), None when a filter left none, or False for a request it does not model (the
 # stages then run one by one; see stages/compiled.py).
-FastPath = Callable[[Request], "Instance | list[Instance] | None | Literal[False]"]
+FastPath = Callable[[Request], Instance | list[Instance] | Literal[False] | None]
 
 
 class Pipeline:

@@ -33,7 +33,7 @@ from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS
 from warmroute.core.strategies import ModelNotServed, NoInstanceAvailable
 from warmroute.router import access_log as access
 from warmroute.router import dashboard as dash
-from warmroute.router.admin import MEMBERSHIP, add_admin_routes
+from warmroute.router.admin import MEMBERSHIP, SIGNALS, add_admin_routes
 from warmroute.router.discovery import Discovery, Membership, Resolver, resolve
 from warmroute.router.engine_metrics import EngineScraper
 from warmroute.router.errors import ApiError, bad_request, json_error, no_instance, too_large
@@ -206,7 +206,9 @@ async def dashboard_state(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = request.app[METRICS].render(request.app[ROUTER].fleet)
+    router = request.app[ROUTER]
+    request.app[METRICS].set_demand({m: (d.ratio, d.desired) for m, d in router.signals.by_model().items()})
+    body, content_type = request.app[METRICS].render(router.fleet)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = content_type
     return resp
@@ -254,6 +256,7 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[SETTINGS] = settings
     app[METRICS] = metrics_ = Metrics(settings.strategy, names)
     app[ROUTER] = router = Router(settings, metrics_)
+    app[SIGNALS] = router.signals
     app[HEALTH] = health_ = Health(router.fleet, urls, settings, metrics_)
     app[PROXY] = Proxy(router, health_, urls, settings)
     app[SCRAPER] = scraper = EngineScraper(router.fleet, urls, settings, metrics_)
@@ -316,6 +319,12 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
 
         k8s = KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port)
         await k8s.start()
+    costs = None  # the pods' deletion costs, following what their caches are worth
+    if k8s is not None and settings.pod_deletion_cost:
+        from warmroute.router.kubernetes import PodDeletionCost
+
+        costs = PodDeletionCost(k8s, app[SIGNALS].deletion_costs, settings.pod_deletion_cost_interval)
+        await costs.start()
     inference_pool = None
     if settings.inference_pool:
         from warmroute.router.inference_pool import InferencePoolDiscovery
@@ -350,6 +359,8 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     await app[DISCOVERY].stop()
     if kv_events is not None:
         await kv_events.stop()
+    if costs is not None:
+        await costs.stop()
     if k8s is not None:
         await k8s.stop()
     if inference_pool is not None:

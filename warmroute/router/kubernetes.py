@@ -11,7 +11,8 @@ missed while disconnected is lost. After every change the set of instances is re
 
 Needs the `kubernetes-asyncio` package (pip install 'warmroute[kubernetes]'), the in-cluster service account
 (or a kubeconfig: $KUBECONFIG, ~/.kube/config), and RBAC to get/list/watch endpointslices in the Service's
-namespace (deploy/kubernetes/rbac.yaml).
+namespace (deploy/kubernetes/rbac.yaml), and to patch its pods for their deletion costs (PodDeletionCost, setting
+`pod_deletion_cost`: a ReplicaSet scaling in then removes the pod whose cache is worth least).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from warmroute.router.discovery import Membership, with_host
@@ -50,7 +52,18 @@ def split_service(value: str) -> tuple[str, str]:
 
 def instances_of(slices: dict[str, dict], service: str, port: str | None, scheme: str = "http") -> list[Backend]:
     """The ready, not terminating endpoints of all slices, one Backend each."""
-    out: dict[str, Backend] = {}
+    return list({name: Backend(name=name, url=url) for name, url, _ in _endpoints(slices, service, port, scheme)}
+                .values())
+
+
+def pods_of(slices: dict[str, dict], service: str, port: str | None) -> dict[str, str]:
+    """Instance name -> the name of its pod, for the instances whose endpoint names one (targetRef)."""
+    return {name: pod for name, _, pod in _endpoints(slices, service, port) if pod is not None}
+
+
+def _endpoints(slices: dict[str, dict], service: str, port: str | None, scheme: str = "http"
+               ) -> Iterator[tuple[str, str, str | None]]:
+    """(instance name, URL, pod name or None) of every ready, not terminating endpoint address."""
     for sl in slices.values():
         number = _port_of(sl.get("ports") or [], port)
         if number is None:
@@ -59,13 +72,12 @@ def instances_of(slices: dict[str, dict], service: str, port: str | None, scheme
             cond = ep.get("conditions") or {}
             if cond.get("ready") is False or cond.get("terminating") is True:
                 continue  # per the API, an unknown `ready` counts as ready
+            ref = ep.get("targetRef") or {}
+            pod = ref.get("name") if ref.get("kind", "Pod") == "Pod" else None
             for i, address in enumerate(ep.get("addresses") or []):
-                ref = (ep.get("targetRef") or {}).get("name")
-                base = ref or f"{service}-{address}"
+                base = ref.get("name") or f"{service}-{address}"
                 name = _BAD_CHARS.sub("-", base if i == 0 else f"{base}-{i}")[:63].strip("-._") or service
-                url = with_host(f"{scheme}://placeholder:{number}", address)
-                out[name] = Backend(name=name, url=url)
-    return list(out.values())
+                yield name, with_host(f"{scheme}://placeholder:{number}", address), pod
 
 
 def _port_of(ports: list[dict], wanted: str | None) -> int | None:
@@ -195,3 +207,64 @@ class ListWatch:
 def _describe(exc: Exception) -> str:
     status = getattr(exc, "status", None)
     return f"{type(exc).__name__} {status}" if status else type(exc).__name__
+
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+class PodDeletionCost:
+    """Keeps the deletion-cost annotation of the fleet's pods at what each one's cache is worth (`costs`: instance
+    name -> int, router/autoscaling.py), so a ReplicaSet scaling in deletes the pod whose cache is worth least:
+    every `interval` seconds, a merge patch for each pod whose cost changed since it was last written. Needs RBAC
+    to patch pods (deploy/kubernetes/rbac.yaml)."""
+
+    def __init__(self, discovery: KubernetesDiscovery, costs: Callable[[], dict[str, int]], interval: float) -> None:
+        self.discovery, self.costs, self.interval = discovery, costs, interval
+        self.written: dict[str, int] = {}  # pod -> the cost last written
+        self.failing = False  # warned about a failed patch (once until one succeeds)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="warmroute-pod-deletion-cost")
+
+    async def stop(self) -> None:
+        await cancel_all([self._task])
+
+    async def _run(self) -> None:
+        from kubernetes_asyncio import client
+
+        async with client.ApiClient() as api:
+            v1 = client.CoreV1Api(api)
+            while True:
+                await self.update(v1)
+                await asyncio.sleep(self.interval)
+
+    def wanted(self) -> dict[str, int]:
+        """Pod -> its deletion cost now (a pod with several addresses: its most valuable instance's)."""
+        d = self.discovery
+        costs, out = self.costs(), {}
+        for name, pod in pods_of(d.slices, d.service, d.port).items():
+            if name in costs:
+                out[pod] = max(out.get(pod, 0), costs[name])
+        return out
+
+    async def update(self, v1: Any) -> None:
+        wanted = self.wanted()
+        self.written = {p: c for p, c in self.written.items() if p in wanted}  # pods gone: forgotten
+        for pod, cost in wanted.items():
+            if self.written.get(pod) == cost:
+                continue
+            body = {"metadata": {"annotations": {DELETION_COST: str(cost)}}}
+            try:
+                resp = await v1.patch_namespaced_pod(pod, self.discovery.namespace, body, _preload_content=False,
+                                                     _content_type="application/merge-patch+json")
+                await resp.read()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # RBAC missing, pod gone, API down: try again next round
+                if not self.failing:
+                    log.warning("kubernetes: setting the deletion cost of pod %s failed (%s)", pod, _describe(exc))
+                self.failing = True
+                continue
+            self.written[pod] = cost
+            self.failing = False

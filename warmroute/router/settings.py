@@ -26,6 +26,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from warmroute.core.admission import AdmissionSettings
+from warmroute.core.demand import DemandSettings
 from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, merge_layers, own_setting
 from warmroute.errors import UsageError
 
@@ -134,7 +135,7 @@ def parse_size(value: Any) -> Any:
     return int(float(m.group(1)) * {"B": 1, "K": KiB, "M": MiB, "G": GiB}[unit])
 
 
-class RouterSettings(BaseSettings, StrategySettings):
+class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=False)
 
     backends: Annotated[list[Backend], NoDecode] = Field(
@@ -164,6 +165,14 @@ class RouterSettings(BaseSettings, StrategySettings):
         description="[NAMESPACE/]NAME of an InferencePool (inference.networking.k8s.io/v1) whose selector and "
                     "targetPorts list the engine pods: ready pods become instances, the others are drained (needs "
                     "kubernetes-asyncio and RBAC: deploy/kubernetes/inference-pool/).")
+    pod_deletion_cost: bool = Field(
+        True, description="With kubernetes_service: keep the annotation controller.kubernetes.io/pod-deletion-cost "
+                          "of the fleet's pods at what each instance's cache is worth (the cached prefill only it "
+                          "holds, weighted by demand), so a ReplicaSet scaling in removes the one worth least (needs "
+                          "RBAC to patch pods: deploy/kubernetes/rbac.yaml).")
+    pod_deletion_cost_interval: float = Field(
+        15.0, ge=0.5, le=3600, description="Seconds between two updates of the pods' deletion costs (a pod is "
+                                           "patched only when its cost changed).")
     admin_token: SecretStr | None = Field(
         None, description="Bearer token of the admin API (/admin/instances: list, add, drain, remove). Unset: "
                           "the admin API does not exist.")
@@ -616,7 +625,10 @@ def setting_names(model: type[BaseModel] | None = None) -> list[str]:
     strategy += [n for m in OWN_SETTINGS.values() for n in m.model_fields]
     if model is StrategySettings:
         return strategy
-    own = [n for n in RouterSettings.model_fields if n not in StrategySettings.model_fields]
+    demand = list(DemandSettings.model_fields)  # next to the other settings for autoscaling
+    own = [n for n in RouterSettings.model_fields if n not in StrategySettings.model_fields and n not in demand]
+    at = own.index("pod_deletion_cost_interval") + 1
+    own = own[:at] + demand + own[at:]
     at = own.index("strategy") + 1
     return own[:at] + strategy + own[at:]
 

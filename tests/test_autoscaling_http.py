@@ -1,0 +1,160 @@
+"""Autoscaling end to end, over real HTTP on loopback: emulated engines whose pods the router finds through a test
+Kubernetes API (tests/kube_api.py). The deletion-cost annotations follow what each instance's cache is worth and a
+ReplicaSet-style scale-in removes the lowest, `GET /admin/scale-in` names it, a pod that joins ramps up (slow
+start) with a hot prefix copied to it first, and /metrics carries the demand signal."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from client_helpers import ask, wait_for
+from kube_api import FakeApi, endpoint, slice_, write_kubeconfig
+from warmroute.core.demand import desired_for
+from warmroute.engine.model import EngineConfig
+from warmroute.engine.server import DEFAULT_MODEL, start_fleet
+from warmroute.router.app import ROUTER
+from warmroute.router.kubernetes import DELETION_COST
+from warmroute.router.server import start_router
+from warmroute.router.settings import load_settings
+
+KV_TOKENS = 400_000
+TOKEN = "scale-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def chat(doc: str, question: int, size: int = 60) -> dict:
+    system = f"Document {doc}. " + "".join(f"Clause {doc}.{i}: term {i * 7}. " for i in range(size))
+    return {"model": DEFAULT_MODEL, "max_tokens": 2,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {question}"}]}
+
+
+class Stack:
+    """Emulated engines, one pod each in the test Kubernetes API (pods vllm-0.., one EndpointSlice per pod, as
+    each engine listens on its own port), and a router discovering them."""
+
+    async def start(self, tmp_path, monkeypatch, count: int, ready: int | None = None, **settings) -> Stack:
+        self.engines = await start_fleet(count, config=EngineConfig.from_profile("8b", kv_capacity_tokens=KV_TOKENS),
+                                         time_scale=0.02)
+        self.api = FakeApi()
+        write_kubeconfig(tmp_path, await self.api.start(), monkeypatch)
+        for i in range(count):
+            self.api.pods[f"vllm-{i}"] = {"name": f"vllm-{i}", "namespace": "llm"}
+        for i in range(ready if ready is not None else count):
+            self.set_pod(i)
+        self.router = await start_router(load_settings({
+            "kubernetes_service": "llm/vllm", "kubernetes_port": "http", "port": 0, "admin_token": TOKEN,
+            "kv_capacity_tokens": KV_TOKENS, "health_interval": 0.2, "engine_metrics": False,
+            "pod_deletion_cost_interval": 0.5, **settings}, env={}))
+        self.url = self.router.url
+        self.fleet = self.router.app[ROUTER].fleet
+        return self
+
+    def set_pod(self, i: int, terminating: bool = False) -> None:
+        port = urlsplit(self.engines.servers[i].url).port
+        sl = slice_(f"vllm-{i}", port, endpoint(f"vllm-{i}", "127.0.0.1", terminating=terminating))
+        if terminating or f"vllm-{i}" in self.api.slices:
+            self.api.change("MODIFIED", sl)
+        else:
+            self.api.change("ADDED", sl)
+
+    def annotation(self, pod: str) -> int | None:
+        value = self.api.pods[pod].get("annotations", {}).get(DELETION_COST)
+        return None if value is None else int(value)
+
+    async def stop(self) -> None:
+        self.api.events.put_nowait(None)
+        await self.router.stop()
+        await self.api.stop()
+        await self.engines.close()
+
+
+async def metric_samples(client: aiohttp.ClientSession, url: str, name: str) -> dict[str, float]:
+    async with client.get(url + "/metrics") as r:
+        text = await r.text()
+    return {s.labels.get("model", ""): s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name}
+
+
+async def test_deletion_costs_follow_cache_value_and_a_scale_in_removes_the_lowest(tmp_path, monkeypatch):
+    stack = await Stack().start(tmp_path, monkeypatch, 3)
+    try:
+        # Six documents, doc k asked k + 1 times, interleaved so none carries a third of the recent requests (a hot
+        # prefix would be copied to more instances, and no longer be any one's alone).
+        asks = [k for round_ in range(6) for k in range(6) if round_ <= k]
+        placed: dict[int, set[str]] = {}
+        async with aiohttp.ClientSession() as client:
+            for q, doc in enumerate(asks):
+                a = await ask(client, stack.url, chat(str(doc), q))
+                placed.setdefault(doc, set()).add(a.instance)
+            assert all(len(v) == 1 for v in placed.values())  # each document stayed where it was first placed
+            # What each instance holds alone, weighted by how often it is asked: the share of requests x tokens.
+            expected = dict.fromkeys(stack.fleet.instances, 0.0)
+            for doc, (name,) in placed.items():
+                expected[name] += (doc + 1) / len(asks)
+            async with client.get(stack.url + "/admin/scale-in") as r:
+                assert r.status == 401
+            async with client.get(stack.url + "/admin/scale-in", headers=AUTH) as r:
+                assert r.status == 200
+                answer = await r.json()
+        values, costs = answer["values"], answer["deletion_costs"]
+        assert sorted(values, key=values.get) == sorted(expected, key=expected.get)
+        assert answer["victim"] == min(expected, key=expected.get)
+        # The pods' annotations follow (written every 0.5 s; a pod is patched only when its cost changes).
+        await wait_for(lambda: all(stack.annotation(p) == costs[p] for p in costs), timeout=10)
+        assert sorted(costs, key=costs.get) == sorted(expected, key=expected.get)
+        for pod in costs:  # written only when it changed, never the same value twice in a row
+            written = [patch["metadata"]["annotations"][DELETION_COST] for p, patch in stack.api.patches if p == pod]
+            assert all(a != b for a, b in zip(written, written[1:])), written
+        # A ReplicaSet scaling in deletes the pod with the lowest deletion cost: it terminates, the router drains it.
+        lowest = min(stack.api.pods, key=stack.annotation)
+        assert lowest == answer["victim"]
+        stack.set_pod(int(lowest.rsplit("-", 1)[1]), terminating=True)
+        await wait_for(lambda: lowest not in stack.fleet.instances, timeout=10)
+    finally:
+        await stack.stop()
+
+
+async def test_a_joining_pod_ramps_up_with_the_hot_prefix_first(tmp_path, monkeypatch):
+    """A window far longer than the test keeps the new pod near its first-second weight (10%) throughout, so
+    what it receives does not depend on how fast this machine sends."""
+    stack = await Stack().start(tmp_path, monkeypatch, 4, ready=3, slow_start_window=600)
+    try:
+        async with aiohttp.ClientSession() as client:
+            for q in range(30):  # a hot system prompt on half the requests, cold documents on the rest
+                await ask(client, stack.url, chat("hot", q))
+                await ask(client, stack.url, chat(f"cold-{q}", q))
+            stack.set_pod(3)
+            await wait_for(lambda: "vllm-3" in stack.fleet.instances and stack.fleet.instances["vllm-3"].healthy,
+                           timeout=10)
+            assert "vllm-3" in stack.fleet.ramps
+            first = await ask(client, stack.url, chat("hot", 99))
+            assert (first.instance, first.reason) == ("vllm-3", "slow_start")  # the hot prefix is copied there
+            later = [(await ask(client, stack.url, chat(f"new-{q}", q))).instance for q in range(40)]
+            decisions = await metric_samples(client, stack.url, "warmroute_decisions_total")
+        # Its full share would be a quarter of the cold requests; ramping, it takes a few, not none.
+        assert 1 <= later.count("vllm-3") <= 8, later
+        assert decisions  # the decisions counter is exported
+    finally:
+        await stack.stop()
+
+
+async def test_the_demand_signal_is_on_metrics(tmp_path, monkeypatch):
+    stack = await Stack().start(tmp_path, monkeypatch, 2, scale_target=0.05, max_instances=50)
+    settings = stack.router.app[ROUTER].settings
+    try:
+        async with aiohttp.ClientSession() as client:
+            await wait_for(lambda: all(i.models for i in stack.fleet.instances.values()), timeout=10)
+            idle_ratio = await metric_samples(client, stack.url, "warmroute_fleet_demand_ratio")
+            idle_desired = await metric_samples(client, stack.url, "warmroute_desired_instances")
+            assert idle_ratio == {DEFAULT_MODEL: 0.0} and idle_desired == {DEFAULT_MODEL: 1.0}  # min_instances
+            for q in range(20):
+                await ask(client, stack.url, chat(f"doc-{q}", q, size=200))
+            ratio = (await metric_samples(client, stack.url, "warmroute_fleet_demand_ratio"))[DEFAULT_MODEL]
+            desired = (await metric_samples(client, stack.url, "warmroute_desired_instances"))[DEFAULT_MODEL]
+        assert ratio > 0.0
+        assert desired == desired_for(2, ratio, settings) and desired > 2  # a 5% target: more instances wanted
+    finally:
+        await stack.stop()
