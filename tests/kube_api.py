@@ -1,12 +1,22 @@
 """A test Kubernetes API (an aiohttp app on loopback): the EndpointSlices of one Service, listed and watched, and
-its pods' metadata, patched (JSON merge patch) as the router keeps their deletion costs."""
+its pods' metadata, patched (JSON merge patch) as the router keeps their deletion costs; and `Stack`, emulated
+engines as that Service's pods behind a router that discovers them (tests, benchmarks/autoscale_http.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+from urllib.parse import urlsplit
 
 from aiohttp import web
+
+from warmroute.engine.model import EngineConfig
+from warmroute.engine.server import start_fleet
+from warmroute.router.app import ROUTER
+from warmroute.router.kubernetes import DELETION_COST
+from warmroute.router.server import start_router
+from warmroute.router.settings import load_settings
 
 PATH = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
 
@@ -98,13 +108,61 @@ class FakeApi:
         await self.runner.cleanup()
 
 
-def write_kubeconfig(tmp_path, api_url: str, monkeypatch) -> None:
-    """Point kubernetes-asyncio at the test API (namespace llm), as it would read a user's kubeconfig."""
+def write_kubeconfig(tmp_path, api_url: str, monkeypatch=None) -> None:
+    """Point kubernetes-asyncio at the test API (namespace llm), as it would read a user's kubeconfig (the
+    variables set through pytest's `monkeypatch`, else for the rest of the process)."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "fake",
         "clusters": [{"name": "fake", "cluster": {"server": api_url}}],
         "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "llm"}}],
         "users": [{"name": "u", "user": {"token": "t"}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    if monkeypatch is None:
+        os.environ["KUBECONFIG"] = str(kubeconfig)
+        os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+    else:
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+
+class Stack:
+    """Emulated engines, one pod each in the test Kubernetes API (pods vllm-0.., one EndpointSlice per pod, as
+    each engine listens on its own port), and a router (admin token TOKEN) discovering them."""
+
+    TOKEN = "scale-token"
+
+    async def start(self, tmp_path, monkeypatch, count: int, ready: int | None = None, time_scale: float = 0.02,
+                    kv_tokens: int = 400_000, **settings) -> Stack:
+        self.engines = await start_fleet(count, config=EngineConfig.from_profile("8b", kv_capacity_tokens=kv_tokens),
+                                         time_scale=time_scale)
+        self.api = FakeApi()
+        write_kubeconfig(tmp_path, await self.api.start(), monkeypatch)
+        for i in range(count):
+            self.api.pods[f"vllm-{i}"] = {"name": f"vllm-{i}", "namespace": "llm"}
+        for i in range(ready if ready is not None else count):
+            self.set_pod(i)
+        self.router = await start_router(load_settings({
+            "kubernetes_service": "llm/vllm", "kubernetes_port": "http", "port": 0, "admin_token": self.TOKEN,
+            "kv_capacity_tokens": kv_tokens, "health_interval": 0.2, "engine_metrics": False,
+            "pod_deletion_cost_interval": 0.5, **settings}, env={}))
+        self.url = self.router.url
+        self.fleet = self.router.app[ROUTER].fleet
+        return self
+
+    def set_pod(self, i: int, terminating: bool = False) -> None:
+        port = urlsplit(self.engines.servers[i].url).port
+        sl = slice_(f"vllm-{i}", port, endpoint(f"vllm-{i}", "127.0.0.1", terminating=terminating))
+        if terminating or f"vllm-{i}" in self.api.slices:
+            self.api.change("MODIFIED", sl)
+        else:
+            self.api.change("ADDED", sl)
+
+    def annotation(self, pod: str) -> int | None:
+        value = self.api.pods[pod].get("annotations", {}).get(DELETION_COST)
+        return None if value is None else int(value)
+
+    async def stop(self) -> None:
+        self.api.events.put_nowait(None)
+        await self.router.stop()
+        await self.api.stop()
+        await self.engines.close()

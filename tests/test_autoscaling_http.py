@@ -5,24 +5,17 @@ start) with a hot prefix copied to it first, and /metrics carries the demand sig
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from client_helpers import ask, wait_for
-from kube_api import FakeApi, endpoint, slice_, write_kubeconfig
+from kube_api import Stack
 from warmroute.core.demand import desired_for
-from warmroute.engine.model import EngineConfig
-from warmroute.engine.server import DEFAULT_MODEL, start_fleet
+from warmroute.engine.server import DEFAULT_MODEL
 from warmroute.router.app import ROUTER
 from warmroute.router.kubernetes import DELETION_COST
-from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
 
-KV_TOKENS = 400_000
-TOKEN = "scale-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {Stack.TOKEN}"}
 
 
 def chat(doc: str, question: int, size: int = 60) -> dict:
@@ -31,51 +24,20 @@ def chat(doc: str, question: int, size: int = 60) -> dict:
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {question}"}]}
 
 
-class Stack:
-    """Emulated engines, one pod each in the test Kubernetes API (pods vllm-0.., one EndpointSlice per pod, as
-    each engine listens on its own port), and a router discovering them."""
-
-    async def start(self, tmp_path, monkeypatch, count: int, ready: int | None = None, **settings) -> Stack:
-        self.engines = await start_fleet(count, config=EngineConfig.from_profile("8b", kv_capacity_tokens=KV_TOKENS),
-                                         time_scale=0.02)
-        self.api = FakeApi()
-        write_kubeconfig(tmp_path, await self.api.start(), monkeypatch)
-        for i in range(count):
-            self.api.pods[f"vllm-{i}"] = {"name": f"vllm-{i}", "namespace": "llm"}
-        for i in range(ready if ready is not None else count):
-            self.set_pod(i)
-        self.router = await start_router(load_settings({
-            "kubernetes_service": "llm/vllm", "kubernetes_port": "http", "port": 0, "admin_token": TOKEN,
-            "kv_capacity_tokens": KV_TOKENS, "health_interval": 0.2, "engine_metrics": False,
-            "pod_deletion_cost_interval": 0.5, **settings}, env={}))
-        self.url = self.router.url
-        self.fleet = self.router.app[ROUTER].fleet
-        return self
-
-    def set_pod(self, i: int, terminating: bool = False) -> None:
-        port = urlsplit(self.engines.servers[i].url).port
-        sl = slice_(f"vllm-{i}", port, endpoint(f"vllm-{i}", "127.0.0.1", terminating=terminating))
-        if terminating or f"vllm-{i}" in self.api.slices:
-            self.api.change("MODIFIED", sl)
-        else:
-            self.api.change("ADDED", sl)
-
-    def annotation(self, pod: str) -> int | None:
-        value = self.api.pods[pod].get("annotations", {}).get(DELETION_COST)
-        return None if value is None else int(value)
-
-    async def stop(self) -> None:
-        self.api.events.put_nowait(None)
-        await self.router.stop()
-        await self.api.stop()
-        await self.engines.close()
-
-
-async def metric_samples(client: aiohttp.ClientSession, url: str, name: str) -> dict[str, float]:
+async def scrape(client: aiohttp.ClientSession, url: str) -> dict[str, dict[str, float]]:
+    """One /metrics scrape: series name -> model label (or "") -> value."""
     async with client.get(url + "/metrics") as r:
         text = await r.text()
-    return {s.labels.get("model", ""): s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == name}
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[s.labels.get("model", "")] = s.value
+    return out
+
+
+def ordered_alike(got: dict[str, float], expected: dict[str, float]) -> bool:
+    """Every pair that `expected` tells apart (by more than rounding), `got` orders the same way."""
+    return all(got[a] < got[b] for a in expected for b in expected if expected[a] < expected[b] - 1e-9)
 
 
 async def test_deletion_costs_follow_cache_value_and_a_scale_in_removes_the_lowest(tmp_path, monkeypatch):
@@ -100,17 +62,16 @@ async def test_deletion_costs_follow_cache_value_and_a_scale_in_removes_the_lowe
                 assert r.status == 200
                 answer = await r.json()
         values, costs = answer["values"], answer["deletion_costs"]
-        assert sorted(values, key=values.get) == sorted(expected, key=expected.get)
-        assert answer["victim"] == min(expected, key=expected.get)
+        assert ordered_alike(values, expected) and ordered_alike(costs, expected)
+        assert expected[answer["victim"]] == min(expected.values())
         # The pods' annotations follow (written every 0.5 s; a pod is patched only when its cost changes).
         await wait_for(lambda: all(stack.annotation(p) == costs[p] for p in costs), timeout=10)
-        assert sorted(costs, key=costs.get) == sorted(expected, key=expected.get)
         for pod in costs:  # written only when it changed, never the same value twice in a row
             written = [patch["metadata"]["annotations"][DELETION_COST] for p, patch in stack.api.patches if p == pod]
             assert all(a != b for a, b in zip(written, written[1:])), written
         # A ReplicaSet scaling in deletes the pod with the lowest deletion cost: it terminates, the router drains it.
-        lowest = min(stack.api.pods, key=stack.annotation)
-        assert lowest == answer["victim"]
+        lowest = answer["victim"]
+        assert stack.annotation(lowest) == min(stack.annotation(p) for p in stack.api.pods)
         stack.set_pod(int(lowest.rsplit("-", 1)[1]), terminating=True)
         await wait_for(lambda: lowest not in stack.fleet.instances, timeout=10)
     finally:
@@ -133,7 +94,7 @@ async def test_a_joining_pod_ramps_up_with_the_hot_prefix_first(tmp_path, monkey
             first = await ask(client, stack.url, chat("hot", 99))
             assert (first.instance, first.reason) == ("vllm-3", "slow_start")  # the hot prefix is copied there
             later = [(await ask(client, stack.url, chat(f"new-{q}", q))).instance for q in range(40)]
-            decisions = await metric_samples(client, stack.url, "warmroute_decisions_total")
+            decisions = (await scrape(client, stack.url))["warmroute_decisions_total"]
         # Its full share would be a quarter of the cold requests; ramping, it takes a few, not none.
         assert 1 <= later.count("vllm-3") <= 8, later
         assert decisions  # the decisions counter is exported
@@ -147,13 +108,14 @@ async def test_the_demand_signal_is_on_metrics(tmp_path, monkeypatch):
     try:
         async with aiohttp.ClientSession() as client:
             await wait_for(lambda: all(i.models for i in stack.fleet.instances.values()), timeout=10)
-            idle_ratio = await metric_samples(client, stack.url, "warmroute_fleet_demand_ratio")
-            idle_desired = await metric_samples(client, stack.url, "warmroute_desired_instances")
-            assert idle_ratio == {DEFAULT_MODEL: 0.0} and idle_desired == {DEFAULT_MODEL: 1.0}  # min_instances
+            idle = await scrape(client, stack.url)
+            assert idle["warmroute_fleet_demand_ratio"] == {DEFAULT_MODEL: 0.0}
+            assert idle["warmroute_desired_instances"] == {DEFAULT_MODEL: 1.0}  # min_instances
             for q in range(20):
                 await ask(client, stack.url, chat(f"doc-{q}", q, size=200))
-            ratio = (await metric_samples(client, stack.url, "warmroute_fleet_demand_ratio"))[DEFAULT_MODEL]
-            desired = (await metric_samples(client, stack.url, "warmroute_desired_instances"))[DEFAULT_MODEL]
+            busy = await scrape(client, stack.url)
+        ratio = busy["warmroute_fleet_demand_ratio"][DEFAULT_MODEL]
+        desired = busy["warmroute_desired_instances"][DEFAULT_MODEL]
         assert ratio > 0.0
         assert desired == desired_for(2, ratio, settings) and desired > 2  # a 5% target: more instances wanted
     finally:
