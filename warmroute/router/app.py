@@ -319,18 +319,20 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
 
         k8s = KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port)
         await k8s.start()
-    costs = None  # the pods' deletion costs, following what their caches are worth
-    if k8s is not None and settings.pod_deletion_cost:
-        from warmroute.router.kubernetes import PodDeletionCost
-
-        costs = PodDeletionCost(k8s, app[SIGNALS].deletion_costs, settings.pod_deletion_cost_interval)
-        await costs.start()
     inference_pool = None
     if settings.inference_pool:
         from warmroute.router.inference_pool import InferencePoolDiscovery
 
         inference_pool = InferencePoolDiscovery(app[MEMBERSHIP], settings.inference_pool)
         await inference_pool.start()
+    costs = []  # the pods' deletion costs, following what their caches are worth
+    if settings.pod_deletion_cost:
+        from warmroute.router.kubernetes import PodDeletionCost
+
+        costs = [PodDeletionCost(source, app[SIGNALS].deletion_costs, settings.pod_deletion_cost_interval)
+                 for source in (k8s, inference_pool) if source is not None]
+        for c in costs:
+            await c.start()
     shared: SharedIndex | WorkerLinks | None = None  # index updates to and from the other replicas / workers
     if settings.redis_url is not None:
         shared = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, app[ROUTER].fleet)
@@ -359,8 +361,8 @@ async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
     await app[DISCOVERY].stop()
     if kv_events is not None:
         await kv_events.stop()
-    if costs is not None:
-        await costs.stop()
+    for c in costs:
+        await c.stop()
     if k8s is not None:
         await k8s.stop()
     if inference_pool is not None:

@@ -24,7 +24,7 @@ import os
 import re
 from pathlib import Path
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from warmroute.router.discovery import Membership, with_host
 from warmroute.router.settings import Backend
@@ -131,6 +131,10 @@ class KubernetesDiscovery(Watcher):
     def _apply(self) -> None:
         self.membership.reconcile(SOURCE, instances_of(self.slices, self.service, self.port))
 
+    def instance_pods(self) -> dict[str, str]:
+        """Instance name -> its pod's name (PodDeletionCost)."""
+        return pods_of(self.slices, self.service, self.port)
+
     async def _run(self) -> None:
         from kubernetes_asyncio import client
 
@@ -212,13 +216,21 @@ def _describe(exc: Exception) -> str:
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
 
+class PodSource(Protocol):
+    """A discovery that knows its instances' pods (KubernetesDiscovery, InferencePoolDiscovery)."""
+
+    namespace: str
+
+    def instance_pods(self) -> dict[str, str]: ...
+
+
 class PodDeletionCost:
     """Keeps the deletion-cost annotation of the fleet's pods at what each one's cache is worth (`costs`: instance
     name -> int, router/autoscaling.py), so a ReplicaSet scaling in deletes the pod whose cache is worth least:
     every `interval` seconds, a merge patch for each pod whose cost changed since it was last written. Needs RBAC
-    to patch pods (deploy/kubernetes/rbac.yaml)."""
+    to patch pods (deploy/kubernetes/rbac.yaml, deploy/kubernetes/inference-pool/rbac.yaml)."""
 
-    def __init__(self, discovery: KubernetesDiscovery, costs: Callable[[], dict[str, int]], interval: float) -> None:
+    def __init__(self, discovery: PodSource, costs: Callable[[], dict[str, int]], interval: float) -> None:
         self.discovery, self.costs, self.interval = discovery, costs, interval
         self.written: dict[str, int] = {}  # pod -> the cost last written
         self.failing = False  # warned about a failed patch (once until one succeeds)
@@ -241,9 +253,8 @@ class PodDeletionCost:
 
     def wanted(self) -> dict[str, int]:
         """Pod -> its deletion cost now (a pod with several addresses: its most valuable instance's)."""
-        d = self.discovery
         costs, out = self.costs(), {}
-        for name, pod in pods_of(d.slices, d.service, d.port).items():
+        for name, pod in self.discovery.instance_pods().items():
             if name in costs:
                 out[pod] = max(out.get(pod, 0), costs[name])
         return out

@@ -166,10 +166,11 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
                     "targetPorts list the engine pods: ready pods become instances, the others are drained (needs "
                     "kubernetes-asyncio and RBAC: deploy/kubernetes/inference-pool/).")
     pod_deletion_cost: bool = Field(
-        True, description="With kubernetes_service: keep the annotation controller.kubernetes.io/pod-deletion-cost "
-                          "of the fleet's pods at what each instance's cache is worth (the cached prefill only it "
-                          "holds, weighted by demand), so a ReplicaSet scaling in removes the one worth least (needs "
-                          "RBAC to patch pods: deploy/kubernetes/rbac.yaml).")
+        True, description="With kubernetes_service or inference_pool: keep the annotation "
+                          "controller.kubernetes.io/pod-deletion-cost of the fleet's pods at what each instance's "
+                          "cache is worth (the cached prefill only it holds, weighted by demand), so a ReplicaSet "
+                          "scaling in removes the one worth least (needs RBAC to patch pods: "
+                          "deploy/kubernetes/rbac.yaml, deploy/kubernetes/inference-pool/rbac.yaml).")
     pod_deletion_cost_interval: float = Field(
         15.0, ge=0.5, le=3600, description="Seconds between two updates of the pods' deletion costs (a pod is "
                                            "patched only when its cost changed).")
