@@ -214,6 +214,20 @@ def _describe(exc: Exception) -> str:
 
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+REWRITE_CHANGE = 0.05  # a pod's cost is written again once it moved by more than this share (or the order changed)
+
+
+def costs_to_write(written: dict[str, int], wanted: dict[str, int]) -> dict[str, int]:
+    """The pods whose annotation to (re)write: new ones, and those whose cost moved by more than REWRITE_CHANGE;
+    every changed one when the order of the written costs is no longer the order of the wanted ones (the order is
+    what a ReplicaSet reads). Costs move with every request: this keeps the writes to the API server few."""
+    def order(costs: dict[str, int]) -> list[str]:
+        return sorted(wanted, key=lambda p: (costs.get(p, -1), p))
+
+    if order(written) != order(wanted):
+        return {p: c for p, c in wanted.items() if written.get(p) != c}
+    return {p: c for p, c in wanted.items()
+            if p not in written or abs(c - written[p]) > REWRITE_CHANGE * max(written[p], 1)}
 
 
 class PodSource(Protocol):
@@ -227,7 +241,8 @@ class PodSource(Protocol):
 class PodDeletionCost:
     """Keeps the deletion-cost annotation of the fleet's pods at what each one's cache is worth (`costs`: instance
     name -> int, router/autoscaling.py), so a ReplicaSet scaling in deletes the pod whose cache is worth least:
-    every `interval` seconds, a merge patch for each pod whose cost changed since it was last written. Needs RBAC
+    every `interval` seconds, a merge patch for each pod whose cost changed enough since it was last written
+    (costs_to_write). Needs RBAC
     to patch pods (deploy/kubernetes/rbac.yaml, deploy/kubernetes/inference-pool/rbac.yaml)."""
 
     def __init__(self, discovery: PodSource, costs: Callable[[], dict[str, int]], interval: float) -> None:
@@ -262,9 +277,7 @@ class PodDeletionCost:
     async def update(self, v1: Any) -> None:
         wanted = self.wanted()
         self.written = {p: c for p, c in self.written.items() if p in wanted}  # pods gone: forgotten
-        for pod, cost in wanted.items():
-            if self.written.get(pod) == cost:
-                continue
+        for pod, cost in costs_to_write(self.written, wanted).items():
             body = {"metadata": {"annotations": {DELETION_COST: str(cost)}}}
             try:
                 resp = await v1.patch_namespaced_pod(pod, self.discovery.namespace, body, _preload_content=False,
