@@ -153,15 +153,17 @@ async def test_bench_counts_errors_by_kind(aiohttp_server):
 
 
 async def test_trace_replay_follows_timestamps_and_ends_with_the_trace(aiohttp_server, tmp_path):
-    lines = [{"timestamp": t, "input_length": 100, "output_length": 2, "hash_ids": [0]} for t in (0, 200, 400)]
+    lines = [{"timestamp": t, "input_length": 100, "output_length": 2, "hash_ids": [0]} for t in (0, 1000, 2000)]
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     server = await aiohttp_server(FakeEngine().app())
     url = str(server.make_url("")).rstrip("/")
     result = await run_bench(url, make_workload("trace", path=str(tmp_path / "t.jsonl")),
                              BenchSettings(duration_s=10, warmup_s=0, speedup=2.0))
     starts = sorted(r.start_s for r in result.records)
-    assert len(starts) == 3 and starts[1] == pytest.approx(0.1, abs=0.03) and starts[2] == pytest.approx(0.2, abs=0.03)
-    assert result.duration_s < 1 and result.mode == "trace time x2"
+    # Each request leaves at its timestamp / 2, never earlier (a closed loop would send all three at once); a busy
+    # machine may make one late, so lateness is only bounded loosely.
+    assert len(starts) == 3 and starts[1] >= 0.5 - 0.01 and starts[2] >= 1.0 - 0.01 and starts[2] < 5
+    assert result.duration_s < 8 and result.mode == "trace time x2"  # it ended with the trace, not at 10 s
 
 
 # -- command line ----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from client_helpers import wait_for
-from warmroute.router.app import DISCOVERY, METRICS, ROUTER
+from warmroute.router.app import DISCOVERY, METRICS, PROXY, ROUTER
 from warmroute.router.discovery import read_backends_file, with_host
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -317,7 +317,7 @@ async def test_dns_names_become_one_instance_per_address_and_follow_changes():
     server = TestServer(build_app(settings, resolver=resolver), host="127.0.0.1")
     await server.start_server()
     app = server.app
-    fleet, urls = app[ROUTER].fleet, app[DISCOVERY].membership.urls
+    fleet, urls = app[ROUTER].fleet, app[PROXY].urls  # where the proxy sends each instance's requests
     try:
         assert urls == {"pool": f"http://127.0.0.1:{first.port}"} and fleet.instances["pool"].healthy
         answers["engines.test"] = ["127.0.0.1", "127.0.0.2"]

@@ -13,7 +13,7 @@ from warmroute.core.routing_key import key_for_json
 from warmroute.core.strategies import StrategySettings, make_strategy
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
-from warmroute.router.app import PROXY, ROUTER, SCRAPER
+from warmroute.router.app import ROUTER, SCRAPER, UPSTREAMS
 from warmroute.router.engine_metrics import EngineSignals, MalformedMetrics, parse_engine_metrics
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -209,7 +209,7 @@ async def test_scraper_reads_an_emulated_engine_and_counts_broken_ones(caplog):
             assert f'warmroute_engine_scrape_errors_total{{backend="{instance}",kind="{kind}"}} 1.0' in text
         assert 'backend="e0"' not in text.split("warmroute_engine_scrape_errors_total")[-1]
         # What the router assumes is said once per instance: the capacity learnt, or that none was found.
-        await router.app[SCRAPER].scrape_all(router.app[PROXY].session)
+        await router.app[SCRAPER].scrape_all(router.app[UPSTREAMS].session)
         said = [r.getMessage() for r in caplog.records if "KV capacity" in r.getMessage()]
         assert said.count("instance e0: KV capacity 48,000 tokens, from its /metrics") == 1
         missing = [m for m in said if m.startswith("instance nocap: no KV capacity")]

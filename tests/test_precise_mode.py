@@ -18,8 +18,7 @@ from client_helpers import StubEngine, wait_for
 from tokenizer_helpers import write_model_dir
 from warmroute.engine.kv_events import KvEventPublisher
 from warmroute.errors import UsageError
-from warmroute.router.admin import MEMBERSHIP
-from warmroute.router.app import CATALOG, ROUTER
+from warmroute.router.app import CATALOG, KV_EVENTS, ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
 
@@ -184,7 +183,7 @@ async def test_subscribers_follow_membership(model_dir):
         "admin_token": "t0ken", "port": 0, "kv_events": True, "tokenizer": str(model_dir), "kv_events_port": 0,
         "health_interval": 3600, "engine_metrics": False, "models_interval": 0}, env={}))
     headers = {"Authorization": "Bearer t0ken"}
-    sources = router.app[MEMBERSHIP].kv_events
+    sources = router.app[KV_EVENTS]
     try:
         async with aiohttp.ClientSession() as client:
             async with client.post(router.url + "/admin/instances", json=inst.backend(stub), headers=headers) as r:

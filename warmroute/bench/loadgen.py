@@ -176,8 +176,10 @@ class _Run:
         self.exhausted = True
 
     async def _trace_time(self, sessions: Iterator[Session]) -> None:
+        start = None  # the trace's clock starts with its first request, once it is built (reading a trace takes time)
         for session in sessions:
-            if not await self._sleep_until((session.arrival_s or 0.0) / self.s.speedup):
+            start = self.now() if start is None else start
+            if not await self._sleep_until(start + (session.arrival_s or 0.0) / self.s.speedup):
                 return
             self._spawn(session)
         self.exhausted = True

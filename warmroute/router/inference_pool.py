@@ -71,6 +71,8 @@ def _pod_instances(pods: dict[str, dict], ports: tuple[int, ...]) -> Iterator[tu
 
 
 class InferencePoolDiscovery(Watcher):
+    name = "inference-pool"
+
     def __init__(self, membership: Membership, pool: str) -> None:
         super().__init__()
         self.membership = membership

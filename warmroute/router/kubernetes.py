@@ -26,6 +26,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from warmroute.router.components import Periodic
 from warmroute.router.discovery import Membership, with_host
 from warmroute.router.settings import Backend
 from warmroute.router.background import cancel_all
@@ -88,8 +89,8 @@ def _port_of(ports: list[dict], wanted: str | None) -> int | None:
 
 
 class Watcher:
-    """A background watch of the Kubernetes API that feeds the fleet; `start` waits (a little) for its first
-    listing, so the router knows its instances before it serves."""
+    """A component: a background watch of the Kubernetes API that feeds the fleet; `start` waits (a little) for
+    its first listing, so the router knows its instances before it serves."""
 
     what = "the Kubernetes API"
 
@@ -119,6 +120,8 @@ class Watcher:
 
 
 class KubernetesDiscovery(Watcher):
+    name = "kubernetes"
+
     def __init__(self, membership: Membership, service: str, port: str | None) -> None:
         super().__init__()
         self.membership = membership
@@ -238,33 +241,38 @@ class PodSource(Protocol):
     def instance_pods(self) -> dict[str, str]: ...
 
 
-class PodDeletionCost:
-    """Keeps the deletion-cost annotation of the fleet's pods at what each one's cache is worth (`costs`: instance
-    name -> int, router/autoscaling.py), so a ReplicaSet scaling in deletes the pod whose cache is worth least:
-    every `interval` seconds, a merge patch for each pod whose cost changed enough since it was last written
-    (costs_to_write). Needs RBAC
+class PodDeletionCost(Periodic):
+    """A component keeping the deletion-cost annotation of the fleet's pods at what each one's cache is worth
+    (`costs`: instance name -> int, router/autoscaling.py), so a ReplicaSet scaling in deletes the pod whose cache
+    is worth least: every `interval` seconds, a merge patch for each pod whose cost changed enough since it was
+    last written (costs_to_write). Starts after its discovery (which loads the API's configuration). Needs RBAC
     to patch pods (deploy/kubernetes/rbac.yaml, deploy/kubernetes/inference-pool/rbac.yaml)."""
 
+    name = "pod-deletion-cost"
+    round_at_start = False  # nothing is worth anything before the first request
+
     def __init__(self, discovery: PodSource, costs: Callable[[], dict[str, int]], interval: float) -> None:
-        self.discovery, self.costs, self.interval = discovery, costs, interval
+        super().__init__(interval)
+        self.discovery, self.costs = discovery, costs
         self.written: dict[str, int] = {}  # pod -> the cost last written
         self.failing = False  # warned about a failed patch (once until one succeeds)
-        self._task: asyncio.Task | None = None
+        self._api: Any = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="warmroute-pod-deletion-cost")
-
-    async def stop(self) -> None:
-        await cancel_all([self._task])
-
-    async def _run(self) -> None:
         from kubernetes_asyncio import client
 
-        async with client.ApiClient() as api:
-            v1 = client.CoreV1Api(api)
-            while True:
-                await self.update(v1)
-                await asyncio.sleep(self.interval)
+        self._api = client.ApiClient()
+        await super().start()
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._api is not None:
+            await self._api.close()
+
+    async def round(self) -> None:
+        from kubernetes_asyncio import client
+
+        await self.update(client.CoreV1Api(self._api))
 
     def wanted(self) -> dict[str, int]:
         """Pod -> its deletion cost now (a pod with several addresses: its most valuable instance's)."""
