@@ -67,6 +67,8 @@ def test_settings_are_validated():
         DemandSettings(scale_target=0.0)
     with pytest.raises(ValidationError):
         DemandSettings(min_instances=0)
+    with pytest.raises(ValidationError, match="above max_instances"):
+        DemandSettings(min_instances=5, max_instances=4)
 
 
 def test_prefill_rate_learns_the_rate_and_forgets_the_prior():
@@ -114,7 +116,7 @@ def test_demand_meter_reads_the_fleet_books():
     d = meter.instance_demand(inst, 60.0, max_inflight=32, waiting=2, waiting_tokens=600)
     assert d.uncached_tokens_per_s == pytest.approx(1000, rel=0.1)
     assert d.prefill_tokens_per_s == pytest.approx(2000, rel=0.05)
-    assert d.backlog_tokens == 3600 and d.inflight == 3 and d.kv_demand_tokens == 5000
+    assert d.backlog_tokens == 600 and d.inflight == 3 and d.kv_demand_tokens == 5000
     meter.forget("a")
     assert "a" not in meter.routed
 

@@ -2,8 +2,9 @@
 
 An LLM engine's GPU is "busy" whenever one sequence decodes, so busy time says little about how much more it
 can take; what bounds time to first token is prefill work. The demand signal therefore measures, per instance:
-  * prefill: uncached prompt tokens routed to it per second (plus its backlog drained over a horizon) against
-    the prefill rate it has shown (`PrefillRate`, learnt from time to first token);
+  * prefill: uncached prompt tokens routed to it per second (plus those waiting for it in the router's queue,
+    drained over a horizon) against the prefill rate it has shown (`PrefillRate`, learnt from time to first
+    token);
   * decode: requests in flight (and waiting for it in the router) against the concurrency it is allowed;
   * KV: the KV cache its in-flight requests need against its capacity.
 The fleet's utilisation of a dimension is its summed demand over its summed capacity; the demand ratio is the
@@ -19,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from warmroute.core.fleet import Instance
 
@@ -42,8 +43,20 @@ class DemandSettings(BaseModel):
     max_instances: int = Field(64, ge=1, le=10_000, description="Most instances the autoscaler asks for.")
     backlog_horizon_s: float = Field(
         30.0, gt=0.0, le=3600.0,
-        description="Seconds over which prefill already queued counts as demand (backlog / horizon is added to "
-                    "the routed rate), so a fleet that has fallen behind asks for more than its arrival rate.")
+        description="Seconds over which the prefill of requests waiting in the router's queue counts as demand "
+                    "(backlog / horizon is added to the routed rate), so a fleet that has fallen behind asks for "
+                    "more than the rate it managed to take.")
+
+    demand_window_s: float = Field(
+        60.0, gt=0.0, le=3600.0,
+        description="Seconds over which the tokens routed to each instance are averaged into a rate (an "
+                    "exponential average): long enough that one long prompt is not a surge.")
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> DemandSettings:
+        if self.min_instances > self.max_instances:
+            raise ValueError(f"min_instances ({self.min_instances}) is above max_instances ({self.max_instances})")
+        return self
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,9 @@ class InstanceDemand:
 
     uncached_tokens_per_s: float  # prompt tokens routed to it that it did not have cached, per second
     prefill_tokens_per_s: float  # what it prefills per second (PrefillRate.value)
-    backlog_tokens: float = 0.0  # uncached prompt tokens queued for it (in the engine or the router), not done
+    # Uncached prompt tokens waiting for it in the router's queue: not routed yet, so not in the rate above.
+    # (What an engine has queued was counted in the rate when it was routed: not counted twice.)
+    backlog_tokens: float = 0.0
     inflight: float = 0.0  # requests in flight there, plus those waiting for it in the router
     max_inflight: float = 0.0  # the concurrency it is allowed (0: no decode dimension)
     kv_demand_tokens: float = 0.0  # KV cache its in-flight requests need
@@ -198,7 +213,7 @@ class DemandMeter:
         routed, prefill = self._meters(inst, now)
         return InstanceDemand(
             uncached_tokens_per_s=routed.rate(now), prefill_tokens_per_s=prefill.value,
-            backlog_tokens=inst.queued_prefill_tokens + waiting_tokens, inflight=inst.inflight + waiting,
+            backlog_tokens=waiting_tokens, inflight=inst.inflight + waiting,
             max_inflight=max_inflight, kv_demand_tokens=inst.inflight_prompt_tokens,
             kv_capacity_tokens=inst.kv_capacity_tokens)
 

@@ -655,27 +655,38 @@ def env_of(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def add_setting_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RouterSettings) -> None:
-    """One flag per setting (of `model`: RouterSettings, or StrategySettings for the simulator); values stay
-    strings so the model validates them like env and file values."""
-    for name in setting_names(model):
-        field = field_of(name)
+def _fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """Each setting's field by its plain name: the router's and strategies' (nested ones flat), or any other
+    model's own fields (the simulator's autoscaler)."""
+    if model is RouterSettings or model is StrategySettings:
+        return {name: field_of(name) for name in setting_names(model)}
+    return dict(model.model_fields)
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RouterSettings,
+                          aliases: Mapping[str, str] | None = None) -> None:
+    """One flag per setting (of `model`: RouterSettings, StrategySettings or another settings model for the
+    simulator); values stay strings so the model validates them like env and file values. `aliases`: a shorter
+    second flag for some settings (name -> flag)."""
+    aliases = aliases or {}
+    for name, field in _fields(model).items():
         env = f"{env_of(name)}; " if model is RouterSettings else ""  # the simulator reads no environment
-        help_text = f"{field.description} [{env}default {_default_text(name)}]"
+        help_text = f"{field.description} [{env}default {_default_text(name, field)}]"
+        flags = [flag_of(name), *([aliases[name]] if name in aliases else [])]
         if field.annotation is bool:
-            parser.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         elif name == "backends":
             parser.add_argument("--backend", dest=name, action="append", metavar="[NAME=]URL",
                                 default=argparse.SUPPRESS, help=help_text)
         else:
             metavar = {int: "N", float: "X"}.get(field.annotation, "VALUE")
-            parser.add_argument(flag_of(name), dest=name, metavar=metavar,
+            parser.add_argument(*flags, dest=name, metavar=metavar,
                                 default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
 
 
 def cli_values(args: argparse.Namespace, model: type[BaseModel] = RouterSettings) -> dict[str, Any]:
-    names = set(setting_names(model))
+    names = set(_fields(model))
     return {k: v for k, v in vars(args).items() if k in names}
 
 
@@ -688,8 +699,8 @@ def strategy_settings_from(args: argparse.Namespace) -> StrategySettings:
         raise UsageError(describe_errors(exc)) from None
 
 
-def _default_text(name: str) -> str:
-    field = field_of(name)
+def _default_text(name: str, field: FieldInfo | None = None) -> str:
+    field = field or field_of(name)
     if name == "backends":
         return "none (required)"
     value = field.get_default(call_default_factory=True)
