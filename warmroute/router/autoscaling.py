@@ -40,7 +40,7 @@ class FleetSignals:
     def __init__(self, fleet: Fleet, admission: Admission, demand: DemandSettings, max_inflight: int) -> None:
         self.fleet, self.admission, self.demand = fleet, admission, demand
         self.max_inflight = max_inflight  # per instance: the concurrency threshold
-        self.meter = DemandMeter()
+        self.meter = DemandMeter(demand.demand_window_s)
         self.cache = CacheValue()
 
     # -- events (per request: cheap) ------------------------------------------------------------------------
