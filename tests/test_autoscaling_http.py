@@ -135,3 +135,27 @@ async def test_the_demand_signal_is_on_metrics(tmp_path, monkeypatch):
         assert desired == desired_for(2, ratio, settings) and desired > 2  # a 5% target: more instances wanted
     finally:
         await stack.stop()
+
+
+def test_the_demand_is_per_model_over_the_instances_serving_it():
+    from warmroute.core.admission import Admission, AdmissionSettings
+    from warmroute.core.demand import DemandSettings
+    from warmroute.core.fleet import Fleet
+    from warmroute.router.autoscaling import ALL_MODELS, FleetSignals
+
+    fleet = Fleet()
+    for name in ("a1", "a2", "b1"):
+        fleet.add(name, 100_000, 1_000.0)
+    signals = FleetSignals(fleet, Admission(AdmissionSettings(), fleet), DemandSettings(scale_target=0.5), 8)
+    assert set(signals.by_model()) == {ALL_MODELS}  # nobody says what it serves: the whole fleet
+    fleet.set_models("a1", frozenset({"m-a"}))
+    fleet.set_models("a2", frozenset({"m-a"}))
+    fleet.set_models("b1", frozenset({"m-b"}))
+    for _ in range(6):  # m-b's one instance: 6 requests in flight of the 8 it may take
+        fleet.dispatched("b1", 0)
+        signals.dispatched(fleet.instances["b1"], 0, None)
+    demand = signals.by_model()
+    assert set(demand) == {"m-a", "m-b"}
+    assert demand["m-a"].ratio == 0.0 and demand["m-a"].current == 2 and demand["m-a"].desired == 1
+    assert demand["m-b"].ratio == 6 / 8 and demand["m-b"].bottleneck == "decode"
+    assert demand["m-b"].current == 1 and demand["m-b"].desired == 2  # ceil(1 x 0.75 / 0.5)
