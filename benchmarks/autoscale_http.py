@@ -2,9 +2,9 @@
 """Scale events over HTTP: emulated engines as the pods of a Service in a test Kubernetes API (tests/kube_api.py),
 a router discovering them, a workload (the demo's mixed one by default) in open loop (warmroute.bench.loadgen).
 
-    .venv/bin/python benchmarks/autoscale_http.py scale-in  [--before 25] [--after 25] [--rate 3] [--workload W]
+    .venv/bin/python benchmarks/autoscale_http.py scale-in  [--before 25] [--after 25] [--rate 3] [--workload W] [--seed N]
     .venv/bin/python benchmarks/autoscale_http.py scale-out [--before 15] [--after 30] [--rate 3] [--window 20]
-        [--slo MS] [--workload W]
+        [--slo MS] [--workload W] [--seed N]
 
   scale-in   4 pods. At --before seconds a ReplicaSet-style scale-in terminates one pod, chosen three ways in
              three fresh runs (same workload, same seed): the pod with the lowest deletion cost (what a
@@ -71,7 +71,7 @@ async def run_with_event(stack: Stack, args: argparse.Namespace, event) -> list[
 
     task = asyncio.create_task(later())
     try:
-        result = await run_bench(stack.url, make_workload(args.workload, seed=0), BenchSettings(
+        result = await run_bench(stack.url, make_workload(args.workload, seed=args.seed), BenchSettings(
             rate=args.rate, duration_s=args.before + args.after, warmup_s=0.0, drain_s=10.0))
     finally:
         await task
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--rate", type=float, default=3.0, help="sessions per second (open loop)")
         s.add_argument("--concurrency-threshold", type=int, default=32)
         s.add_argument("--workload", default="mixed", help="a workload of warmroute.workloads (mixed, rag, ...)")
+        s.add_argument("--seed", type=int, default=0, help="the workload's seed (its texts and choices)")
     sub.choices["scale-out"].add_argument("--window", type=float, default=20.0, help="slow_start_window (s)")
     sub.choices["scale-out"].add_argument("--slo", type=float, default=2000.0, help="TTFT p99 SLO (ms)")
     args = p.parse_args(argv)
