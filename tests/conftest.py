@@ -4,7 +4,6 @@ redis-server of the test's own."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 
@@ -12,6 +11,7 @@ import aiohttp
 import pytest
 
 from fake_upstream import JSON_TYPE, Upstream
+from kube_api import write_kubeconfig
 from tokenizer_fixture import write_test_tokenizer
 from warmroute.bench.processes import Child, free_ports
 from warmroute.engine.tokenizer import PromptTokenizer
@@ -56,16 +56,7 @@ def test_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PromptTokenizer:
 def kubeconfig(tmp_path, monkeypatch) -> Callable[[str], None]:
     """kubeconfig(api_url): KUBECONFIG names a config whose cluster is the fake API server at api_url
     (namespace `llm`), and the test runs as if outside a cluster."""
-    def point(api_url: str) -> None:
-        path = tmp_path / "kubeconfig"
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": api_url}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "llm"}}],
-            "users": [{"name": "u", "user": {"token": "t"}}]}))
-        monkeypatch.setenv("KUBECONFIG", str(path))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    return point
+    return lambda api_url: write_kubeconfig(tmp_path, api_url, monkeypatch)
 
 
 @pytest.fixture

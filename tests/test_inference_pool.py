@@ -130,3 +130,45 @@ async def test_an_inference_pool_drives_the_fleet(kubeconfig):
         await router.stop()
         await api.stop()
         await engine.stop()
+
+
+class RecordingCoreApi:
+    """CoreV1Api's patch_namespaced_pod, recording the patches (failing for pods in `refuse`)."""
+
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, str, dict, str]] = []
+        self.refuse: set[str] = set()
+
+    async def patch_namespaced_pod(self, name, namespace, body, _preload_content=True, _content_type=None):
+        if name in self.refuse:
+            raise RuntimeError("forbidden")
+        self.patches.append((name, namespace, body, _content_type))
+
+        class Response:
+            async def read(self) -> bytes:
+                return b"{}"
+
+        return Response()
+
+
+async def test_the_pools_pods_get_their_instances_deletion_costs():
+    from warmroute.router.inference_pool import InferencePoolDiscovery
+    from warmroute.router.kubernetes import DELETION_COST, PodDeletionCost
+
+    source = InferencePoolDiscovery.__new__(InferencePoolDiscovery)  # its pods and ports, without a watch
+    source.namespace, source.targets = "llm", ("app=vllm", (8000, 8001))
+    source.pods = {"a": pod("a", "10.0.0.1"), "b": pod("b", "10.0.0.2"), "c": pod("c", "10.0.0.3", ready=False)}
+    assert source.instance_pods() == {"a-8000": "a", "a-8001": "a", "b-8000": "b", "b-8001": "b"}
+    costs = {"a-8000": 5, "a-8001": 9, "b-8000": 1, "b-8001": 0}
+    writer, api = PodDeletionCost(source, lambda: costs, 1.0), RecordingCoreApi()
+    await writer.update(api)
+    assert sorted((n, b["metadata"]["annotations"][DELETION_COST]) for n, _, b, _ in api.patches) == [
+        ("a", "9"), ("b", "1")]  # a pod with several ports: its most valuable instance's
+    assert {(ns, ct) for _, ns, _, ct in api.patches} == {("llm", "application/merge-patch+json")}
+    await writer.update(api)
+    assert len(api.patches) == 2  # nothing changed: nothing written
+    costs["b-8000"], api.refuse = 3, {"b"}
+    await writer.update(api)  # refused: tried again at the next round
+    api.refuse = set()
+    await writer.update(api)
+    assert [(n, b["metadata"]["annotations"][DELETION_COST]) for n, _, b, _ in api.patches[2:]] == [("b", "3")]

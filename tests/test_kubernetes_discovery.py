@@ -3,83 +3,15 @@ ready endpoints become instances, terminating ones drain, and the slices are lis
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 import aiohttp
-import pytest
-from aiohttp import web
 
 from client_helpers import wait_for
-from fake_upstream import Upstream, serve_app
+from fake_upstream import Upstream
+from kube_api import FakeApi, endpoint, slice_
 from warmroute.router.app import ROUTER
 from warmroute.router.kubernetes import instances_of
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
-
-
-PATH = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
-
-
-def endpoint(pod: str, address: str, ready: bool = True, terminating: bool = False) -> dict:
-    return {"addresses": [address], "conditions": {"ready": ready, "serving": ready, "terminating": terminating},
-            "targetRef": {"kind": "Pod", "name": pod, "namespace": "llm"}}
-
-
-def slice_(name: str, port: int, *endpoints: dict, version: str = "1") -> dict:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-            "metadata": {"name": name, "namespace": "llm", "resourceVersion": version,
-                         "labels": {"kubernetes.io/service-name": "vllm"}},
-            "ports": [{"name": "metrics", "port": 9, "protocol": "TCP"}, {"name": "http", "port": port,
-                                                                         "protocol": "TCP"}],
-            "endpoints": list(endpoints)}
-
-
-class FakeApi:
-    """GET .../endpointslices: the current list; with ?watch=true, the events put on `events` (None ends the
-    watch, as the API server does at timeoutSeconds)."""
-
-    def __init__(self) -> None:
-        self.slices: dict[str, dict] = {}
-        self.version = 1
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.lists = 0
-        self.selectors: list[str] = []
-
-    async def start(self) -> str:
-        app = web.Application()
-        app.router.add_get(PATH, self._endpointslices)
-        self.runner, url = await serve_app(app)
-        return url
-
-    def change(self, kind: str, obj: dict) -> None:
-        self.version += 1
-        obj["metadata"]["resourceVersion"] = str(self.version)
-        if kind == "DELETED":
-            self.slices.pop(obj["metadata"]["name"], None)
-        else:
-            self.slices[obj["metadata"]["name"]] = obj
-        self.events.put_nowait({"type": kind, "object": obj})
-
-    async def _endpointslices(self, request: web.Request) -> web.StreamResponse:
-        self.selectors.append(request.query.get("labelSelector", ""))
-        if request.query.get("watch") not in ("true", "True", "1"):
-            self.lists += 1
-            return web.json_response({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
-                                      "metadata": {"resourceVersion": str(self.version)},
-                                      "items": list(self.slices.values())})
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        while True:
-            event = await self.events.get()
-            if event is None:
-                break
-            await resp.write(json.dumps(event).encode() + b"\n")
-        await resp.write_eof()
-        return resp
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
 
 
 def test_only_ready_endpoints_on_the_named_port_become_instances():

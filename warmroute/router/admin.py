@@ -7,6 +7,8 @@
   DELETE /admin/instances/{name}        removed now (open streams still finish, uncounted)
   POST   /admin/reset_prefix_cache      every instance's (or ?instance=NAME's) POST /reset_prefix_cache; the
                                         router forgets what it believed each instance that reset held
+  GET    /admin/scale-in                the instance whose cache is worth least (the one to remove when scaling
+                                        in), each instance's value and pod-deletion cost (autoscaling.py)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from warmroute.router.auth import require_token
+from warmroute.router.autoscaling import FleetSignals
 from warmroute.router.connections import UPSTREAMS
 from warmroute.router.discovery import ADMIN, Membership
 from warmroute.router.errors import ApiError, bad_request
@@ -26,6 +29,7 @@ from warmroute.router.health import HEALTH
 
 MEMBERSHIP = web.AppKey("membership", Membership)
 ADMIN_TOKEN = web.AppKey("admin_token", str)
+SIGNALS = web.AppKey("signals", FleetSignals)
 MAX_ADMIN_BODY = 64 * 1024
 
 
@@ -36,6 +40,7 @@ def add_admin_routes(app: web.Application, token: str) -> None:
     app.router.add_post("/admin/instances/{name}/drain", drain_instance)
     app.router.add_delete("/admin/instances/{name}", delete_instance)
     app.router.add_post("/admin/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_get("/admin/scale-in", scale_in)
 
 
 def _auth(request: web.Request) -> Membership:
@@ -53,6 +58,12 @@ def _one(membership: Membership, name: str) -> dict:
 async def list_instances(request: web.Request) -> web.Response:
     membership = _auth(request)
     return web.json_response({"instances": membership.listing()})
+
+
+async def scale_in(request: web.Request) -> web.Response:
+    """Which instance to remove: the one whose cache is worth least to the fleet (victim null: none to name)."""
+    _auth(request)
+    return web.json_response(request.app[SIGNALS].scale_in())
 
 
 async def add_instance(request: web.Request) -> web.Response:

@@ -34,7 +34,7 @@ from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS
 from warmroute.core.strategies import ModelNotServed, NoInstanceAvailable
 from warmroute.router import access_log as access
 from warmroute.router import dashboard as dash
-from warmroute.router.admin import MEMBERSHIP, add_admin_routes
+from warmroute.router.admin import MEMBERSHIP, SIGNALS, add_admin_routes
 from warmroute.router.components import Component, Components, Periodic
 from warmroute.router.connections import UPSTREAMS, Upstreams
 from warmroute.router.discovery import Discovery, DiscoverySettings, Membership, Resolver, resolve
@@ -207,7 +207,9 @@ async def dashboard_state(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = request.app[METRICS].render(request.app[ROUTER].fleet)
+    router = request.app[ROUTER]
+    request.app[METRICS].set_demand({m: (d.ratio, d.desired) for m, d in router.signals.by_model().items()})
+    body, content_type = request.app[METRICS].render(router.fleet)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = content_type
     return resp
@@ -253,6 +255,7 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[SETTINGS] = settings
     app[METRICS] = metrics_ = Metrics(settings.strategy, [b.name for b in settings.backends])
     app[ROUTER] = router = Router(settings, metrics_)
+    app[SIGNALS] = router.signals
     app[SERVER_NAMES] = server_names = {}
     app[UPSTREAMS] = upstreams = Upstreams(upstream_tls(settings), settings.connect_timeout, server_names)
     app[HEALTH] = health_ = Health(router.fleet, upstreams, HealthSettings.of(settings), metrics_)
@@ -305,14 +308,20 @@ def _components(app: web.Application, links: Links | None) -> Components:
     replicas or workers; then the rounds that need every instance known."""
     settings, router = app[SETTINGS], app[ROUTER]
     items: list[Component | None] = [app[UPSTREAMS], app[KV_EVENTS], app[DISCOVERY]]
+    pods: list = []  # the Kubernetes sources, whose pods get their deletion costs
     if settings.kubernetes_service:
         from warmroute.router.kubernetes import KubernetesDiscovery
 
-        items.append(KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port))
+        pods.append(KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port))
     if settings.inference_pool:
         from warmroute.router.inference_pool import InferencePoolDiscovery
 
-        items.append(InferencePoolDiscovery(app[MEMBERSHIP], settings.inference_pool))
+        pods.append(InferencePoolDiscovery(app[MEMBERSHIP], settings.inference_pool))
+    items += pods
+    if pods and settings.pod_deletion_cost:  # following what their caches are worth
+        from warmroute.router.kubernetes import PodDeletionCost
+
+        items += [PodDeletionCost(p, app[SIGNALS].deletion_costs, settings.pod_deletion_cost_interval) for p in pods]
     redis = None  # index updates to and from the other replicas
     if settings.redis_url is not None:
         redis = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, router.fleet)

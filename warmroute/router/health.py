@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -50,6 +51,13 @@ class Health(Poller):
         self.metrics = metrics
         self._failures: dict[str, int] = {}
         self._checks: set[asyncio.Task] = set()
+        # Set once the first round is done: an instance that becomes healthy after that joined or recovered while
+        # the fleet serves, and ramps up (slow start); those up at start do not.
+        self.serving = False
+
+    async def start(self) -> None:
+        await super().start()  # the first round
+        self.serving = True
 
     # -- membership ------------------------------------------------------------------------------------------
     def added(self, member: Member) -> None:
@@ -140,6 +148,8 @@ class Health(Poller):
             return
         if not inst.healthy:
             log.warning("instance %s is healthy again", name)
+            if self.serving:
+                self.fleet.start_ramp(name, time.monotonic())
         inst.healthy = True
         self.metrics.set_healthy(name, True)
 

@@ -26,6 +26,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from warmroute.core.admission import AdmissionSettings
+from warmroute.core.demand import DemandSettings
 from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, merge_layers, own_setting
 from warmroute.errors import UsageError
 
@@ -134,7 +135,7 @@ def parse_size(value: Any) -> Any:
     return int(float(m.group(1)) * {"B": 1, "K": KiB, "M": MiB, "G": GiB}[unit])
 
 
-class RouterSettings(BaseSettings, StrategySettings):
+class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=False)
 
     backends: Annotated[list[Backend], NoDecode] = Field(
@@ -164,6 +165,16 @@ class RouterSettings(BaseSettings, StrategySettings):
         description="[NAMESPACE/]NAME of an InferencePool (inference.networking.k8s.io/v1) whose selector and "
                     "targetPorts list the engine pods: ready pods become instances, the others are drained (needs "
                     "kubernetes-asyncio and RBAC: deploy/kubernetes/inference-pool/).")
+    pod_deletion_cost: bool = Field(
+        True, description="With kubernetes_service or inference_pool: keep the annotation "
+                          "controller.kubernetes.io/pod-deletion-cost of the fleet's pods at what each instance's "
+                          "cache is worth (the cached prefill only it holds, weighted by demand), so a ReplicaSet "
+                          "scaling in removes the one worth least (needs RBAC to patch pods: "
+                          "deploy/kubernetes/rbac.yaml, deploy/kubernetes/inference-pool/rbac.yaml).")
+    pod_deletion_cost_interval: float = Field(
+        15.0, ge=0.5, le=3600, description="Seconds between two updates of the pods' deletion costs (a pod is "
+                                           "patched only when its cost moved by over 5% or the pods' order "
+                                           "changed).")
     admin_token: SecretStr | None = Field(
         None, description="Bearer token of the admin API (/admin/instances: list, add, drain, remove). Unset: "
                           "the admin API does not exist.")
@@ -623,7 +634,10 @@ def setting_names(model: type[BaseModel] | None = None) -> list[str]:
     strategy += [n for m in OWN_SETTINGS.values() for n in m.model_fields]
     if model is StrategySettings:
         return strategy
-    own = [n for n in RouterSettings.model_fields if n not in StrategySettings.model_fields]
+    demand = list(DemandSettings.model_fields)  # next to the other settings for autoscaling
+    own = [n for n in RouterSettings.model_fields if n not in StrategySettings.model_fields and n not in demand]
+    at = own.index("pod_deletion_cost_interval") + 1
+    own = own[:at] + demand + own[at:]
     at = own.index("strategy") + 1
     return own[:at] + strategy + own[at:]
 
@@ -641,27 +655,38 @@ def env_of(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def add_setting_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RouterSettings) -> None:
-    """One flag per setting (of `model`: RouterSettings, or StrategySettings for the simulator); values stay
-    strings so the model validates them like env and file values."""
-    for name in setting_names(model):
-        field = field_of(name)
+def _fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """Each setting's field by its plain name: the router's and strategies' (nested ones flat), or any other
+    model's own fields (the simulator's autoscaler)."""
+    if model is RouterSettings or model is StrategySettings:
+        return {name: field_of(name) for name in setting_names(model)}
+    return dict(model.model_fields)
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RouterSettings,
+                          aliases: Mapping[str, str] | None = None) -> None:
+    """One flag per setting (of `model`: RouterSettings, StrategySettings or another settings model for the
+    simulator); values stay strings so the model validates them like env and file values. `aliases`: a shorter
+    second flag for some settings (name -> flag)."""
+    aliases = aliases or {}
+    for name, field in _fields(model).items():
         env = f"{env_of(name)}; " if model is RouterSettings else ""  # the simulator reads no environment
-        help_text = f"{field.description} [{env}default {_default_text(name)}]"
+        help_text = f"{field.description} [{env}default {_default_text(name, field)}]"
+        flags = [flag_of(name), *([aliases[name]] if name in aliases else [])]
         if field.annotation is bool:
-            parser.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         elif name == "backends":
             parser.add_argument("--backend", dest=name, action="append", metavar="[NAME=]URL",
                                 default=argparse.SUPPRESS, help=help_text)
         else:
             metavar = {int: "N", float: "X"}.get(field.annotation, "VALUE")
-            parser.add_argument(flag_of(name), dest=name, metavar=metavar,
+            parser.add_argument(*flags, dest=name, metavar=metavar,
                                 default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
 
 
 def cli_values(args: argparse.Namespace, model: type[BaseModel] = RouterSettings) -> dict[str, Any]:
-    names = set(setting_names(model))
+    names = set(_fields(model))
     return {k: v for k, v in vars(args).items() if k in names}
 
 
@@ -674,8 +699,8 @@ def strategy_settings_from(args: argparse.Namespace) -> StrategySettings:
         raise UsageError(describe_errors(exc)) from None
 
 
-def _default_text(name: str) -> str:
-    field = field_of(name)
+def _default_text(name: str, field: FieldInfo | None = None) -> str:
+    field = field or field_of(name)
     if name == "backends":
         return "none (required)"
     value = field.get_default(call_default_factory=True)

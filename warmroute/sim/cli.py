@@ -13,13 +13,16 @@ from pydantic import TypeAdapter, ValidationError
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
 from warmroute.core.admission import AdmissionSettings
 from warmroute.core.strategies import STRATEGIES, StrategySettings
-from warmroute.router.settings import (RouterSettings, add_setting_arguments, describe_errors, field_of,
-                                       setting_names, strategy_settings_from)
+from warmroute.router.settings import (RouterSettings, add_setting_arguments, cli_values, describe_errors,
+                                       field_of, setting_names, strategy_settings_from)
 from warmroute.errors import UsageError
-from warmroute.sim.report import Summary, as_json, fmt, plot, summarize, table
+from warmroute.sim.autoscale import AutoscaleSettings
+from warmroute.sim.report import (Summary, as_json, autoscale_summary, autoscale_table, fmt, plot, slo_text,
+                                  summarize, table)
 from warmroute.sim.scenarios import SCENARIOS
 from warmroute.sim.simulator import SimResult, SimSettings, Simulation
 from warmroute.workloads.base import Workload
+from warmroute.workloads.rate_shape import NAMED as NAMED_SHAPES, parse_rate_shape
 
 REFERENCES = ("oracle", "pooled", "sglang_like")
 # Settings a --sweep may vary, with their type: the simulator's own, and every strategy setting.
@@ -60,9 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--rate", type=float, metavar="QPS", help="open loop: Poisson session arrivals per second")
     mode.add_argument("--concurrency", type=int, metavar="C", help="closed loop: C sessions in flight")
     g.add_argument("--speedup", type=float, default=1.0, help="trace replay: run its clock this much faster")
+    g.add_argument("--rate-shape", metavar="SHAPE",
+                   help=f"multiply the arrival rate (--rate) or the trace's speed over time: {', '.join(NAMED_SHAPES)} "
+                        "or T:M,T:M,... (from T seconds, M times; a last M of 0 ends the arrivals)")
     g.add_argument("--scale-at", action="append", default=[], metavar="T:+1",
                    help="add (+1) or remove (-1) an instance at T seconds (repeatable)")
     g.add_argument("--sweep", metavar="NAME=V1,V2,...", help=f"vary one of: {', '.join(SWEEPABLE)}")
+    a = parser.add_argument_group("autoscaling", "an autoscaler in virtual time (sim/autoscale.py), and how a "
+                                                 "scale-in (also --scale-at -1) picks its victim")
+    add_setting_arguments(a, AutoscaleSettings,
+                          aliases={"min_instances": "--min", "max_instances": "--max", "scale_target": "--target"})
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true")
     o.add_argument("--plot", metavar="DIR", help="write TTFT CDF, hit rate and load plots here")
@@ -85,6 +95,14 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
     for name in ("instances", "requests", "max_running"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        autoscale = AutoscaleSettings(**cli_values(args, AutoscaleSettings))
+    except ValidationError as exc:
+        raise UsageError("; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e.get('input')}: {e['msg']}"
+                                   if e.get("loc") else e["msg"].removeprefix("Value error, ")
+                                   for e in exc.errors())) from None
+    if args.rate_shape and (args.concurrency is not None or args.rate is None and workload.name != "trace"):
+        raise UsageError("--rate-shape shapes open-loop arrivals (--rate) or a trace's clock, not --concurrency")
     closed = args.concurrency if args.rate is None and workload.name != "trace" else args.concurrency
     if workload.name != "trace" and args.rate is None and args.concurrency is None:
         closed = 32
@@ -94,7 +112,8 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
         feedback=args.feedback, routing=routing, admission=args.admission, queue_timeout_s=args.queue_timeout,
         requests=args.requests,
         rate=args.rate, concurrency=closed, speedup=args.speedup,
-        scale_events=[_scale_event(s) for s in args.scale_at], seed=args.seed)
+        rate_shape=parse_rate_shape(args.rate_shape) if args.rate_shape else None,
+        scale_events=[_scale_event(s) for s in args.scale_at], autoscale=autoscale, seed=args.seed)
 
 
 def _scale_event(text: str) -> tuple[float, int]:
@@ -152,9 +171,13 @@ def run(args: argparse.Namespace) -> int:
     for label, settings in runs:
         results = simulate(settings, workload, strategies)
         summaries = [summarize(r) for r in results]
-        out.append({"setting": label, "results": as_json(summaries)})
+        scaled = [a for r in results if (a := autoscale_summary(r)) is not None]
+        out.append({"setting": label, "results": as_json(summaries),
+                    **({"autoscale": [dataclasses.asdict(a) for a in scaled]} if scaled else {})})
         if not args.json:
             print(table(summaries, title=label or _describe(settings, workload)), end="\n\n")
+            if scaled:
+                print(autoscale_table(scaled, slo_text(settings.autoscale)), end="\n\n")
         if args.plot:
             plot(results, f"{args.plot}/{label.replace('=', '-')}" if label else args.plot)
         best = _better(best, label, summaries)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from warmroute.bench.stats import load_spread, percentile
 from warmroute.core.strategies import KV_SPILL, OVERLOAD_SPILL
+from warmroute.sim.autoscale import AutoscaleSettings
 from warmroute.sim.simulator import SimResult
 
 
@@ -154,3 +155,87 @@ def _save(fig, path: Path) -> str:
 
     plt.close(fig)
     return str(path)
+
+
+# -- autoscaling -------------------------------------------------------------------------------------------------
+REFUSED_TTFT_S = 1e9  # a refused request misses any objective
+HIT_LOSS_WINDOW_S = 60.0  # hit rate lost after a scale-in: the minute after it against the minute before
+
+
+@dataclass
+class AutoscaleSummary:
+    strategy: str
+    signal: str
+    target: float
+    scale_in: str
+    instance_seconds: float
+    peak_instances: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    slo_attainment: float | None  # share of the windows whose TTFT p99 (beyond the per-token allowance) met the SLO
+    windows: int
+    hit_rate: float
+    scale_ins: int
+    hit_rate_lost: float | None  # mean over scale-ins: hit rate in the minute before - in the minute after
+    rejected: int
+
+
+def autoscale_summary(r: SimResult) -> AutoscaleSummary | None:
+    """The autoscaling figures of a run that had an autoscaler (None otherwise)."""
+    a = r.autoscale
+    if a is None:
+        return None
+    done = [x for x in r.records if x.first_token is not None]
+    ttft = [(x.first_token - x.arrival) * 1000 for x in done]
+    windows = slo_windows(r)
+    losses = [loss for t in sorted({e.at for e in r.scale_ins}) if (loss := hit_rate_lost(r, t)) is not None]
+    return AutoscaleSummary(
+        strategy=r.strategy, signal=a.autoscale or "-", target=a.scale_target, scale_in=a.scale_in,
+        instance_seconds=r.instance_seconds, peak_instances=max((p for _, _, p in r.fleet_sizes), default=0),
+        ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
+        slo_attainment=sum(windows) / len(windows) if windows else None, windows=len(windows),
+        hit_rate=r.hit_rate, scale_ins=len(r.scale_ins),
+        hit_rate_lost=sum(losses) / len(losses) if losses else None, rejected=r.rejected)
+
+
+def slo_windows(r: SimResult) -> list[bool]:
+    """Per window of arrivals (those with any request), whether its TTFT p99 met the SLO. A request's TTFT counts
+    beyond its allowance (prompt tokens / slo_tokens_per_s, when set); a refused request misses it."""
+    a = r.autoscale
+    assert a is not None
+    per: dict[int, list[float]] = {}
+    for x in r.records:
+        if x.first_token is not None:
+            allowance = x.prompt_tokens / a.slo_tokens_per_s if a.slo_tokens_per_s else 0.0
+            per.setdefault(int(x.arrival // a.slo_window_s), []).append(x.first_token - x.arrival - allowance)
+    for t in r.rejected_at:
+        per.setdefault(int(t // a.slo_window_s), []).append(REFUSED_TTFT_S)
+    return [(percentile(v, 99) or 0.0) <= a.slo_ttft_s for _, v in sorted(per.items())]
+
+
+def hit_rate_lost(r: SimResult, t: float, span: float = HIT_LOSS_WINDOW_S) -> float | None:
+    """Token hit rate of the requests with a first token in the `span` before t, minus in the `span` after."""
+    def rate(lo: float, hi: float) -> float | None:
+        xs = [x for x in r.records if x.first_token is not None and lo <= x.first_token < hi]
+        prompt = sum(x.prompt_tokens for x in xs)
+        return sum(x.cached_tokens for x in xs) / prompt if prompt else None
+
+    before, after = rate(t - span, t), rate(t, t + span)
+    return before - after if before is not None and after is not None else None
+
+
+def autoscale_table(rows: list[AutoscaleSummary], slo: str = "") -> str:
+    head = f"{'strategy':<12} {'signal':<12} {'target':>6} {'scale-in':<11} {'inst-s':>8} {'peak':>4} {'TTFT p50':>9} " \
+           f"{'TTFT p99':>9} {'SLO met':>7} {'hit rate':>8} {'scale-ins':>9} {'hit lost':>8}"
+    lines = ([f"SLO: {slo}"] if slo else []) + [head, "-" * len(head)]
+    for s in rows:
+        lines.append(f"{s.strategy:<12} {s.signal:<12} {s.target:6.2f} {s.scale_in:<11} {s.instance_seconds:8.0f} "
+                     f"{s.peak_instances:4d} {fmt(s.ttft_p50_ms, '7.0f')}ms {fmt(s.ttft_p99_ms, '7.0f')}ms "
+                     f"{fmt(s.slo_attainment, '7.0%')} {s.hit_rate:8.1%} {s.scale_ins:9d} "
+                     f"{fmt(None if s.hit_rate_lost is None else s.hit_rate_lost * 100, '6.2f')}pp")
+    return "\n".join(lines)
+
+
+def slo_text(a: AutoscaleSettings) -> str:
+    per_token = f" + prompt tokens / {a.slo_tokens_per_s:g} per s" if a.slo_tokens_per_s else ""
+    return f"TTFT p99 <= {a.slo_ttft_s:g} s{per_token}, per {a.slo_window_s:g} s window"

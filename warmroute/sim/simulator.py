@@ -11,6 +11,7 @@ requests run in seconds.
 from __future__ import annotations
 
 import heapq
+import math
 import itertools
 import random
 from collections.abc import Callable, Iterator
@@ -18,12 +19,16 @@ from dataclasses import dataclass, field, fields, replace
 
 from warmroute.core.admission import (Admission, AdmissionSettings, QueueFull, Waiter, admission_settings,
                                       decide_at, strategy_threshold)
+from warmroute.core.cache_value import CacheValue, scale_in_victim
+from warmroute.core.demand import DemandMeter, fleet_demand
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
 from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy,
                                        merge_layers)
 from warmroute.engine.model import EngineConfig, EngineModel
+from warmroute.sim.autoscale import ARBITRARY, CACHE_AWARE, DEMAND, AutoscaleSettings, Autoscaler
 from warmroute.workloads.base import Workload
+from warmroute.workloads.rate_shape import RateShape
 from warmroute.workloads.request import Session, WorkloadRequest
 
 
@@ -43,7 +48,9 @@ class SimSettings:
     rate: float | None = None  # open loop (Poisson sessions per second); None with no concurrency: the trace's
     concurrency: int | None = None  # closed loop: this many sessions in flight
     speedup: float = 1.0  # trace timestamps are divided by this
+    rate_shape: RateShape | None = None  # the arrival rate (or trace speed) multiplied over time
     scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
+    autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)  # off unless .autoscale is set
     window_s: float = 10.0  # time-series bucket
     admission: bool = True  # the router's admission queue (core/admission.py); off: every request goes at once
     queue_timeout_s: float = AdmissionSettings.timeout_s  # a waiting request is refused (429) after this
@@ -91,6 +98,13 @@ class RequestRecord:
     sent: float = 0.0  # when it went to its instance (later than arrival if it waited in the router)
 
 
+@dataclass(frozen=True)
+class ScaleIn:
+    at: float
+    instance: str
+    unique_value: float | None  # its cached tokens no other instance held, per request (core/cache_value.py)
+
+
 @dataclass
 class SimResult:
     strategy: str
@@ -104,6 +118,11 @@ class SimResult:
     # Per scale event: (time, share of the prefixes requested again after it that went to another instance)
     prefixes_moved: list[tuple[float, float | None]] = field(default_factory=list)
     window_s: float = 10.0
+    rejected_at: list[float] = field(default_factory=list)  # arrival time of each rejected request
+    instance_seconds: float = 0.0  # from each instance's creation (start-up included) to its end (drained)
+    fleet_sizes: list[tuple[float, int, int]] = field(default_factory=list)  # (t, ready, ready + starting)
+    scale_ins: list[ScaleIn] = field(default_factory=list)
+    autoscale: AutoscaleSettings | None = None  # the autoscaler's settings, if one ran
 
     @property
     def hit_rate(self) -> float:
@@ -111,10 +130,13 @@ class SimResult:
 
 
 class _Instance:
-    __slots__ = ("name", "model", "busy", "draining")
+    __slots__ = ("name", "model", "busy", "draining", "created", "joined", "ended", "busy_s", "busy_mark")
 
-    def __init__(self, name: str, model: EngineModel) -> None:
+    def __init__(self, name: str, model: EngineModel, created: float = 0.0, joined: float = 0.0) -> None:
         self.name, self.model, self.busy, self.draining = name, model, False, False
+        self.created, self.joined = created, joined  # its cost runs from creation; it takes requests from joining
+        self.ended: float | None = None  # when its drain finished
+        self.busy_s = self.busy_mark = 0.0  # seconds of engine steps; busy_s at the last autoscaler reading
 
 
 class Simulation:
@@ -156,29 +178,139 @@ class Simulation:
         # Per scale event: its time, where each prefix seen before it last went, and where each of those first
         # went after it (the decisions made, so each strategy is measured on its own).
         self._moves: list[tuple[float, dict[int, str], dict[int, str]]] = []
+        self._rejected_at: list[float] = []
+        a = settings.autoscale
+        self.autoscaler = Autoscaler(a) if a.autoscale and not pooled else None
+        self.demand = DemandMeter(a.demand_window_s)  # fed only when an autoscaler reads it
+        scaling = self.autoscaler is not None or bool(settings.scale_events)
+        self.cache_value = CacheValue() if scaling and self.strategy.records_prefixes else None
+        self._victim_rng = random.Random(f"scale-in-{settings.seed}")
+        self._starting: dict[int, float] = {}  # instances being started: id -> creation time
+        self._starting_ids = itertools.count()
+        self._cancelled_s = 0.0  # instance-seconds of starting instances cancelled before they were ready
+        self._last_reading = 0.0
+        self._sizes: list[tuple[float, int, int]] = []
+        self._scale_ins: list[ScaleIn] = []
 
     # -- fleet membership ----------------------------------------------------------------------------------
-    def _add_instance(self) -> _Instance:
+    def _add_instance(self, created: float = 0.0, joined: float = 0.0) -> _Instance:
         name = f"instance-{len(self.instances)}"
         while name in self.instances:
             name += "+"
-        inst = self.instances[name] = _Instance(name, EngineModel(self.cfg))
+        inst = self.instances[name] = _Instance(name, EngineModel(self.cfg), created, joined)
         router_capacity = self.s.router_kv_capacity_tokens if not self.pooled else None
         self.fleet.add(name, router_capacity or self.cfg.kv_capacity_tokens,
                        1000.0 / self.cfg.timing.prefill_ms_per_token)
         return inst
 
+    def _live(self) -> list[_Instance]:
+        return [i for i in self.instances.values() if not i.draining]
+
     def _scale(self, now: float, delta: int) -> None:
+        """A scale event given in advance (--scale-at)."""
         if delta > 0:
-            self._add_instance()
-        else:
-            live = [i for i in self.instances.values() if not i.draining]
-            if len(live) <= 1:
-                return
-            victim = live[-1]
-            victim.draining = True
-            self.fleet.remove(victim.name)  # no new requests; running ones finish on the model
+            self._join(now, now)
+        elif len(live := self._live()) > 1:
+            self._drain(now, *self._victim(live))
+
+    def _join(self, now: float, created: float) -> None:
+        self._add_instance(created, now)
         self._moves.append((now, dict(self._last_instance_by_prefix), {}))
+        if self.admission.waiters:  # the router's queue polls: waiting requests may go to the new instance
+            self._pump(now)
+
+    def _victim(self, live: list[_Instance]) -> tuple[_Instance, float | None]:
+        """The instance a scale-in drains, by the scale_in policy, and its cache value where it is known."""
+        values = (self.cache_value.values(self.fleet.index, [i.name for i in live], self.fleet.block_tokens)
+                  if self.cache_value is not None else {})
+        policy = self.s.autoscale.scale_in
+        if policy == CACHE_AWARE and values:
+            victim = self.instances[scale_in_victim(values) or live[-1].name]
+        elif policy == ARBITRARY:
+            victim = self._victim_rng.choice(live)
+        else:
+            victim = live[-1]
+        return victim, values.get(victim.name)
+
+    def _drain(self, now: float, victim: _Instance, value: float | None) -> None:
+        victim.draining = True
+        self.fleet.remove(victim.name)  # no new requests; running ones finish on the model
+        self.demand.forget(victim.name)
+        if victim.model.idle:
+            victim.ended = now
+        self._scale_ins.append(ScaleIn(now, victim.name, value))
+        self._moves.append((now, dict(self._last_instance_by_prefix), {}))
+
+    # -- the autoscaler ------------------------------------------------------------------------------------------
+    def _control(self, now: float, event: tuple) -> None:
+        kind = event[0]
+        if kind == "scale":
+            self._scale(now, event[1])
+        elif kind == "tick":
+            self._tick(now)
+        elif kind == "apply":
+            self._apply(now, event[1])
+        elif kind == "ready" and (created := self._starting.pop(event[1], None)) is not None:
+            self._join(now, created)
+
+    def _tick(self, now: float) -> None:
+        """One reading of the signal; the change it asks for happens reaction_delay_s later."""
+        assert self.autoscaler is not None
+        a = self.s.autoscale
+        live = self._live()
+        provisioned = len(live) + len(self._starting)
+        self._sizes.append((now, len(live), provisioned))
+        target = self.autoscaler.decide(now, len(live), provisioned, self._signal(now, live))
+        self._push(now + a.reaction_delay_s, self.ARRIVE, ("apply", target))
+        if any(kind == self.STEP or not isinstance(p[0], str) for _, _, kind, p in self._heap):  # type: ignore[index]
+            self._push(now + a.interval_s, self.ARRIVE, ("tick",))  # until no request is left
+
+    def _signal(self, now: float, live: list[_Instance]) -> float:
+        since, self._last_reading = self._last_reading, now
+        if self.s.autoscale.autoscale == DEMAND:
+            return self._demand_ratio(now, live)
+        busy = []
+        for i in live:  # the share of the interval (or of its time in the fleet) its engine was stepping
+            span = now - max(since, i.joined)
+            busy.append(min(1.0, (i.busy_s - i.busy_mark) / span) if span > 0 else 0.0)
+            i.busy_mark = i.busy_s
+        return sum(busy) / len(busy) if busy else 0.0
+
+    def _demand_ratio(self, now: float, live: list[_Instance]) -> float:
+        waiting: dict[str, int] = {}
+        tokens: dict[str, float] = {}
+        for w in self.admission.waiters.values():
+            if w.first is not None:
+                waiting[w.first] = waiting.get(w.first, 0) + 1
+                tokens[w.first] = tokens.get(w.first, 0.0) + w.uncached_tokens
+        threshold = self.s.routing.concurrency_threshold
+        demands = [self.demand.instance_demand(self.fleet.instances[i.name], now, threshold,
+                                               waiting.get(i.name, 0), tokens.get(i.name, 0.0)) for i in live]
+        return fleet_demand(demands, self.s.autoscale.backlog_horizon_s).ratio
+
+    def _apply(self, now: float, target: int) -> None:
+        """Start instances (ready startup_s later), or cancel starting ones and drain ready ones, to reach target."""
+        live = self._live()
+        provisioned = len(live) + len(self._starting)
+        for _ in range(target - provisioned):
+            sid = next(self._starting_ids)
+            self._starting[sid] = now
+            self._push(now + self.s.autoscale.startup_s, self.ARRIVE, ("ready", sid))
+        excess = provisioned - target
+        while excess > 0 and self._starting:
+            _, created = self._starting.popitem()  # the newest first
+            self._cancelled_s += now - created
+            excess -= 1
+        while excess > 0 and len(live) > 1:
+            victim, value = self._victim(live)
+            self._drain(now, victim, value)
+            live.remove(victim)
+            excess -= 1
+
+    def _instance_seconds(self, end: float) -> float:
+        spent = self._cancelled_s + sum(max(0.0, end - created) for created in self._starting.values())
+        return spent + sum(max(0.0, min(end, i.ended if i.ended is not None else end) - i.created)
+                           for i in self.instances.values())
 
     def _note_prefix(self, prefix: int, instance: str) -> None:
         self._last_instance_by_prefix[prefix] = instance
@@ -214,13 +346,15 @@ class Simulation:
         started = self._start_sessions(sessions, rng, budget)
         for t, delta in self.s.scale_events:
             self._push(t, self.ARRIVE, ("scale", delta))
+        if self.autoscaler is not None:
+            self._push(self.s.autoscale.interval_s, self.ARRIVE, ("tick",))
         now = 0.0
         while self._heap:
             now, _, kind, payload = heapq.heappop(self._heap)
             if kind == self.STEP:
                 self._on_step_done(now, payload)  # type: ignore[arg-type]
-            elif isinstance(payload, tuple) and payload[0] == "scale":
-                self._scale(now, payload[1])
+            elif isinstance(payload, tuple) and isinstance(payload[0], str):
+                self._control(now, payload)
             else:
                 self._on_arrival(now, *payload)  # type: ignore[misc]
             if started is not None:
@@ -232,7 +366,9 @@ class Simulation:
             per_instance[r.instance] += 1
         end = max((r.done or r.arrival) for r in self.records) if self.records else 0.0
         return SimResult(self.strategy_name, self.records, end, per_instance, hits, queries, self._rejected,
-                         self._queued, self._moved(), self.s.window_s)
+                         self._queued, self._moved(), self.s.window_s, self._rejected_at,
+                         self._instance_seconds(end), self._sizes, self._scale_ins,
+                         self.s.autoscale if self.autoscaler is not None else None)
 
     def _start_sessions(self, sessions: Iterator[Session], rng: random.Random,
                         budget: list[int]) -> Callable[[float], object] | None:
@@ -257,6 +393,10 @@ class Simulation:
                 else:
                     clock[0] += rng.expovariate(s.rate or 1.0)
                     t = clock[0]
+                if s.rate_shape is not None:
+                    t = s.rate_shape.time_of(t)
+                    if t == math.inf:  # the shape's end: no more arrivals
+                        return None
                 self._schedule_session(t, session, budget)
                 if t > now:
                     return feed
@@ -286,6 +426,7 @@ class Simulation:
             d = self.strategy.choose(key, self.fleet)
         except NoInstanceAvailable:
             self._rejected += 1
+            self._rejected_at.append(now)
             return
         waiter = self.admission.waiter_for(d, now, model=key.model, tenant=req.tenant)
         if waiter is None:
@@ -316,6 +457,7 @@ class Simulation:
     def _refuse(self, now: float, w: Waiter) -> None:
         """The router answered 429 (or 503): a closed-loop client moves on to its next session."""
         self._rejected += 1
+        self._rejected_at.append(w.enqueued)
         if self._closed_loop is not None:
             self._begin_session(now, *self._closed_loop)
 
@@ -325,6 +467,10 @@ class Simulation:
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None,
                                              d.kv_tokens)
+        if self.autoscaler is not None:
+            self.demand.dispatched(self.fleet.instances[d.instance], now, d.uncached_tokens)
+        if self.cache_value is not None and d.blocks:
+            self.cache_value.requested(d.blocks)
         rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag, sent=now)
         self.records.append(rec)
         seq = next(self._seq)
@@ -343,6 +489,8 @@ class Simulation:
     def _start_step(self, now: float, inst: _Instance) -> None:
         if inst.model.idle:
             inst.busy = False
+            if inst.draining and inst.ended is None:
+                inst.ended = now
             return
         k = 1
         fusible = inst.model.fusible_decode_steps()
@@ -353,6 +501,7 @@ class Simulation:
             k = max(1, fusible)
         result = inst.model.step(k)
         inst.busy = True
+        inst.busy_s += result.duration
         self._push(now + result.duration, self.STEP, (inst, result))
         if result.finished:
             heapq.heappush(self._wakeups, now + result.duration)
@@ -363,6 +512,10 @@ class Simulation:
             rec, _, _, d, queued_ahead = self._inflight[seq]
             rec.first_token, rec.cached_tokens = now, cached
             self.fleet.first_token(inst.name, d.uncached_tokens, now - rec.sent)
+            books = self.fleet.instances.get(inst.name)
+            if self.autoscaler is not None and books is not None and not queued_ahead:
+                # Nothing was queued ahead of it there: its time to first token was its own prefill.
+                self.demand.first_token(books, now, rec.prompt_tokens - cached, now - rec.sent)
             if self.strategy.records_prefixes:  # the engine reports cached tokens at first token
                 self.fleet.feedback(inst.name, d.blocks, d.matched_tokens, cached, queued_ahead=queued_ahead)
         for seq, n in result.tokens.items():  # type: ignore[attr-defined]
