@@ -89,6 +89,7 @@ class RequestRecord:
     output_tokens: int = 0
     tag: str = ""  # the workload's request class ("hot", "shared", "chat", ...)
     sent: float = 0.0  # when it went to its instance (later than arrival if it waited in the router)
+    tenant: str = ""
 
 
 @dataclass
@@ -104,6 +105,7 @@ class SimResult:
     # Per scale event: (time, share of the prefixes requested again after it that went to another instance)
     prefixes_moved: list[tuple[float, float | None]] = field(default_factory=list)
     window_s: float = 10.0
+    rejected_by_tenant: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -146,11 +148,12 @@ class Simulation:
         self._inflight: dict[int, tuple[RequestRecord, WorkloadRequest, Iterator[WorkloadRequest] | None,
                                         Decision, int]] = {}  # ..., requests queued ahead
         self._seq = itertools.count()
-        self._rejected = 0
+        self._rejected: dict[str, int] = {}  # per tenant
         self._last_instance_by_prefix: dict[int, str] = {}
         adm = settings.admission_settings()
         # Not for the pooled reference (one ideal instance) nor the peer model (its router has no such queue).
         adm.enabled = adm.enabled and not pooled and self.strategy_name != "sglang_like"
+        adm.record_queued = self.strategy.records_prefixes
         self.admission = Admission(adm, self.fleet)
         self._queued = 0
         # Per scale event: its time, where each prefix seen before it last went, and where each of those first
@@ -231,8 +234,9 @@ class Simulation:
         for r in self.records:
             per_instance[r.instance] += 1
         end = max((r.done or r.arrival) for r in self.records) if self.records else 0.0
-        return SimResult(self.strategy_name, self.records, end, per_instance, hits, queries, self._rejected,
-                         self._queued, self._moved(), self.s.window_s)
+        return SimResult(self.strategy_name, self.records, end, per_instance, hits, queries,
+                         sum(self._rejected.values()), self._queued, self._moved(), self.s.window_s,
+                         dict(self._rejected))
 
     def _start_sessions(self, sessions: Iterator[Session], rng: random.Random,
                         budget: list[int]) -> Callable[[float], object] | None:
@@ -285,7 +289,7 @@ class Simulation:
         try:
             d = self.strategy.choose(key, self.fleet)
         except NoInstanceAvailable:
-            self._rejected += 1
+            self._count_rejected(req.tenant)
             return
         waiter = self.admission.waiter_for(d, now, model=key.model, tenant=req.tenant)
         if waiter is None:
@@ -315,9 +319,12 @@ class Simulation:
 
     def _refuse(self, now: float, w: Waiter) -> None:
         """The router answered 429 (or 503): a closed-loop client moves on to its next session."""
-        self._rejected += 1
+        self._count_rejected(w.tenant)
         if self._closed_loop is not None:
             self._begin_session(now, *self._closed_loop)
+
+    def _count_rejected(self, tenant: str) -> None:
+        self._rejected[tenant] = self._rejected.get(tenant, 0) + 1
 
     def _send(self, now: float, arrival: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
               key: RoutingKey, d: Decision) -> None:
@@ -325,7 +332,8 @@ class Simulation:
         queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
                                              list(d.blocks) if self.strategy.records_prefixes else None,
                                              d.kv_tokens)
-        rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag, sent=now)
+        rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag, sent=now,
+                            tenant=req.tenant)
         self.records.append(rec)
         seq = next(self._seq)
         self._inflight[seq] = (rec, req, turns, d, queued_ahead)
