@@ -224,7 +224,8 @@ async def surge(args: argparse.Namespace, contender: Contender, cap: float) -> d
     high, low = args.high, args.low
     async with Stack(contender, args, slo=args.slo) as stack:
         phases = [Phase(high, 2 * cap), Phase(high + low, 0.5 * cap)]
-        recs, cache = await offer(stack, {"": (tagged(mixed(args.seed).sessions(), ""), phases)}, args.seed, [5.0, high, high + low])
+        streams = {"": (tagged(mixed(args.seed).sessions(), ""), phases)}
+        recs, cache = await offer(stack, streams, args.seed, [5.0, high, high + low])
     return {"overload": window_stats(recs, 5.0, high, args.slo, cache[0], cache[1]),
             "after": window_stats(recs, high, high + low, args.slo, cache[1], cache[2]),
             "recovery_s": recovery_s(recs, high, high + low, args.slo)}
@@ -273,8 +274,8 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
     """The noisy-tenant run in the simulator: the same fleet (4 instances of the 8b profile, max_running 256,
     the threshold), workloads and rates, in virtual time (no machine noise); strategy cache_aware."""
     rates = tenant_rates(cap, args.fair_share, noisy)
-    workload = Tenants(streams=tuple(TenantStream(t, mixed(args.seed + i), r) for i, (t, r) in enumerate(rates.items())),
-                       duration_s=args.duration)
+    streams = tuple(TenantStream(t, mixed(args.seed + i), r) for i, (t, r) in enumerate(rates.items()))
+    workload = Tenants(streams=streams, duration_s=args.duration)
     sim = Simulation(sim_settings(args, admission), workload, "cache_aware")
     if args.fair_lend is not None:
         sim.admission.settings.fair_lend = args.fair_lend
@@ -285,8 +286,9 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
 
 
 def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -> SimSettings:
+    routing = StrategySettings(concurrency_threshold=args.threshold or 32)
     s = SimSettings(instances=INSTANCES, max_running=256, admission=admission, queue_timeout_s=args.slo,
-                    routing=StrategySettings(concurrency_threshold=args.threshold or 32), requests=10**7, seed=args.seed)
+                    routing=routing, requests=10**7, seed=args.seed)
     return dataclasses.replace(s, **changes)
 
 

@@ -389,7 +389,8 @@ class Admission:
         last: dict[str, float] = {}
         out: dict[int, float] = {}
         for w in self.waiters.values():  # arrival order
-            out[w.seq] = last[w.tenant] = last.get(w.tenant, served.get(w.tenant, 0.0)) + 1.0 / weights.get(w.tenant, 1.0)
+            place = last.get(w.tenant, served.get(w.tenant, 0.0)) + 1.0 / weights.get(w.tenant, 1.0)
+            out[w.seq] = last[w.tenant] = place
         return out
 
     def _may_borrow(self, w: Waiter, now: float) -> bool:
