@@ -392,15 +392,21 @@ def test_without_lending_the_burst_keeps_the_free_slot():
 def test_a_waiting_requests_prefix_is_recorded_where_it_waits():
     """Requests sharing a prefix that arrive while the first waits see it at the instance it waits for (the
     index learns a chain only when a request is sent: without this they would scatter); not for a strategy
-    that keeps no prefix index."""
+    that keeps no prefix index. When it leaves the queue the record goes (the shell records what it sends),
+    but not what the instance held when it arrived."""
     for record in (True, False):
         f = fleet(2)
         a, b = sorted(f.instances)
         _fill(f, a, 2)
         adm = _adm(f, concurrency_threshold=2, record_queued=record)
         chain = key(SYSTEM).blocks()
-        adm.offer(adm.waiter_for(Decision(a, COLD, 0, 300, chain), 0.0))
-        assert (a in f.index.match_depths(chain)) == record
+        f.index.record(a, chain[:2])
+        w = adm.waiter_for(Decision(a, CACHE_HIT, 2 * f.block_tokens, 300, chain), 0.0)
+        adm.offer(w)
+        assert f.index.match_depths(chain)[a] == (len(chain) if record else 2)
+        _fill(f, a, 1)
+        assert adm.pump(0.1)[0] == [w]
+        assert f.index.match_depths(chain)[a] == 2
 
 
 LENT: list[int] = []  # assignments away from the instance whose slot freed, over the examples (see below)
