@@ -158,6 +158,7 @@ class Admission:
         self.bytes = 0
         self.reserved: dict[str, int] = {}  # slots given to assigned waiters not yet dispatched, per instance
         self._served: dict[str, float] = {}  # per tenant: requests admitted from the queue / weight (virtual time)
+        self._waiting: dict[str, int] = {}  # per tenant: requests waiting
         self._seq = itertools.count()
 
     # -- room ----------------------------------------------------------------------------------------------
@@ -229,6 +230,7 @@ class Admission:
             self._remove(v, PREEMPTED)
         self._activate(waiter.tenant)
         self.waiters[waiter.seq] = waiter
+        self._waiting[waiter.tenant] = self._waiting.get(waiter.tenant, 0) + 1
         self.bytes += waiter.size_bytes
         self._queue_prefill(waiter, +1)
         self._pending(waiter, record=True)
@@ -266,9 +268,9 @@ class Admission:
     def _activate(self, tenant: str) -> None:
         """A tenant with nothing waiting starts at the least-served waiting tenant's virtual time: it cannot bank
         the share it did not use while idle."""
-        if any(w.tenant == tenant for w in self.waiters.values()):
+        if tenant in self._waiting:
             return
-        floor = min((self._served.get(w.tenant, 0.0) for w in self.waiters.values()), default=None)
+        floor = min((self._served.get(t, 0.0) for t in self._waiting), default=None)
         if floor is None:  # nothing waits: everyone starts level, and the table stays small
             self._served.clear()
             return
@@ -293,6 +295,11 @@ class Admission:
 
     def _remove(self, waiter: Waiter, shed: str | None = None) -> None:
         del self.waiters[waiter.seq]
+        left = self._waiting[waiter.tenant] - 1
+        if left:
+            self._waiting[waiter.tenant] = left
+        else:
+            del self._waiting[waiter.tenant]
         self.bytes -= waiter.size_bytes
         self._queue_prefill(waiter, -1)
         self._pending(waiter, record=False)
@@ -341,8 +348,8 @@ class Admission:
         """One more request admitted for `tenant`: its virtual time advances by 1 / its weight. Requests that go
         at once count too: a tenant flooding the instances that have room is behind in the queue elsewhere."""
         if len(self._served) > MAX_TENANTS_TRACKED:  # tenants are client-chosen: keep those waiting
-            self._served = {w.tenant: self._served.get(w.tenant, 0.0) for w in self.waiters.values()}
-        floor = min((self._served.get(w.tenant, 0.0) for w in self.waiters.values()), default=0.0)
+            self._served = {t: self._served.get(t, 0.0) for t in self._waiting}
+        floor = min((self._served.get(t, 0.0) for t in self._waiting), default=0.0)
         start = max(self._served.get(tenant, 0.0), floor)  # no credit banked while it had nothing waiting
         self._served[tenant] = start + 1.0 / self.settings.tenant_weights.get(tenant, 1.0)
 
@@ -361,13 +368,14 @@ class Admission:
           for its own instance), the earliest virtual finish time: a quieter tenant's request before the backlog
           of a bursting one, the oldest first within a tenant."""
         served, slack = self._served, self.settings.fair_slack
-        finish = self.finish_times()
+        tenants = len(self._waiting) > 1  # else no one is behind, and finish times go by arrival
+        finish = self.finish_times() if tenants else {w.seq: float(w.seq) for w in self.waiters.values()}
         for local, remote in self._bands(inst, now):
             if not local:
                 continue
             first = min(finish[w.seq] for w in local)
             present = {w.tenant for w in local}
-            behind = [w for w in remote if w.tenant not in present and finish[w.seq] < first - slack
+            behind = [w for w in remote if tenants and w.tenant not in present and finish[w.seq] < first - slack
                       and self._may_borrow(w, now)]
             if behind:
                 lent = min(behind, key=lambda w: finish[w.seq])
