@@ -43,13 +43,14 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import ROOT, Proc, wait_ready  # noqa: E402
+from compare_peers import PEERS_VENV  # noqa: E402
 
 from warmroute.bench.client import send  # noqa: E402
 from warmroute.bench.loadgen import BenchSettings, run_bench  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
+from warmroute.bench.record import write_outputs  # noqa: E402
 from warmroute.bench.scrape import CacheCounters, scrape  # noqa: E402
-from warmroute.bench.stats import RequestRecord, percentile  # noqa: E402
+from warmroute.bench.stats import RequestRecord, percentile, to_ms  # noqa: E402
 from warmroute.core.strategies import StrategySettings  # noqa: E402
 from warmroute.sim.simulator import SimSettings, Simulation  # noqa: E402
 from warmroute.workloads import Session, Workload, make_workload  # noqa: E402
@@ -95,23 +96,30 @@ class Stack:
     async def __aenter__(self) -> Stack:
         port = free_ports(INSTANCES)
         self.urls = [f"http://127.0.0.1:{port + i}" for i in range(INSTANCES)]
-        self.engines = Child(f"engines-{self.contender.label}", ["engine", "--count", str(INSTANCES), "--port",
-                                                                 str(port), "--time-scale", str(self.time_scale)],
-                             self.logs)
-        await self.engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
-        rport = free_ports(2, port + INSTANCES)
-        argv = self.contender.argv(rport, self.urls, self.venv, self.slo, self.threshold)
-        if self.contender.code is not None:  # the same command from another checkout's code (PYTHONSAFEPATH:
-            # `python -m` would put the working directory, this checkout, first on the path)
-            argv = ["env", f"PYTHONPATH={self.contender.code}", "PYTHONSAFEPATH=1", *argv]
-        self.router = Proc(f"router-{self.contender.label}", argv, self.logs)
-        self.target = f"http://127.0.0.1:{rport}"
-        self.model = await wait_ready(self.router, self.target)
+        self.children: list[Child] = []
+        try:
+            engines = Child(f"engines-{self.contender.label}", ["engine", "--count", str(INSTANCES), "--port",
+                                                                str(port), "--time-scale", str(self.time_scale)],
+                            self.logs)
+            self.children.append(engines)
+            await engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
+            rport = free_ports(2, port + INSTANCES)
+            argv = self.contender.argv(rport, self.urls, self.venv, self.slo, self.threshold)
+            if self.contender.code is not None:  # the same command from another checkout's code (PYTHONSAFEPATH:
+                # `python -m` would put the working directory, this checkout, first on the path)
+                argv = ["env", f"PYTHONPATH={self.contender.code}", "PYTHONSAFEPATH=1", *argv]
+            router = Child.command(f"router-{self.contender.label}", argv, self.logs)
+            self.children.append(router)
+            self.target = f"http://127.0.0.1:{rport}"
+            self.model = await router.wait_for_model(self.target)
+        except BaseException:
+            await self.__aexit__()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.router.stop()
-        self.engines.stop()
+        for child in reversed(self.children):
+            child.stop()
 
     @property
     def metrics(self) -> list[str]:
@@ -200,11 +208,7 @@ def window_stats(recs: list[RequestRecord], start: float, end: float, slo: float
             "refused_429": sum(r.error == "http_429" for r in sent),
             "other_errors": sum(r.error is not None and r.error != "http_429" for r in sent),
             "hit_rate": d.hits / d.queries if d and d.queries else None,
-            "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99))}
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(1000 * x)
+            "ttft_p50_ms": to_ms(percentile(ttft, 50), 0), "ttft_p99_ms": to_ms(percentile(ttft, 99), 0)}
 
 
 def recovery_s(recs: list[RequestRecord], drop: float, end: float, slo: float, window: float = 5.0) -> float | None:
@@ -250,7 +254,7 @@ def tenant_stats(args: argparse.Namespace, rates: dict[str, float],
         ttft = [x for who, start, x in recs if who == t and start >= args.warmup and x is not None]
         out[t] = {"completed_rps": round(len(ttft) / span, 2),
                   "goodput_rps": round(sum(x <= args.slo for x in ttft) / span, 2),
-                  "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+                  "ttft_p50_ms": to_ms(percentile(ttft, 50), 0), "ttft_p99_ms": to_ms(percentile(ttft, 99), 0),
                   "refused_429": refused.get(t, 0)}
     out["jain"] = jain([out[t]["completed_rps"] for t in rates])
     return out
@@ -328,7 +332,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="add a contender `flow@DIR` per DIR: flow with the router from that checkout (before a "
                         "change)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
+    p.add_argument("--peers-venv", type=Path, default=PEERS_VENV)
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     args.slo *= args.time_scale
@@ -367,8 +371,7 @@ async def main(argv: list[str]) -> int:
                     results[f"{c.label} {'with' if noisy else 'without'} noisy"] = r = await tenants(args, c, cap, noisy)
                     print(c.label, "noisy" if noisy else "alone", json.dumps(r), flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+        write_outputs(args.json, results)
     print(f"logs: {args.logs}")
     return 0
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from aiohttp import web
 
+from fake_upstream import Upstream
 from warmroute.cli import SUBCOMMANDS
 from warmroute.core.feedback import VERDICTS
 from warmroute.core.strategies import REASONS
@@ -228,15 +228,8 @@ async def _healthcheck(port: int) -> int:
 
 
 async def test_healthcheck_command_tells_healthy_from_no_healthy_backend():
-    async def ok(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    upstream = web.Application()
-    upstream.router.add_get("/health", ok)
-    runner = web.AppRunner(upstream, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    healthy = await _start_router(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    upstream = await Upstream("ok").start()
+    healthy = await _start_router(upstream.url)
     with socket.socket() as s:  # a port nobody listens on: the first health round ejects the backend
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
@@ -247,7 +240,7 @@ async def test_healthcheck_command_tells_healthy_from_no_healthy_backend():
     finally:
         await healthy.stop()
         await unhealthy.stop()
-        await runner.cleanup()
+        await upstream.stop()
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from collections import defaultdict
 import pytest
 from aiohttp import web
 
-from client_helpers import StubEngine, wait_for
+from client_helpers import wait_for
+from fake_upstream import Upstream, serve_app
 from warmroute.router.app import ROUTER
 from warmroute.router.inference_pool import instances_of_pods, pool_targets
 from warmroute.router.server import start_router
@@ -59,10 +60,8 @@ class FakeApi:
         app = web.Application()
         app.router.add_get(POOLS, self._serve)
         app.router.add_get(PODS, self._serve)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.runner, url = await serve_app(app)
+        return url
 
     def put(self, path: str, kind: str, obj: dict) -> None:
         self.version += 1
@@ -101,18 +100,11 @@ class FakeApi:
         await self.runner.cleanup()
 
 
-async def test_an_inference_pool_drives_the_fleet(tmp_path, monkeypatch):
+async def test_an_inference_pool_drives_the_fleet(kubeconfig):
     api = FakeApi()
     api_url = await api.start()
-    engine = await StubEngine().start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": api_url}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "llm"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    engine = await Upstream("stub", models=None).start()
+    kubeconfig(api_url)
     api.objects[POOLS]["llama"] = pool({"app": "vllm"}, engine.port)
     api.objects[PODS]["vllm-0"] = pod("vllm-0", "127.0.0.1")
     api.objects[PODS]["vllm-1"] = pod("vllm-1", "127.0.0.2", ready=False)

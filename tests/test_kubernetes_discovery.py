@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from client_helpers import StubEngine, wait_for
+from client_helpers import wait_for
+from fake_upstream import Upstream, serve_app
 from warmroute.router.app import ROUTER
 from warmroute.router.kubernetes import instances_of
 from warmroute.router.server import start_router
@@ -48,10 +49,8 @@ class FakeApi:
     async def start(self) -> str:
         app = web.Application()
         app.router.add_get(PATH, self._endpointslices)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.runner, url = await serve_app(app)
+        return url
 
     def change(self, kind: str, obj: dict) -> None:
         self.version += 1
@@ -93,18 +92,11 @@ def test_only_ready_endpoints_on_the_named_port_become_instances():
     assert instances_of(slices, "vllm", "grpc") == []
 
 
-async def test_endpointslices_drive_the_fleet(tmp_path, monkeypatch):
+async def test_endpointslices_drive_the_fleet(kubeconfig):
     api = FakeApi()
     api_url = await api.start()
-    engine = await StubEngine().start()  # every pod is 127.0.0.x on the engine's port
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": api_url}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "llm"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    engine = await Upstream("stub", models=None).start()  # every pod is 127.0.0.x on the engine's port
+    kubeconfig(api_url)
     api.slices["vllm-abc"] = slice_("vllm-abc", engine.port, endpoint("vllm-0", "127.0.0.1"))
     router = await start_router(load_settings({"kubernetes_service": "llm/vllm", "kubernetes_port": "http",
                                                "port": 0, "health_interval": 3600, "engine_metrics": False},

@@ -177,7 +177,8 @@ class Admission:
             return False
         if not strict_kv or not inst.inflight or inst.kv_capacity_tokens <= 0:
             return True
-        return kv_pressure(inst) + kv_tokens / inst.kv_capacity_tokens <= self.settings.kv_limit
+        scale = self.fleet.cache_scale.value
+        return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.kv_limit
 
     def fleet_spare(self) -> int:
         """Free slots over the routable instances: fewer than theirs added up while an instance serves past its

@@ -75,11 +75,11 @@ class CacheAwareSettings(BaseModel):
         description="The same when several instances hold it (a popular prefix) or none: lower copies a "
                     "popular prefix to more instances sooner.")
     sticky_kv_limit: float = Field(
-        1.75, ge=0.0, le=1000.0,
+        3.0, ge=0.0, le=1000.0,
         description="cache_aware keeps a prompt on the one instance holding its prefix (miss_weight) only while "
-                    "the prompts in flight there need at most this many times its KV cache; beyond, the engine "
-                    "evicts queued histories anyway, and the prompt weighs its miss like a shared one. "
-                    "1000: always sticky.")
+                    "the prompts in flight there need at most this many times its KV cache (as engine feedback "
+                    "scales it); beyond, the engine evicts queued histories anyway, and the prompt weighs its miss "
+                    "like a shared one. 1000: always sticky.")
     hold_kv_limit: float = Field(
         1000.0, ge=0.0, le=1000.0,
         description="cache_aware holds such a prompt in the router while the prompts in flight at its instance, "

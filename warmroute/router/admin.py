@@ -19,8 +19,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from warmroute.router.auth import require_token
+from warmroute.router.connections import UPSTREAMS
 from warmroute.router.discovery import ADMIN, Membership
 from warmroute.router.errors import ApiError, bad_request
+from warmroute.router.health import HEALTH
 
 MEMBERSHIP = web.AppKey("membership", Membership)
 ADMIN_TOKEN = web.AppKey("admin_token", str)
@@ -74,8 +76,7 @@ async def add_instance(request: web.Request) -> web.Response:
     if not membership.add(backend, ADMIN):
         raise ApiError(409, f"instance {backend.name!r} comes from the configuration; change it there",
                        "conflict_error")
-    if membership.session is not None:
-        await membership.health.check(membership.session, backend.name)  # answer with its real state
+    await request.app[HEALTH].check_now(backend.name)  # answer with its real state
     return web.json_response(_one(membership, backend.name), status=200 if existed else 201)
 
 
@@ -101,12 +102,15 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     keep the index true: an instance that reset holds nothing the router believed it held."""
     membership = _auth(request)
     only = request.query.get("instance")
-    names = [only] if only is not None else list(membership.urls)
+    names = [only] if only is not None else list(membership.members)
     if only is not None:
         _one(membership, only)
-    if membership.session is None:
+    upstreams, urls = request.app[UPSTREAMS], membership.urls
+    if not upstreams.started:
         raise ApiError(503, "the router is still starting", "service_unavailable")
-    statuses = await asyncio.gather(*(_post(membership, n, "/reset_prefix_cache") for n in names))
+    timeout = aiohttp.ClientTimeout(total=request.app[HEALTH].settings.timeout * 5)
+    statuses = await asyncio.gather(*(_post(upstreams.session, urls.get(n), "/reset_prefix_cache", timeout)
+                                      for n in names))
     results = {}
     for name, status in zip(names, statuses):
         reset = status is not None and 200 <= status < 300
@@ -117,15 +121,13 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return web.json_response({"reset": ok, "instances": results}, status=200 if ok else 502)
 
 
-async def _post(membership: Membership, name: str, path: str) -> int | None:
+async def _post(session: aiohttp.ClientSession, url: str | None, path: str,
+                timeout: aiohttp.ClientTimeout) -> int | None:
     """POST to one instance; its status, or None if it could not be reached."""
-    assert membership.session is not None
-    url = membership.urls.get(name)
     if url is None:
         return None
-    timeout = aiohttp.ClientTimeout(total=membership.settings.health_timeout * 5)
     try:
-        async with membership.session.post(url + path, timeout=timeout) as r:
+        async with session.post(url + path, timeout=timeout) as r:
             await r.read()
             return r.status
     except (aiohttp.ClientError, OSError, TimeoutError):

@@ -66,6 +66,8 @@ def instances_of_pods(pods: dict[str, dict], ports: tuple[int, ...]) -> list[Bac
 
 
 class InferencePoolDiscovery(Watcher):
+    name = "inference-pool"
+
     def __init__(self, membership: Membership, pool: str) -> None:
         super().__init__()
         self.membership = membership

@@ -76,8 +76,8 @@ def _port_of(ports: list[dict], wanted: str | None) -> int | None:
 
 
 class Watcher:
-    """A background watch of the Kubernetes API that feeds the fleet; `start` waits (a little) for its first
-    listing, so the router knows its instances before it serves."""
+    """A component: a background watch of the Kubernetes API that feeds the fleet; `start` waits (a little) for
+    its first listing, so the router knows its instances before it serves."""
 
     what = "the Kubernetes API"
 
@@ -107,6 +107,8 @@ class Watcher:
 
 
 class KubernetesDiscovery(Watcher):
+    name = "kubernetes"
+
     def __init__(self, membership: Membership, service: str, port: str | None) -> None:
         super().__init__()
         self.membership = membership

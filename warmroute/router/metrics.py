@@ -13,6 +13,7 @@ dictionary build and a lock per call, too much for the per-request path. The eng
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -20,6 +21,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from warmroute.core.feedback import VERDICTS
 from warmroute.core.fleet import Fleet
 from warmroute.core.strategies import REASONS
+
+if TYPE_CHECKING:
+    from warmroute.router.members import Member
 
 NO_INSTANCE = "none"  # backend label of requests answered before any instance was chosen (400, 413, 503)
 
@@ -139,6 +143,16 @@ class Metrics:
                                   self.predicted_cached_tokens.labels(name))
             self._verdicts.update({(name, v): self.feedback.labels(name, v) for v in VERDICTS})
         self._healthy[name].set(1 if healthy else 0)
+
+    # -- membership (members.py; built with the configured backends, so it is subscribed without replay) -----
+    def added(self, member: Member) -> None:
+        self.add_backend(member.name, healthy=False)  # until its first health check passes
+
+    def changed(self, member: Member) -> None:
+        pass
+
+    def removed(self, name: str) -> None:
+        self.remove_backend(name)
 
     def remove_backend(self, name: str) -> None:
         """The instance left the fleet: drop its gauges (counters stay, so rates over them remain right)."""

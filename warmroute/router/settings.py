@@ -314,9 +314,15 @@ class RouterSettings(BaseSettings, StrategySettings):
         None, description="Model directory (tokenizer.json, tokenizer_config.json with the chat template) or "
                           "tokenizer.json path of the model the engines serve: precise mode tokenizes each request "
                           "as the engine will.")
+    kv_events_discover: bool = Field(
+        True, description="Ask each instance whose backend entry gives no kv_events_endpoint where it publishes "
+                          "(vLLM's GET /kv_event_sources: its endpoints, ports chosen at start-up included), "
+                          "asking again until it answers; kv_events_port and kv_events_replay_port are used where "
+                          "it has no such endpoint.")
     kv_events_port: int = Field(
         5557, ge=0, le=65535, description="Port of an instance's KV-event publisher at its URL's host, unless its "
-                                          "backend entry gives kv_events_endpoint (0: only those that do).")
+                                          "backend entry gives kv_events_endpoint or the instance says "
+                                          "(kv_events_discover); 0: only those.")
     kv_events_replay_port: int = Field(
         5558, ge=0, le=65535, description="Port of an instance's KV-event replay socket at its URL's host, unless "
                                           "its backend entry gives kv_events_replay_endpoint (0: none). Without "
@@ -461,17 +467,18 @@ def _tokenizer_problem(path: str) -> str | None:
     return None
 
 
-def kv_event_endpoints(settings: RouterSettings, backend: Backend) -> tuple[str | None, str | None]:
-    """An instance's KV-event publisher and replay endpoints: those its entry gives, else its URL's host at the
-    ports set."""
+def kv_event_source(settings: RouterSettings, backend: Backend) -> tuple[str | None, str | None, str | None]:
+    """An instance's KV-event publisher and replay endpoints, and the URL to ask where it publishes (None: don't
+    ask): those its entry gives; else, with kv_events_discover, what the instance itself says, falling back to its
+    URL's host at the ports set."""
     if backend.kv_events_endpoint is not None:
-        return backend.kv_events_endpoint, backend.kv_events_replay_endpoint
+        return backend.kv_events_endpoint, backend.kv_events_replay_endpoint, None
     host = urlsplit(backend.url).hostname or ""
     host = f"[{host}]" if ":" in host else host
     pub = f"tcp://{host}:{settings.kv_events_port}" if settings.kv_events_port else None
     replay = backend.kv_events_replay_endpoint or (f"tcp://{host}:{settings.kv_events_replay_port}"
                                                    if settings.kv_events_replay_port else None)
-    return pub, replay
+    return pub, replay, backend.url if settings.kv_events_discover else None
 
 
 def upstream_tls(settings: RouterSettings, only: str | None = None) -> ssl.SSLContext | None:
