@@ -64,7 +64,8 @@ class Router:
         self.admission = Admission(admission_settings(
             settings, settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
             timeout_s=settings.queue_timeout, spill_headroom=settings.spill_headroom,
-            aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights), self.fleet)
+            aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights,
+            record_queued=self.strategy.records_prefixes), self.fleet)
         self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
         self.tokenizer: PromptTokenizer | None = None
         self.lora_adapters: set[str] = set()  # model names that are LoRA adapters (models.py ModelCatalog)
