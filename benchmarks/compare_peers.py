@@ -53,6 +53,7 @@ from warmroute.bench.processes import Child, free_ports
 from warmroute.bench.record import OUT, ROOT, command_line, log, machine, now_utc
 from warmroute.bench.scrape import fetch_metrics
 from warmroute.bench.stats import load_spread
+from warmroute.engine.tokenizer import default_tokenizer_dir
 from warmroute.errors import UsageError
 from warmroute.prometheus_text import read_samples
 from warmroute.workloads import Workload, make_workload
@@ -75,6 +76,7 @@ class Contender:
     label: str
     router: str  # "warmroute", "smg" or "vllm-router"
     policy: str
+    kv_events: bool = False  # warmroute's precise mode: the engines publish their KV events, the router follows
 
     @property
     def is_peer(self) -> bool:
@@ -85,6 +87,8 @@ class Contender:
         if self.router == "warmroute":
             args = [sys.executable, "-m", "warmroute", "serve", "--port", str(port), "--strategy", self.policy,
                     "--kv-capacity-tokens", str(kv_capacity_tokens), "--log-level", "warning"]
+            if self.kv_events:  # it asks each engine where it publishes (GET /kv_event_sources)
+                args += ["--kv-events", "--tokenizer", str(default_tokenizer_dir())]
             for i, url in enumerate(urls):
                 args += ["--backend", f"engine-{i}={url}"]
             return args
@@ -100,6 +104,7 @@ CONTENDERS = [
     Contender("random", "warmroute", "random"),
     Contender("prefix", "warmroute", "prefix"),
     Contender("cache_aware", "warmroute", "cache_aware"),
+    Contender("precise", "warmroute", "cache_aware", kv_events=True),
     Contender("smg cache_aware", "smg", "cache_aware"),
     Contender("vllm-router cache_aware", "vllm-router", "cache_aware"),
     Contender("vllm-router consistent_hash", "vllm-router", "consistent_hash"),
@@ -196,6 +201,13 @@ def plans(quick: bool) -> list[WorkloadPlan]:
         # instances end up overcommitted is settled by the first; 15-s runs of one setting of ours spread over
         # 7-20 points in hit rate (44-64% for the default) and up to 750 ms in p99 (the 6th-slowest of ~600
         # requests); 60-s runs within 2.4 points and 180 ms (docs/benchmarks.md, the chat tail).
+        # KV pressure in llm-d's shape, scaled down: equally popular ~1,500-token contexts (one customer's
+        # document each) whose whole set fills 75% of the fleet's KV cache, a unique 300-token question each.
+        WorkloadPlan("kv-pressure", "rag", {"docs": 60, "doc_tokens": 1500, "question_tokens": 300, "zipf": 0.0,
+                                            "systems": 1, "system_tokens": 50},
+                     concurrency=8, cache_fraction=1 / 0.75,
+                     description="60 equally popular 1,500-token contexts filling 75% of the fleet's KV cache, "
+                                 "a unique question each"),
         WorkloadPlan("chat", "chat", {"min_turns": 6, "max_turns": 12, "reply_tokens": 300},
                      concurrency=32, cache_fraction=0.9, window_factor=4.0,
                      description="long multi-turn chats: 6-12 turns, 300-token replies kept in the history"),
@@ -234,9 +246,11 @@ def size(plan: WorkloadPlan, workload: Workload) -> Sizing:
     return Sizing(ws, largest, cap, None, 0)
 
 
-def engine_argv(port: int, kv_capacity_tokens: int, time_scale: float, max_running: int) -> list[str]:
+def engine_argv(port: int, kv_capacity_tokens: int, time_scale: float, max_running: int,
+                events_port: int | None = None) -> list[str]:
+    events = ["--kv-events-port", str(events_port)] if events_port else []
     return ["engine", "--count", str(INSTANCES), "--port", str(port), "--kv-capacity-tokens",
-            str(kv_capacity_tokens), "--time-scale", f"{time_scale:g}", "--max-running", str(max_running)]
+            str(kv_capacity_tokens), "--time-scale", f"{time_scale:g}", "--max-running", str(max_running), *events]
 
 
 # -- the peers' virtualenv ----------------------------------------------------------------------------------------
@@ -386,10 +400,11 @@ async def run_one(contender: Contender, plan: WorkloadPlan, workload: Workload, 
     engine_port = free_ports(INSTANCES)
     urls = [f"http://127.0.0.1:{engine_port + i}" for i in range(INSTANCES)]
     try:
+        events_port = free_ports(2 * INSTANCES, engine_port + INSTANCES) if contender.kv_events else None
         with Child(f"engines-{tag}", engine_argv(engine_port, sizing.kv_capacity_tokens, plan.time_scale,
-                                                 plan.max_running), logs) as engines:
+                                                 plan.max_running, events_port), logs) as engines:
             await engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
-            port = free_ports(2, engine_port + INSTANCES)
+            port = free_ports(2, engine_port + INSTANCES + 2 * INSTANCES)
             argv = contender.argv(port, port + 1, urls, sizing.kv_capacity_tokens, args.peers_venv)
             with Child.command(f"router-{tag}", argv, logs) as router:
                 target = f"http://127.0.0.1:{port}"
@@ -656,7 +671,7 @@ def _shown(key: str, workload: str) -> bool:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", nargs="+", metavar="NAME", help="subset of: mixed hot hot-open chat conversation synthetic")
+    p.add_argument("--workloads", nargs="+", metavar="NAME", help="subset of: mixed hot hot-open kv-pressure chat conversation synthetic")
     p.add_argument("--contenders", nargs="+", metavar="LABEL",
                    help="subset of: " + ", ".join(repr(c.label) for c in CONTENDERS))
     p.add_argument("--quick", action="store_true",
