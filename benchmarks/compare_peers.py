@@ -30,9 +30,6 @@ import asyncio
 import json
 import math
 import os
-import platform
-import re
-import shlex
 import signal
 import statistics
 import subprocess
@@ -41,7 +38,6 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from functools import cached_property
 from itertools import islice
 from pathlib import Path
@@ -51,15 +47,19 @@ import aiohttp
 
 from warmroute.bench.client import send
 from warmroute.bench.demo import engine_tokens_per_estimated_token
+from warmroute.bench.formats import ms, number, pct, times
 from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.processes import Child, free_ports
-from warmroute.bench.scrape import counter_sum
+from warmroute.bench.record import OUT, ROOT, command_line, log, machine, now_utc
+from warmroute.bench.scrape import fetch_metrics
 from warmroute.bench.stats import load_spread
+from warmroute.engine.tokenizer import default_tokenizer_dir
 from warmroute.errors import UsageError
+from warmroute.prometheus_text import read_samples
 from warmroute.workloads import Workload, make_workload
 from warmroute.workloads.trace import TraceRecord, TraceReplay, load_trace
 
-ROOT = Path(__file__).resolve().parent.parent
+PEERS_VENV = ROOT / ".peers-venv"  # git-ignored
 MOONCAKE = Path(os.environ.get("WARMROUTE_MOONCAKE", ROOT.parent / "shared" / "data" / "mooncake"))
 INSTANCES = 4
 SAMPLE_S = 0.5  # engine /metrics sampling period (per-instance load and queues)
@@ -76,6 +76,7 @@ class Contender:
     label: str
     router: str  # "warmroute", "smg" or "vllm-router"
     policy: str
+    kv_events: bool = False  # warmroute's precise mode: the engines publish their KV events, the router follows
 
     @property
     def is_peer(self) -> bool:
@@ -86,6 +87,8 @@ class Contender:
         if self.router == "warmroute":
             args = [sys.executable, "-m", "warmroute", "serve", "--port", str(port), "--strategy", self.policy,
                     "--kv-capacity-tokens", str(kv_capacity_tokens), "--log-level", "warning"]
+            if self.kv_events:  # it asks each engine where it publishes (GET /kv_event_sources)
+                args += ["--kv-events", "--tokenizer", str(default_tokenizer_dir())]
             for i, url in enumerate(urls):
                 args += ["--backend", f"engine-{i}={url}"]
             return args
@@ -101,6 +104,7 @@ CONTENDERS = [
     Contender("random", "warmroute", "random"),
     Contender("prefix", "warmroute", "prefix"),
     Contender("cache_aware", "warmroute", "cache_aware"),
+    Contender("precise", "warmroute", "cache_aware", kv_events=True),
     Contender("smg cache_aware", "smg", "cache_aware"),
     Contender("vllm-router cache_aware", "vllm-router", "cache_aware"),
     Contender("vllm-router consistent_hash", "vllm-router", "consistent_hash"),
@@ -197,6 +201,13 @@ def plans(quick: bool) -> list[WorkloadPlan]:
         # instances end up overcommitted is settled by the first; 15-s runs of one setting of ours spread over
         # 7-20 points in hit rate (44-64% for the default) and up to 750 ms in p99 (the 6th-slowest of ~600
         # requests); 60-s runs within 2.4 points and 180 ms (docs/benchmarks.md, the chat tail).
+        # KV pressure in llm-d's shape, scaled down: equally popular ~1,500-token contexts (one customer's
+        # document each) whose whole set fills 75% of the fleet's KV cache, a unique 300-token question each.
+        WorkloadPlan("kv-pressure", "rag", {"docs": 60, "doc_tokens": 1500, "question_tokens": 300, "zipf": 0.0,
+                                            "systems": 1, "system_tokens": 50},
+                     concurrency=8, cache_fraction=1 / 0.75,
+                     description="60 equally popular 1,500-token contexts filling 75% of the fleet's KV cache, "
+                                 "a unique question each"),
         WorkloadPlan("chat", "chat", {"min_turns": 6, "max_turns": 12, "reply_tokens": 300},
                      concurrency=32, cache_fraction=0.9, window_factor=4.0,
                      description="long multi-turn chats: 6-12 turns, 300-token replies kept in the history"),
@@ -235,53 +246,11 @@ def size(plan: WorkloadPlan, workload: Workload) -> Sizing:
     return Sizing(ws, largest, cap, None, 0)
 
 
-def engine_argv(port: int, kv_capacity_tokens: int, time_scale: float, max_running: int) -> list[str]:
+def engine_argv(port: int, kv_capacity_tokens: int, time_scale: float, max_running: int,
+                events_port: int | None = None) -> list[str]:
+    events = ["--kv-events-port", str(events_port)] if events_port else []
     return ["engine", "--count", str(INSTANCES), "--port", str(port), "--kv-capacity-tokens",
-            str(kv_capacity_tokens), "--time-scale", f"{time_scale:g}", "--max-running", str(max_running)]
-
-
-# -- processes ----------------------------------------------------------------------------------------------------
-class Proc(Child):
-    """`warmroute.bench.processes.Child` for any command line (a peer's binary), not only `python -m warmroute`."""
-
-    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-
-
-async def wait_ready(proc: Child, target: str, timeout_s: float = 60.0) -> str:
-    """Until the router lists a model and serves a one-token completion; returns the model name."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while True:
-            if proc.proc.poll() is not None:
-                raise proc.failure(f"exited with status {proc.proc.returncode}")
-            model = await _ready_model(session, target)
-            if model is not None:
-                return model
-            if time.monotonic() > deadline:
-                raise proc.failure(f"not ready after {timeout_s:.0f} s")
-            await asyncio.sleep(0.2)
-
-
-async def _ready_model(session: aiohttp.ClientSession, target: str) -> str | None:
-    timeout = aiohttp.ClientTimeout(total=5)
-    try:
-        async with session.get(target + "/v1/models", timeout=timeout) as resp:
-            data = await resp.json(content_type=None) if resp.status == 200 else None
-        models = data.get("data") if isinstance(data, dict) else None
-        if not models:
-            return None
-        model = models[0].get("id")
-        probe = {"model": model, "prompt": "ready?", "max_tokens": 1}
-        async with session.post(target + "/v1/completions", json=probe, timeout=timeout) as resp:
-            await resp.read()
-            return model if resp.status == 200 else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        return None
+            str(kv_capacity_tokens), "--time-scale", f"{time_scale:g}", "--max-running", str(max_running), *events]
 
 
 # -- the peers' virtualenv ----------------------------------------------------------------------------------------
@@ -378,18 +347,20 @@ class EngineSampler:
         assert self._session is not None
         t = time.perf_counter() - self.t0
         try:
-            texts = await asyncio.gather(*(self._get(u) for u in self.urls))
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pages = [read_samples(text, _SAMPLED) for text in await fetch_metrics(self._session, self.urls)]
+        except (OSError, ValueError):
             return
-        finished = tuple(counter_sum(x, "vllm:request_success_total") or 0.0 for x in texts)
-        queued = tuple((counter_sum(x, "vllm:num_requests_running") or 0.0)
-                       + (counter_sum(x, "vllm:num_requests_waiting") or 0.0) for x in texts)
+        finished = tuple(_total(p, FINISHED) for p in pages)
+        queued = tuple(_total(p, RUNNING) + _total(p, WAITING) for p in pages)
         self.samples.append(Sample(t, finished, queued))
 
-    async def _get(self, url: str) -> str:
-        assert self._session is not None
-        async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            return await resp.text()
+
+FINISHED, RUNNING, WAITING = "vllm:request_success_total", "vllm:num_requests_running", "vllm:num_requests_waiting"
+_SAMPLED = (FINISHED, RUNNING, WAITING)
+
+
+def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+    return sum(v for _, v in samples.get(name, []))
 
 
 def window_load(samples: Sequence[Sample], start_s: float) -> dict[str, Any]:
@@ -429,14 +400,15 @@ async def run_one(contender: Contender, plan: WorkloadPlan, workload: Workload, 
     engine_port = free_ports(INSTANCES)
     urls = [f"http://127.0.0.1:{engine_port + i}" for i in range(INSTANCES)]
     try:
+        events_port = free_ports(2 * INSTANCES, engine_port + INSTANCES) if contender.kv_events else None
         with Child(f"engines-{tag}", engine_argv(engine_port, sizing.kv_capacity_tokens, plan.time_scale,
-                                                 plan.max_running), logs) as engines:
+                                                 plan.max_running, events_port), logs) as engines:
             await engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
-            port = free_ports(2, engine_port + INSTANCES)
+            port = free_ports(2, engine_port + INSTANCES + 2 * INSTANCES)
             argv = contender.argv(port, port + 1, urls, sizing.kv_capacity_tokens, args.peers_venv)
-            with Proc(f"router-{tag}", argv, logs) as router:
+            with Child.command(f"router-{tag}", argv, logs) as router:
                 target = f"http://127.0.0.1:{port}"
-                model = await wait_ready(router, target)
+                model = await router.wait_for_model(target)
                 settings = bench_settings(plan, args, model, urls, contender.label)
                 async with EngineSampler(urls) as sampler:
                     result = await run_bench(target, workload, settings)
@@ -467,20 +439,16 @@ async def decision_counts(target: str) -> dict[str, float]:
     """warmroute_decisions_total by reason, from the router's /metrics."""
     try:
         async with aiohttp.ClientSession() as session:
-            async with session.get(target + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                text = await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+            text, = await fetch_metrics(session, [target + "/metrics"])
+    except OSError:
         return {}
     return parse_decisions(text)
 
 
-_DECISION = re.compile(r'^warmroute_decisions_total\{[^}]*reason="([^"]+)"[^}]*\}\s+(\S+)', re.M)
-
-
 def parse_decisions(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for reason, value in _DECISION.findall(text):
-        out[reason] = out.get(reason, 0.0) + float(value)
+    for labels, value in read_samples(text, ("warmroute_decisions_total",)).get("warmroute_decisions_total", []):
+        out[labels.get("reason", "")] = out.get(labels.get("reason", ""), 0.0) + value
     return out
 
 
@@ -497,9 +465,9 @@ async def router_overhead(contender: Contender, workloads: dict[str, Workload], 
             await engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
             port = free_ports(2, engine_port + INSTANCES)
             argv = contender.argv(port, port + 1, urls, 1 << 20, args.peers_venv)
-            with Proc(f"router-{tag}", argv, logs) as router:
+            with Child.command(f"router-{tag}", argv, logs) as router:
                 target = f"http://127.0.0.1:{port}"
-                model = await wait_ready(router, target)
+                model = await router.wait_for_model(target)
                 async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                     for label, workload in workloads.items():
                         out[label] = await _paired(session, target, urls, workload, model, pairs)
@@ -622,22 +590,17 @@ def check_targets(workload: str, rows: dict[str, dict[str, float | None]], peers
 
 
 def fmt(key: str, value: float | None) -> str:
-    if value is None:
-        return "-"
     if key == "hit_rate":
-        return f"{100 * value:.1f}%"
+        return pct(value)
     if key == "throughput":
-        return f"{value:.2f}/s"
+        return number(value, 2, "/s")
     if key == "load_spread":
-        return f"{value:.2f}"
-    if key == "router_ms":
-        return f"{value:.2f} ms"
-    return f"{value:,.0f} ms"
+        return number(value, 2)
+    return ms(value, 2 if key == "router_ms" else 0)
 
 
 def cell(key: str, value: float | None, reference: float | None) -> str:
-    r = ratio(value, reference)
-    return fmt(key, value) + ("" if r is None else f" ({r:.2f}x)")
+    return fmt(key, value) + ("" if value is None else times(ratio(value, reference), "x"))
 
 
 def render_report(meta: dict[str, Any], table: dict[str, dict[str, dict[str, float | None]]],
@@ -708,7 +671,7 @@ def _shown(key: str, workload: str) -> bool:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", nargs="+", metavar="NAME", help="subset of: mixed hot hot-open chat conversation synthetic")
+    p.add_argument("--workloads", nargs="+", metavar="NAME", help="subset of: mixed hot hot-open kv-pressure chat conversation synthetic")
     p.add_argument("--contenders", nargs="+", metavar="LABEL",
                    help="subset of: " + ", ".join(repr(c.label) for c in CONTENDERS))
     p.add_argument("--quick", action="store_true",
@@ -719,30 +682,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
                    help=f"output tokens per request, traces included (default {MAX_TOKENS}: see MAX_TOKENS)")
     p.add_argument("--overhead-pairs", type=int, default=40, help="request pairs per workload for router overhead")
-    p.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv", help="virtualenv for the peers")
+    p.add_argument("--peers-venv", type=Path, default=PEERS_VENV, help="virtualenv for the peers")
     p.add_argument("--no-install", action="store_true", help="use the peers already in --peers-venv")
-    p.add_argument("--report", type=Path, default=ROOT / "out" / "peers.md",
+    p.add_argument("--report", type=Path, default=OUT / "peers.md",
                    help="where the Markdown report goes (docs/peers.md to replace the published one)")
-    p.add_argument("--json", type=Path, default=ROOT / "out" / "peers.json")
+    p.add_argument("--json", type=Path, default=OUT / "peers.json")
     p.add_argument("--logs", type=Path, help="keep every engine's and router's log in this folder")
     p.add_argument("--dry-run", action="store_true", help="print how each workload is sized and loaded, run nothing")
     args = p.parse_args(argv)
     args.duration = args.duration or (10.0 if args.quick else 15.0)
     args.warmup = args.warmup if args.warmup is not None else (4.0 if args.quick else 5.0)
     return args
-
-
-def command_line(argv: list[str]) -> str:
-    script = Path(__file__).resolve()
-    try:
-        script_s = str(script.relative_to(ROOT))
-    except ValueError:
-        script_s = str(script)
-    return " ".join(shlex.quote(a) for a in [".venv/bin/python", script_s, *argv])
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 async def compare(args: argparse.Namespace, argv: list[str]) -> int:
@@ -796,9 +746,9 @@ async def compare(args: argparse.Namespace, argv: list[str]) -> int:
     targets = [t for p in chosen
                for t in check_targets(p.label, table.get(p.label, {}), peer_labels, fixed_rate=not p.closed_loop)]
     meta = {
-        "command": command_line(argv),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other work",
+        "command": command_line(__file__, argv),
+        "date": now_utc(),
+        "machine": machine(),
         "config": ("reduced configuration (--quick)" if args.quick else "full configuration")
                   + f", {args.warmup:g} s warm-up + {args.duration:g} s measured per closed-loop run"
                   + "".join(f" ({p.label}: {args.duration * p.window_factor:g} s)" for p in chosen
@@ -845,10 +795,9 @@ def progress_line(o: RunOutcome) -> str:
     if o.summary is None:
         return f"{o.contender:<28} FAILED: {o.error}"
     s = o.summary
-    hit = s["hit_rate"]["fleet"]
     return (f"{o.contender:<28} {s['requests']:>5} req, errors {sum(s['errors'].values())}, TTFT p50/p99 "
             f"{s['ttft_ms']['p50']}/{s['ttft_ms']['p99']} ms, {s['throughput']['requests_per_s']}/s, hit "
-            f"{'-' if hit is None else f'{100 * hit:.1f}%'}, load {o.load.get('requests')} "
+            f"{pct(s['hit_rate']['fleet'])}, load {o.load.get('requests')} "
             f"spread {o.load.get('spread') and round(o.load['spread'], 2)}")
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """warmroute behind Envoy as its endpoint picker, beside `warmroute serve`, Envoy alone, and no router at all.
 
-    .venv/bin/python benchmarks/gateway.py [--rounds N] [--duration S] [--phases saturation latency] [--no-doc]
+    .venv/bin/python benchmarks/gateway.py [--rounds N] [--duration S] [--phases saturation latency]
 
-Issue #20's measurements, in one run on one machine, with benchmarks/saturation.py's load generator, fleets,
-windows and CPU accounting (imported from it):
+Issue #20's measurements, in one run on one machine, with warmroute.bench's raw-socket load generator and CPU
+accounting, and benchmarks/saturation.py's fleets and windows (imported from it):
 
 (a) Saturation throughput on 4 trivial instances (warmroute.bench.trivial): a closed loop of 128 keep-alive
     connections sending small chat completions (every other one streamed, 8 tokens). Contenders:
@@ -26,8 +26,8 @@ windows and CPU accounting (imported from it):
     (an empty answer to each message: grpcio's own cost) and (2) `warmroute epp` in front of stub instances;
     CPU of the serving process per stream.
 
-Writes out/gateway.json, and (unless --no-doc) the section "Envoy + warmroute epp (issue #20)" of
-docs/benchmarks.md.
+Writes out/gateway.json (everything measured) and out/gateway.md: the section "Envoy + warmroute epp
+(issue #20)" of docs/benchmarks.md, to be pasted there by hand.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_peers as cp  # noqa: E402
 import saturation as sat  # noqa: E402
 
+from warmroute.bench.formats import markdown_table, pct  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
+from warmroute.bench.rawload import hostport  # noqa: E402
+from warmroute.bench.record import OUT, command_line, load_average, log, now_utc, tree_state, write_outputs  # noqa: E402
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SECTION = "Envoy + warmroute epp (issue #20)"
 CONTENDERS = ["direct", "serve", "envoy", "envoy+epp", "envoy+epp hdrs"]
 KV_CAPACITY = sat.KV_CAPACITY
@@ -120,7 +123,7 @@ async def _start_envoy(running: Running, label: str, admin: int, listener: dict,
     config.add(listener, clusters)
     envoy = EnvoyProcess(config)
     running.envoys.append(envoy)
-    proc = cp.Proc(f"{_name(label)}-envoy", envoy.argv(), logs)
+    proc = Child.command(f"{_name(label)}-envoy", envoy.argv(), logs)
     await envoy.wait_ready(proc.proc)
     return proc
 
@@ -132,12 +135,12 @@ def _name(label: str) -> str:
 async def start_stack(running: Running, label: str, listen: int, kv_capacity: int, logs: Path, tag: str) -> Stack:
     """One router in front of `running`'s instances, on ports listen..listen+3 (listener, control, picker's gRPC,
     Envoy's admin); returns once it serves a completion."""
-    engines = [sat._hostport(u) for u in running.urls]
+    engines = [hostport(u) for u in running.urls]
     stack = running.stacks[label] = Stack(label, f"http://127.0.0.1:{listen}")
     if label == "serve":
         argv = cp.Contender(label, "warmroute", "cache_aware").argv(listen, listen + 1, running.urls, kv_capacity,
                                                                    Path("."))
-        stack.processes["router"] = cp.Proc(f"{tag}-serve", argv, logs)
+        stack.processes["router"] = Child.command(f"{tag}-serve", argv, logs)
     elif label == "envoy":
         stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3,
                                                       *_plain_envoy("plain", listen, engines), logs)
@@ -146,12 +149,12 @@ async def start_stack(running: Running, label: str, listen: int, kv_capacity: in
         argv = [sys.executable, "-m", "warmroute", "epp", "--port", str(control), "--epp-port", str(grpc_port),
                 "--strategy", "cache_aware", "--kv-capacity-tokens", str(kv_capacity), "--log-level", "warning"]
         argv += [a for i, u in enumerate(running.urls) for a in ("--backend", f"e{i}={u}")]
-        stack.processes["picker"] = cp.Proc(f"{tag}-{_name(label)}", argv, logs)
+        stack.processes["picker"] = Child.command(f"{tag}-{_name(label)}", argv, logs)
         listener, clusters = local_listener(ORIGINAL_DST, _name(label), listen, ("127.0.0.1", grpc_port))
         if label.endswith("hdrs"):
             _response_body_none(listener)
         stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3, listener, clusters, logs)
-    await cp.wait_ready(next(iter(stack.processes.values())), stack.url)
+    await next(iter(stack.processes.values())).wait_for_model(stack.url)
     return stack
 
 
@@ -164,7 +167,7 @@ async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str) -
     try:
         for child, count in zip(children, fleet.counts()):
             await child.wait_for_log("listening on", count, timeout_s=60)
-        running.model = await cp.wait_ready(children[0], urls[0])
+        running.model = await children[0].wait_for_model(urls[0])
         for label in labels:
             if label != "direct":
                 listen = free_ports(4, next_port)
@@ -182,7 +185,7 @@ def _contender(label: str) -> sat.Contender:
 
 async def phase_saturation(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     fleet = sat.FleetSpec("stub")
-    sat.log(f"== (a) saturation, {fleet.describe()}")
+    log(f"== (a) saturation, {fleet.describe()}")
     running = await start(fleet, args.contenders, logs, "sat")
 
     def line(c: sat.Contender, res: dict[str, Any]) -> str:
@@ -201,7 +204,7 @@ async def phase_saturation(args: argparse.Namespace, logs: Path) -> list[dict[st
 async def phase_latency(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     fleet = sat.FleetSpec("stub", itl_ms=args.itl_ms)
     routed = [c for c in args.contenders if c != "direct"]
-    sat.log(f"== (b) added latency, {args.streams} concurrent streams, {fleet.describe()}")
+    log(f"== (b) added latency, {args.streams} concurrent streams, {fleet.describe()}")
     running = await start(fleet, routed, logs, "lat")
 
     def line(c: sat.Contender, res: dict[str, Any]) -> str:
@@ -292,7 +295,7 @@ async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
             while await context.read() is not grpc.aio.EOF:
                 await context.write(ep.ProcessingResponse())
 
-    sat.log(f"== (c) picker CPU per ext_proc stream, {args.picker_streams} streams per window")
+    log(f"== (c) picker CPU per ext_proc stream, {args.picker_streams} streams per window")
     fleet = sat.FleetSpec("stub")
     port = free_ports(fleet.instances)
     with tempfile.TemporaryDirectory(prefix="warmroute-gateway-bench-") as tmp:
@@ -315,7 +318,7 @@ async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
                         cpu, wall = await _serve_streams(f"127.0.0.1:{grpc_port}", args.picker_streams)
                         out.append({"contender": label, "round": r, "cpu_us": 1e6 * cpu / args.picker_streams,
                                     "streams_per_s": args.picker_streams / wall})
-                        sat.log(f"   round {r} {label:<22} {out[-1]['cpu_us']:>6.0f} µs CPU per stream, "
+                        log(f"   round {r} {label:<22} {out[-1]['cpu_us']:>6.0f} µs CPU per stream, "
                                 f"{out[-1]['streams_per_s']:,.0f} streams/s")
             finally:
                 await picker.stop()
@@ -344,7 +347,7 @@ async def hit_rate_run(label: str, plan: Any, workload: Any, sizing: Any, args: 
         await engines.wait_for_log("listening on", cp.INSTANCES, timeout_s=60)
         stack = await start_stack(running, label, free_ports(4, port + cp.INSTANCES), sizing.kv_capacity_tokens,
                                   logs, "hit")
-        model = await cp.wait_ready(engines, urls[0])
+        model = await engines.wait_for_model(urls[0])
         window = argparse.Namespace(**{**vars(args), "duration": args.hit_duration, "warmup": 5.0})
         result = await run_bench(stack.url, workload, cp.bench_settings(plan, window, model, urls, label))
         summary = result.summary()
@@ -360,14 +363,14 @@ async def phase_hit_rate(args: argparse.Namespace, logs: Path) -> list[dict[str,
     assert plan.label == "mixed"
     workload = plan.build(args.seed, cp.MAX_TOKENS)
     sizing = cp.size(plan, workload)
-    sat.log(f"== (d) hit rate, the mixed workload ({plan.description}), {args.hit_duration:g} s per run")
+    log(f"== (d) hit rate, the mixed workload ({plan.description}), {args.hit_duration:g} s per run")
     out = []
     for r in range(args.hit_rounds):
         for label in (HIT_CONTENDERS if r % 2 == 0 else list(reversed(HIT_CONTENDERS))):
             res = await hit_rate_run(label, plan, workload, sizing, args, logs)
             res["round"] = r
             out.append(res)
-            sat.log(f"   round {r} {label:<10} fleet hit rate {res['hit_rate']['fleet']}  requests {res['requests']}")
+            log(f"   round {r} {label:<10} fleet hit rate {res['hit_rate']['fleet']}  requests {res['requests']}")
     return out
 
 
@@ -377,12 +380,17 @@ def _median(xs: list[float]) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
+def _by_contender(windows: list[dict[str, Any]], labels: Sequence[str] = CONTENDERS) -> Iterator[tuple[str, list]]:
+    """(label, its windows) for each of `labels` that has any, in that order."""
+    for label in labels:
+        mine = [w for w in windows if w["contender"] == label]
+        if mine:
+            yield label, mine
+
+
 def saturation_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for label in CONTENDERS:
-        mine = [w for w in windows if w["contender"] == label]
-        if not mine:
-            continue
+    for label, mine in _by_contender(windows):
         parts = sorted({k.split("/", 1)[1] for w in mine for k in w["cpu_cores"] if k.startswith(label + "/")})
         cores = {p: _median([w["cpu_cores"].get(f"{label}/{p}", 0.0) for w in mine]) for p in parts}
         rps = _median([w["rps"] for w in mine])
@@ -401,10 +409,7 @@ def saturation_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def latency_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for label in CONTENDERS:
-        mine = [w for w in windows if w["contender"] == label]
-        if not mine:
-            continue
+    for label, mine in _by_contender(windows):
         pairs = [p for w in mine for p in w["pairs"]]
         s = sat.latency_summary(pairs)
         per_round = [sat.latency_summary(w["pairs"]) for w in mine]
@@ -414,6 +419,39 @@ def latency_rows(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+# Each section of the report: its title, what it measured, its table's columns and their alignment.
+SECTIONS = {
+    "saturation": (
+        "(a) Saturation throughput: 4 trivial instances (warmroute.bench.trivial) in 1 process",
+        "Closed loop, 128 keep-alive connections, chat completions of ≈293 characters, max_tokens 8, every other one "
+        "streamed. req/s: median over the rounds (each round in brackets). CPU per request: the process's cores ÷ "
+        "req/s (medians over the rounds), for Envoy and the picker separately.",
+        ["contender", "req/s (rounds)", "errors", "latency p50 / p99", "cores", "CPU per request",
+         "instances / load gen / other cores"], "lrrrllr"),
+    "latency": (
+        "(b) Added time to first token at 64 concurrent streams",
+        "4 trivial instances, tokens 20 ms apart, 32 tokens; 64 sessions each sending the same streamed request "
+        "straight to an instance and through the router at the same moment. Added = routed percentile − direct "
+        "percentile (pairs pooled over the rounds).",
+        ["router", "pairs", "errors", "direct TTFT p50 / p99", "routed TTFT p50 / p99", "**added p50 / p99**",
+         "added p50 per round"], "lrrrrrl"),
+    "picker": (
+        "(c) Where the picker's time goes",
+        "The same ext_proc stream (request headers, buffered body of a chat completion, response headers, one "
+        "response body chunk with the usage: 4 messages each way) from a gRPC client in another process, 32 at a "
+        "time, answered by a null ext_proc service (grpcio's own cost) and by `warmroute epp` (4 stub instances); "
+        "CPU of the serving process per stream, median of the rounds.",
+        ["service", "CPU per stream (rounds)", "streams/s"], "lrr"),
+    "hits": (
+        "(d) Hit rate on the mixed workload",
+        "benchmarks/compare_peers.py's `mixed` plan (45% shared system prompts, 25% RAG, 25% multi-turn chats, 5% "
+        "one hot prompt; 16 sessions in a closed loop, KV capacity 0.6 × the working set over 4 emulated engines): "
+        "fresh engines and a fresh router per run; fleet token hit rate from the engines' /metrics over the "
+        "measured window. `envoy` (round robin, no picker) is the prefix-blind baseline.",
+        ["router", "fleet hit rate (runs)", "client hit rate", "TTFT p50 / p99", "requests", "errors"], "lrrrrr"),
+}
+
+
 def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[dict[str, Any]],
            picker: list[dict[str, Any]], hits: list[dict[str, Any]]) -> str:
     out = [f"## {SECTION}", "", "Regenerated by (do not edit by hand):", "", f"    {meta['command']}", "",
@@ -421,78 +459,47 @@ def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[
            f"{meta['load_before']}, after {meta['load_after']}); Envoy {meta['envoy'][0]} with one worker thread; "
            f"{meta['rounds']} rounds, {meta['warmup']} s warm-up + {meta['duration']} s measured per window, ABBA "
            f"order. Code: {meta['tree']}.", ""]
-    if sat_rows:
-        out += ["### (a) Saturation throughput: 4 trivial instances (warmroute.bench.trivial) in 1 process", "",
-                "Closed loop, 128 keep-alive connections, chat completions of ≈293 characters, max_tokens 8, every "
-                "other one streamed. req/s: median over the rounds (each round in brackets). CPU per request: the "
-                "process's cores ÷ req/s (medians over the rounds), for Envoy and the picker separately.", "",
-                "| contender | req/s (rounds) | errors | latency p50 / p99 | cores | CPU per request | instances / "
-                "load gen / other cores |", "| --- | ---: | ---: | ---: | --- | --- | ---: |"]
-        for r in sat_rows:
-            rounds = ", ".join(f"{x:,.0f}" for x in r["rounds"])
-            cores = ", ".join(f"{p} {v:.2f}" for p, v in r["cores"].items()) or "-"
-            cpu = ", ".join(f"{p} {v:.0f} µs" for p, v in r["cpu_us"].items() if v is not None) or "-"
-            out.append(f"| {r['label']} | {r['rps']:,.0f} ({rounds}) | {r['errors']} | {r['latency_p50']} / "
-                       f"{r['latency_p99']} ms | {cores} | {cpu} | {r['instances']:.2f} / {r['loadgen']:.2f} / "
-                       f"{r['other']:.2f} |")
-        out.append("")
-    if lat_rows:
-        out += ["### (b) Added time to first token at 64 concurrent streams", "",
-                "4 trivial instances, tokens 20 ms apart, 32 tokens; 64 sessions each sending the same streamed "
-                "request straight to an instance and through the router at the same moment. Added = routed "
-                "percentile − direct percentile (pairs pooled over the rounds).", "",
-                "| router | pairs | errors | direct TTFT p50 / p99 | routed TTFT p50 / p99 | **added p50 / p99** | "
-                "added p50 per round |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-        for r in lat_rows:
-            rounds = ", ".join(f"{x:.2f}" for x in r["added_p50_rounds"])
-            out.append(f"| {r['label']} | {r['pairs']:,} | {r['errors']} | {r['direct_p50']} / {r['direct_p99']} ms | "
-                       f"{r['router_p50']} / {r['router_p99']} ms | **{r['added_p50']} / {r['added_p99']} ms** | "
-                       f"{rounds} |")
-        out.append("")
-    if picker:
-        out += ["### (c) Where the picker's time goes", "",
-                "The same ext_proc stream (request headers, buffered body of a chat completion, response headers, "
-                "one response body chunk with the usage: 4 messages each way) from a gRPC client in another process, "
-                "32 at a time, answered by a null ext_proc service (grpcio's own cost) and by `warmroute epp` "
-                "(4 stub instances); CPU of the serving process per stream, median of the rounds.", "",
-                "| service | CPU per stream (rounds) | streams/s |", "| --- | ---: | ---: |"]
-        for label in ("null ext_proc service", "warmroute epp"):
-            mine = [w for w in picker if w["contender"] == label]
-            rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
-            out.append(f"| {label} | {_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds}) | "
-                       f"{_median([w['streams_per_s'] for w in mine]):,.0f} |")
-        out.append("")
-    if hits:
-        out += ["### (d) Hit rate on the mixed workload", "",
-                "benchmarks/compare_peers.py's `mixed` plan (45% shared system prompts, 25% RAG, 25% multi-turn chats, "
-                "5% one hot prompt; 16 sessions in a closed loop, KV capacity 0.6 × the working set over 4 emulated "
-                "engines): fresh engines and a fresh router per run; fleet token hit rate from the engines' "
-                "/metrics over the measured window. `envoy` (round robin, no picker) is the prefix-blind baseline.", "",
-                "| router | fleet hit rate (runs) | client hit rate | TTFT p50 / p99 | requests | errors |",
-                "| --- | ---: | ---: | ---: | ---: | ---: |"]
-        for label in HIT_CONTENDERS:
-            mine = [h for h in hits if h["contender"] == label]
-            if not mine:
-                continue
-            fleet = [h["hit_rate"]["fleet"] for h in mine]
-            runs = ", ".join(f"{100 * x:.1f}%" for x in fleet if x is not None)
-            client = _median([h["hit_rate"]["client"] for h in mine])
-            out.append(f"| {label} | {100 * (_median(fleet) or 0):.1f}% ({runs}) | "
-                       f"{'-' if client is None else f'{100 * client:.1f}%'} | "
-                       f"{_median([h['ttft_ms']['p50'] for h in mine])} / {_median([h['ttft_ms']['p99'] for h in mine])} "
-                       f"ms | {sum(h['requests'] for h in mine):,} | "
-                       f"{sum(sum(h['errors'].values()) if isinstance(h['errors'], dict) else h['errors'] for h in mine)} |")
-        out.append("")
+    tables = {
+        "saturation": [_saturation_cells(r) for r in sat_rows],
+        "latency": [_latency_cells(r) for r in lat_rows],
+        "picker": [_picker_cells(label, mine)
+                   for label, mine in _by_contender(picker, ("null ext_proc service", "warmroute epp"))],
+        "hits": [_hit_cells(label, mine) for label, mine in _by_contender(hits, HIT_CONTENDERS)],
+    }
+    for name, rows in tables.items():
+        if rows:
+            title, text, header, align = SECTIONS[name]
+            out += [f"### {title}", "", text, "", *markdown_table(header, align, rows), ""]
     return "\n".join(out)
 
 
-def update_doc(doc: str, section: str) -> str:
-    """Replace the section (up to the next `## `) or append it."""
-    start = doc.find(f"## {SECTION}")
-    if start < 0:
-        return doc.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    end = doc.find("\n## ", start + 3)
-    return doc[:start] + section.rstrip("\n") + "\n" + (doc[end:] if end >= 0 else "")
+def _saturation_cells(r: dict[str, Any]) -> list[str]:
+    rounds = ", ".join(f"{x:,.0f}" for x in r["rounds"])
+    cores = ", ".join(f"{p} {v:.2f}" for p, v in r["cores"].items()) or "-"
+    cpu = ", ".join(f"{p} {v:.0f} µs" for p, v in r["cpu_us"].items() if v is not None) or "-"
+    return [r["label"], f"{r['rps']:,.0f} ({rounds})", str(r["errors"]), f"{r['latency_p50']} / {r['latency_p99']} ms",
+            cores, cpu, f"{r['instances']:.2f} / {r['loadgen']:.2f} / {r['other']:.2f}"]
+
+
+def _latency_cells(r: dict[str, Any]) -> list[str]:
+    rounds = ", ".join(f"{x:.2f}" for x in r["added_p50_rounds"])
+    return [r["label"], f"{r['pairs']:,}", str(r["errors"]), f"{r['direct_p50']} / {r['direct_p99']} ms",
+            f"{r['router_p50']} / {r['router_p99']} ms", f"**{r['added_p50']} / {r['added_p99']} ms**", rounds]
+
+
+def _picker_cells(label: str, mine: list[dict[str, Any]]) -> list[str]:
+    rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
+    return [label, f"{_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds})",
+            f"{_median([w['streams_per_s'] for w in mine]):,.0f}"]
+
+
+def _hit_cells(label: str, mine: list[dict[str, Any]]) -> list[str]:
+    fleet = [h["hit_rate"]["fleet"] for h in mine]
+    runs = ", ".join(pct(x) for x in fleet if x is not None)
+    errors = sum(sum(h["errors"].values()) if isinstance(h["errors"], dict) else h["errors"] for h in mine)
+    return [label, f"{pct(_median(fleet) or 0)} ({runs})", pct(_median([h["hit_rate"]["client"] for h in mine])),
+            f"{_median([h['ttft_ms']['p50'] for h in mine])} / {_median([h['ttft_ms']['p99'] for h in mine])} ms",
+            f"{sum(h['requests'] for h in mine):,}", str(errors)]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -512,7 +519,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phases", nargs="+", default=["saturation", "latency", "picker", "hits"],
                    choices=["saturation", "latency", "picker", "hits"])
-    p.add_argument("--no-doc", action="store_true")
     return p.parse_args(argv)
 
 
@@ -523,17 +529,16 @@ async def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     from warmroute.gateway.envoy import envoy_binary
 
     version = subprocess.run([envoy_binary() or "envoy", "--version"], capture_output=True, text=True).stdout
-    meta = {"command": "python benchmarks/gateway.py" + ("" if not argv else " " + " ".join(argv)),
-            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(),
-            "load_before": sat.load_average(), "envoy": version.partition("version:")[2].strip().split("/")[1:2] or ["?"],
-            "rounds": args.rounds, "warmup": args.warmup, "duration": args.duration, "tree": sat.tree_state()}
+    meta = {"command": command_line(__file__, argv), "started": now_utc(), "cores": os.cpu_count(),
+            "load_before": load_average(), "envoy": version.partition("version:")[2].strip().split("/")[1:2] or ["?"],
+            "rounds": args.rounds, "warmup": args.warmup, "duration": args.duration, "tree": tree_state()}
     with tempfile.TemporaryDirectory(prefix="warmroute-gateway-bench-") as tmp:
         logs = Path(tmp)
         sat_windows = await phase_saturation(args, logs) if "saturation" in args.phases else []
         lat_windows = await phase_latency(args, logs) if "latency" in args.phases else []
         picker = await phase_picker(args) if "picker" in args.phases else []
         hits = await phase_hit_rate(args, logs) if "hits" in args.phases else []
-    meta["load_after"] = sat.load_average()
+    meta["load_after"] = load_average()
     return {"meta": meta, "saturation": sat_windows, "latency": lat_windows, "picker": picker, "hits": hits}
 
 
@@ -541,14 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     result = asyncio.run(measure(args, argv))
-    out = ROOT / "out"
-    out.mkdir(exist_ok=True)
-    (out / "gateway.json").write_text(json.dumps(result, indent=1))
     section = render(result["meta"], saturation_rows(result["saturation"]), latency_rows(result["latency"]),
                      result["picker"], result["hits"])
     print(section)
-    if not args.no_doc:
-        sat.DOC.write_text(update_doc(sat.DOC.read_text(), section))
+    write_outputs(OUT / "gateway.json", result, section)
     return 0
 
 

@@ -3,7 +3,8 @@
 
     .venv/bin/python benchmarks/overload.py closed  [--clients 16 128] [--duration 30]
     .venv/bin/python benchmarks/overload.py surge   [--capacity R] [--high 60] [--low 60]
-    .venv/bin/python benchmarks/overload.py tenants [--capacity R] [--duration 60]
+    .venv/bin/python benchmarks/overload.py tenants [--capacity R] [--duration 60] [--fair-share 0.25]
+    .venv/bin/python benchmarks/overload.py sim-tenants [--duration 60]
 
 Every run: a fresh emulated fleet (4 instances, the 8b profile, cold caches) and a fresh router in front of it;
 contenders `flow` (cache_aware, admission on: the default), `no-flow` (cache_aware --no-admission) and, where
@@ -17,7 +18,8 @@ contenders `flow` (cache_aware, admission on: the default), `no-flow` (cache_awa
            is within the SLO). `flow` runs with --queue-timeout equal to the SLO: past it a request is refused.
   tenants  four tenants (x-tenant; each its own mixed workload), three at a quarter of capacity and one at 5x
            that: each tenant's goodput and TTFT p99, Jain's index over the tenants' completed request rates;
-           and the three alone, for their TTFT p99 without the noisy one.
+           and the three alone, for their TTFT p99 without the noisy one. --fair-share sets the fair rate.
+  sim-tenants  the same in the simulator (virtual time: seconds, no machine noise), admission on and off.
 
 The capacity (requests/s the fleet serves) is measured first, unless given: 20 s of --capacity-clients (128)
 closed-loop clients through `flow`. --threshold sets warmroute's --concurrency-threshold for both of its
@@ -27,11 +29,10 @@ contenders.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
+import asyncio
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -42,14 +43,18 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import ROOT, Proc, wait_ready  # noqa: E402
+from compare_peers import PEERS_VENV  # noqa: E402
 
 from warmroute.bench.client import send  # noqa: E402
 from warmroute.bench.loadgen import BenchSettings, run_bench  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
+from warmroute.bench.record import write_outputs  # noqa: E402
 from warmroute.bench.scrape import CacheCounters, scrape  # noqa: E402
-from warmroute.bench.stats import RequestRecord, percentile  # noqa: E402
-from warmroute.workloads import Session, make_workload  # noqa: E402
+from warmroute.bench.stats import RequestRecord, percentile, to_ms  # noqa: E402
+from warmroute.core.strategies import StrategySettings  # noqa: E402
+from warmroute.sim.simulator import SimSettings, Simulation  # noqa: E402
+from warmroute.workloads import Session, Workload, make_workload  # noqa: E402
+from warmroute.workloads.tenants import Tenants, TenantStream, tagged, turns_per_session  # noqa: E402
 
 INSTANCES = 4
 MAX_TOKENS = 16
@@ -60,6 +65,7 @@ class Contender:
     label: str
     extra: tuple[str, ...] = ()  # warmroute serve flags; None router: the peer
     peer: bool = False
+    code: Path | None = None  # run the router from this checkout (--baseline-code: before / after a change)
 
     def argv(self, port: int, urls: list[str], venv: Path, slo: float | None, threshold: int | None) -> list[str]:
         if self.peer:
@@ -85,25 +91,35 @@ class Stack:
 
     def __init__(self, contender: Contender, args: argparse.Namespace, slo: float | None = None) -> None:
         self.contender, self.logs, self.venv, self.slo = contender, args.logs, args.peers_venv, slo
-        self.threshold = args.threshold
+        self.threshold, self.time_scale = args.threshold, args.time_scale
 
     async def __aenter__(self) -> Stack:
         port = free_ports(INSTANCES)
         self.urls = [f"http://127.0.0.1:{port + i}" for i in range(INSTANCES)]
-        self.engines = Child(f"engines-{self.contender.label}", ["engine", "--count", str(INSTANCES), "--port",
-                                                                 str(port)], self.logs)
-        await self.engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
-        rport = free_ports(2, port + INSTANCES)
-        self.router = Proc(f"router-{self.contender.label}", self.contender.argv(rport, self.urls, self.venv, self.slo,
-                                                                           self.threshold),
-                           self.logs)
-        self.target = f"http://127.0.0.1:{rport}"
-        self.model = await wait_ready(self.router, self.target)
+        self.children: list[Child] = []
+        try:
+            engines = Child(f"engines-{self.contender.label}", ["engine", "--count", str(INSTANCES), "--port",
+                                                                str(port), "--time-scale", str(self.time_scale)],
+                            self.logs)
+            self.children.append(engines)
+            await engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
+            rport = free_ports(2, port + INSTANCES)
+            argv = self.contender.argv(rport, self.urls, self.venv, self.slo, self.threshold)
+            if self.contender.code is not None:  # the same command from another checkout's code (PYTHONSAFEPATH:
+                # `python -m` would put the working directory, this checkout, first on the path)
+                argv = ["env", f"PYTHONPATH={self.contender.code}", "PYTHONSAFEPATH=1", *argv]
+            router = Child.command(f"router-{self.contender.label}", argv, self.logs)
+            self.children.append(router)
+            self.target = f"http://127.0.0.1:{rport}"
+            self.model = await router.wait_for_model(self.target)
+        except BaseException:
+            await self.__aexit__()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.router.stop()
-        self.engines.stop()
+        for child in reversed(self.children):
+            child.stop()
 
     @property
     def metrics(self) -> list[str]:
@@ -139,15 +155,8 @@ class Phase:
     rate: float  # requests per second offered
 
 
-def tagged(seed: int, tenant: str) -> Iterator[Session]:
-    """The mixed workload's sessions, each request marked with `tenant` (its own seed: its own prefixes)."""
-    for s in make_workload("mixed", seed=seed, max_tokens=MAX_TOKENS).sessions():
-        yield dataclasses.replace(s, requests=[dataclasses.replace(r, tenant=tenant) for r in s.requests])
-
-
-def turns_per_session(seed: int) -> float:
-    sessions = make_workload("mixed", seed=seed, max_tokens=MAX_TOKENS).sessions()
-    return statistics.mean(len(next(sessions).requests) for _ in range(2000))
+def mixed(seed: int) -> Workload:
+    return make_workload("mixed", seed=seed, max_tokens=MAX_TOKENS)
 
 
 async def offer(stack: Stack, streams: dict[str, tuple[Iterator[Session], list[Phase]]], seed: int,
@@ -156,7 +165,7 @@ async def offer(stack: Stack, streams: dict[str, tuple[Iterator[Session], list[P
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
     tasks: set[asyncio.Task] = set()
-    per_session = {t: turns_per_session(seed) for t in streams}
+    per_session = {t: turns_per_session(mixed(seed)) for t in streams}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         async def session(sess: Session) -> None:
             for req in sess.requests:
@@ -199,11 +208,7 @@ def window_stats(recs: list[RequestRecord], start: float, end: float, slo: float
             "refused_429": sum(r.error == "http_429" for r in sent),
             "other_errors": sum(r.error is not None and r.error != "http_429" for r in sent),
             "hit_rate": d.hits / d.queries if d and d.queries else None,
-            "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99))}
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(1000 * x)
+            "ttft_p50_ms": to_ms(percentile(ttft, 50), 0), "ttft_p99_ms": to_ms(percentile(ttft, 99), 0)}
 
 
 def recovery_s(recs: list[RequestRecord], drop: float, end: float, slo: float, window: float = 5.0) -> float | None:
@@ -223,7 +228,8 @@ async def surge(args: argparse.Namespace, contender: Contender, cap: float) -> d
     high, low = args.high, args.low
     async with Stack(contender, args, slo=args.slo) as stack:
         phases = [Phase(high, 2 * cap), Phase(high + low, 0.5 * cap)]
-        recs, cache = await offer(stack, {"": (tagged(args.seed, ""), phases)}, args.seed, [5.0, high, high + low])
+        streams = {"": (tagged(mixed(args.seed).sessions(), ""), phases)}
+        recs, cache = await offer(stack, streams, args.seed, [5.0, high, high + low])
     return {"overload": window_stats(recs, 5.0, high, args.slo, cache[0], cache[1]),
             "after": window_stats(recs, high, high + low, args.slo, cache[1], cache[2]),
             "recovery_s": recovery_s(recs, high, high + low, args.slo)}
@@ -233,29 +239,78 @@ def jain(xs: list[float]) -> float | None:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else None
 
 
-async def tenants(args: argparse.Namespace, contender: Contender, cap: float, noisy: bool) -> dict:
-    fair = cap / 4
-    names = ["a", "b", "c"] + (["noisy"] if noisy else [])
-    async with Stack(contender, args, slo=args.slo) as stack:
-        streams = {t: (tagged(args.seed + i, t), [Phase(args.duration, fair * (5 if t == "noisy" else 1))])
-                   for i, t in enumerate(names)}
-        recs, _ = await offer(stack, streams, args.seed, [])
+def tenant_rates(cap: float, share: float, noisy: bool) -> dict[str, float]:
+    """Three fair tenants at `share` of the capacity each, and the noisy one at 5x that."""
+    return {"a": cap * share, "b": cap * share, "c": cap * share, **({"noisy": 5 * cap * share} if noisy else {})}
+
+
+def tenant_stats(args: argparse.Namespace, rates: dict[str, float],
+                 recs: list[tuple[str, float, float | None]], refused: dict[str, int]) -> dict:
+    """Per tenant, from (tenant, start s, TTFT s or None) of every request: completed and goodput rates of
+    those started after the warm-up, TTFT p99, 429s; Jain's index over the completed rates."""
     span = args.duration - args.warmup
-    out = {}
-    for t in names:
-        mine = [r for r in recs if r.tenant == t and r.start_s >= args.warmup]
-        ttft = [r.ttft_s for r in mine if r.ok and r.ttft_s is not None]
-        out[t] = {"completed_rps": round(sum(r.ok for r in mine) / span, 2),
+    out: dict = {}
+    for t in rates:
+        ttft = [x for who, start, x in recs if who == t and start >= args.warmup and x is not None]
+        out[t] = {"completed_rps": round(len(ttft) / span, 2),
                   "goodput_rps": round(sum(x <= args.slo for x in ttft) / span, 2),
-                  "ttft_p99_ms": _ms(percentile(ttft, 99)), "refused_429": sum(r.error == "http_429" for r in mine)}
-    out["jain"] = jain([out[t]["completed_rps"] for t in names])
+                  "ttft_p50_ms": to_ms(percentile(ttft, 50), 0), "ttft_p99_ms": to_ms(percentile(ttft, 99), 0),
+                  "refused_429": refused.get(t, 0)}
+    out["jain"] = jain([out[t]["completed_rps"] for t in rates])
     return out
+
+
+async def tenants(args: argparse.Namespace, contender: Contender, cap: float, noisy: bool) -> dict:
+    rates = tenant_rates(cap, args.fair_share, noisy)
+    async with Stack(contender, args, slo=args.slo) as stack:
+        streams = {t: (tagged(mixed(args.seed + i).sessions(), t), [Phase(args.duration, r)])
+                   for i, (t, r) in enumerate(rates.items())}
+        recs, _ = await offer(stack, streams, args.seed, [])
+    done = [(r.tenant, r.start_s, r.ttft_s if r.ok else None) for r in recs]
+    refused: dict[str, int] = {}
+    for r in recs:
+        if r.error == "http_429" and r.start_s >= args.warmup:
+            refused[r.tenant] = refused.get(r.tenant, 0) + 1
+    return tenant_stats(args, rates, done, refused)
+
+
+def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: float) -> dict:
+    """The noisy-tenant run in the simulator: the same fleet (4 instances of the 8b profile, max_running 256,
+    the threshold), workloads and rates, in virtual time (no machine noise); strategy cache_aware."""
+    rates = tenant_rates(cap, args.fair_share, noisy)
+    streams = tuple(TenantStream(t, mixed(args.seed + i), r) for i, (t, r) in enumerate(rates.items()))
+    workload = Tenants(streams=streams, duration_s=args.duration)
+    sim = Simulation(sim_settings(args, admission), workload, "cache_aware")
+    if args.fair_lend is not None:
+        sim.admission.settings.fair_lend = args.fair_lend
+    res = sim.run()
+    done = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None)
+            for x in res.records if x.arrival < args.duration]
+    return {"hit_rate": round(res.hit_rate, 4), **tenant_stats(args, rates, done, res.rejected_by_tenant)}
+
+
+def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -> SimSettings:
+    routing = StrategySettings(concurrency_threshold=args.threshold or 32)
+    s = SimSettings(instances=INSTANCES, max_running=256, admission=admission, queue_timeout_s=args.slo,
+                    routing=routing, requests=10**7, seed=args.seed)
+    return dataclasses.replace(s, **changes)
+
+
+def sim_capacity(args: argparse.Namespace) -> float:
+    """Requests/s the simulated fleet serves to --capacity-clients closed-loop clients of the mixed workload."""
+    if args.capacity:
+        return args.capacity
+    s = sim_settings(args, True, concurrency=args.capacity_clients, requests=4000)
+    res = Simulation(s, mixed(args.seed), "cache_aware").run()
+    cap = sum(x.done is not None for x in res.records) / res.duration_s
+    print(f"capacity: {cap:.1f} req/s ({args.capacity_clients} closed-loop clients, simulated)", flush=True)
+    return cap
 
 
 # -- main -------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", choices=("closed", "surge", "tenants"))
+    p.add_argument("scenario", choices=("closed", "surge", "tenants", "sim-tenants"))
     p.add_argument("--contenders", nargs="+", default=["flow", "no-flow", "smg"], choices=sorted(CONTENDERS))
     p.add_argument("--clients", nargs="+", type=int, default=[16, 128])
     p.add_argument("--duration", type=float, default=30.0, help="closed: measured s; tenants: whole run s")
@@ -265,11 +320,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threshold", type=int, help="warmroute's --concurrency-threshold (default: its default, 32)")
     p.add_argument("--high", type=float, default=60.0, help="surge: seconds at 2x capacity")
     p.add_argument("--low", type=float, default=60.0, help="surge: seconds at 0.5x capacity after")
-    p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO, seconds (goodput)")
+    p.add_argument("--slo", type=float, default=2.0,
+                   help="TTFT SLO, seconds of the emulated engine's time (goodput; x --time-scale in real time)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="the emulated engines' real seconds per modelled second: 2 halves the request rates the "
+                        "shared machine must drive")
+    p.add_argument("--fair-share", type=float, default=0.25,
+                   help="tenants: each fair tenant's rate, as a share of the capacity (the noisy one: 5x that)")
+    p.add_argument("--fair-lend", type=float, help="sim-tenants: the admission queue's fair_lend (default: its own)")
+    p.add_argument("--baseline-code", type=Path, nargs="+", default=[], metavar="DIR",
+                   help="add a contender `flow@DIR` per DIR: flow with the router from that checkout (before a "
+                        "change)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
+    p.add_argument("--peers-venv", type=Path, default=PEERS_VENV)
     p.add_argument("--json", type=Path, help="also write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.slo *= args.time_scale
+    return args
 
 
 async def main(argv: list[str]) -> int:
@@ -277,8 +344,17 @@ async def main(argv: list[str]) -> int:
     args.logs = Path(tempfile.mkdtemp(prefix="warmroute-overload-"))
     contenders = [CONTENDERS[c] for c in args.contenders
                   if not CONTENDERS[c].peer or (args.peers_venv / "bin" / "smg").exists()]
+    for code in reversed(args.baseline_code):
+        contenders.insert(0, Contender(f"flow@{code.name}", code=code.resolve()))
     results: dict = {"scenario": args.scenario, "argv": argv}
-    if args.scenario == "closed":
+    if args.scenario == "sim-tenants":
+        results["capacity_rps"] = cap = sim_capacity(args)
+        for admission in (True, False):
+            for noisy in (False, True):
+                label = f"{'flow' if admission else 'no-flow'} {'with' if noisy else 'without'} noisy"
+                results[label] = r = sim_tenants(args, admission, noisy, cap)
+                print(label, json.dumps(r), flush=True)
+    elif args.scenario == "closed":
         for c in contenders:
             for n in args.clients:
                 results[f"{c.label} {n}"] = r = await closed(args, c, n)
@@ -295,8 +371,7 @@ async def main(argv: list[str]) -> int:
                     results[f"{c.label} {'with' if noisy else 'without'} noisy"] = r = await tenants(args, c, cap, noisy)
                     print(c.label, "noisy" if noisy else "alone", json.dumps(r), flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+        write_outputs(args.json, results)
     print(f"logs: {args.logs}")
     return 0
 

@@ -2,6 +2,7 @@
 """warmroute in front of 2 real vLLM instances on CPUs, against every prefix pinned by hand.
 
     .venv/bin/python benchmarks/real_vllm.py [--rounds 3] [--duration 20] [--warmup 5] [--json FILE]
+        [--workload shared|rag|mixed|chat] [--contenders random,prefix,cache_aware,precise]
 
 Needs vLLM (`python3 dev.py vllm`). Starts 2 vLLM instances once (the tiny model, one core each, a KV cache
 smaller than the workload's working set), then per round runs every contender once, in an order rotated each
@@ -9,9 +10,15 @@ round, on the same shared-prefix traffic (equally popular system prompts, short 
 loop), each instance's prefix cache reset before every run:
 
   pinned            each prefix sent by the client straight to one instance (prefix i to instance i mod 2)
-  pinned_forwarder  the same pinning through a plain TCP forwarder (benchmarks/tcp_forwarder.py)
+  pinned_forwarder  the same pinning through a plain TCP forwarder (warmroute.bench.tcp_forwarder)
   session           the same pinning through warmroute's `session` strategy (one `user` per prefix)
   random, prefix, cache_aware   warmroute's strategies
+  precise           cache_aware with the engines' KV-cache events (it asks each vLLM where it publishes)
+
+`--workload rag` is KV pressure in llm-d's shape instead: equally popular documents whose contexts fill 75% of
+the fleet's KV cache (as vLLM reports it), a unique question each; `--workload mixed` is the demo's blend,
+`--workload chat` multi-turn chats.
+The pinned contenders need the shared-prefix workload.
 
 Reports medians over rounds (and ranges) of the engines' own prefix-cache hit rate (vllm:prefix_cache_hits
 over queries in the measured window), TTFT p50/p99, requests/s, the proxy's CPU per request, and the median
@@ -28,7 +35,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -39,17 +45,22 @@ from typing import Any, ClassVar
 
 import aiohttp
 
+from warmroute.bench.cpu import process_cpu_s
 from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.processes import Child, free_ports
+from warmroute.bench.record import write_outputs
+from warmroute.bench.scrape import fetch_metrics
 from warmroute.core.rendezvous import top
 from warmroute.core.stages.affinity import hash_text
-from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, find_vllm_python, shared_tiny_model
-from warmroute.workloads import Session, Workload
+from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, VllmMissing, find_vllm_python, shared_tiny_model
+from warmroute.router.engine_metrics import parse_engine_metrics
+from warmroute.workloads import Session, Workload, make_workload
 from warmroute.workloads.shared import SharedPrompts
 
 CONTENDERS = ("pinned", "pinned_forwarder", "session", "random", "prefix", "cache_aware")
+ROUTED = ("random", "prefix", "cache_aware", "precise")  # the contenders any workload can have
+PINNED = ("pinned", "pinned_forwarder", "session")
 MODEL = "warmroute-tiny"
-FORWARDER = Path(__file__).with_name("tcp_forwarder.py")
 HEADER = re.compile(r"\[system prompt (\d+)\]")
 
 
@@ -83,12 +94,6 @@ def labels_pinned_like(prefixes: int, names: list[str]) -> dict[int, str]:
     return out
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def reset_caches(urls: list[str]) -> None:
     async with aiohttp.ClientSession() as s:
         for url in urls:
@@ -98,7 +103,7 @@ async def reset_caches(urls: list[str]) -> None:
 
 
 async def run_one(contender: str, args: argparse.Namespace, fleet: VllmFleet, workload: Workload,
-                  forwarder: tuple[subprocess.Popen, list[str]], log_dir: Path) -> dict[str, Any]:
+                  forwarder: tuple[Child, list[str]], log_dir: Path) -> dict[str, Any]:
     """Reset both caches, then warm up and measure one contender; its proxy's CPU is read around the window."""
     urls = fleet.urls
     await reset_caches(urls)
@@ -108,7 +113,9 @@ async def run_one(contender: str, args: argparse.Namespace, fleet: VllmFleet, wo
                              route=lambda req: pinned[prefix_of(req.body) % len(pinned)],
                              pid=forwarder[0].pid if contender == "pinned_forwarder" else None)
     port = free_ports(1, fleet.instances[-1].port + 10)
-    argv = ["serve", "--port", str(port), "--strategy", contender, "--block-bytes", str(4 * args.block_size),
+    strategy = ["--strategy", "cache_aware", "--kv-events", "--tokenizer", str(fleet.spec.model_dir)] \
+        if contender == "precise" else ["--strategy", contender]
+    argv = ["serve", "--port", str(port), *strategy, "--block-bytes", str(4 * args.block_size),
             *(a for i in fleet.instances for a in ("--backend", f"{i.name}={i.url}"))]
     with Child(f"router-{contender}", argv, log_dir) as router:
         target = f"http://127.0.0.1:{port}"
@@ -124,7 +131,7 @@ async def measure(args: argparse.Namespace, target: str, workload: Workload, url
                              engine_metrics=[u + "/metrics" for u in urls], label=label, drain_s=30.0, route=route)
 
     await run_bench(target, workload, settings(args.warmup))
-    before = cpu_s(pid) if pid else 0.0
+    before = process_cpu_s(pid) if pid else 0.0
     result = await run_bench(target, workload, settings(args.duration))
     s = result.summary()
     sent = s["requests"] + len(result.errors)
@@ -132,8 +139,9 @@ async def measure(args: argparse.Namespace, target: str, workload: Workload, url
             "ttft_p99_ms": s["ttft_ms"]["p99"], "req_per_s": s["throughput"]["requests_per_s"],
             "errors": len(result.errors), "requests": s["requests"],
             "prediction_error_median_tokens": s["prediction_error_tokens"]["median_abs"],
+            "prediction_error_p90_tokens": s["prediction_error_tokens"]["p90_abs"],
             "requests_by_instance": s["instances"]["requests"],
-            "proxy_cpu_ms_per_req": round(1000 * (cpu_s(pid) - before) / sent, 2) if pid and sent else None}
+            "proxy_cpu_ms_per_req": round(1000 * (process_cpu_s(pid) - before) / sent, 2) if pid and sent else None}
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -145,8 +153,8 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
-    rows = ["| contender | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | proxy CPU ms/req | median abs prediction "
-            "error, tokens | errors |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| contender | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | proxy CPU ms/req | \\|prediction error\\| "
+            "p50 / p90, tokens | errors |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def cell(m: tuple[float, float, float] | None, fmt: str) -> str:
         if m is None:
@@ -157,7 +165,8 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
         m = medians(runs)
         rows.append(f"| {name} | {cell(m['hit_rate'], '{:.1%}')} | {cell(m['ttft_p50_ms'], '{:.0f}')} | "
                     f"{cell(m['ttft_p99_ms'], '{:.0f}')} | {cell(m['req_per_s'], '{:.1f}')} | "
-                    f"{cell(m['proxy_cpu_ms_per_req'], '{:.2f}')} | {cell(m['prediction_error_median_tokens'], '{:.0f}')} | "
+                    f"{cell(m['proxy_cpu_ms_per_req'], '{:.2f}')} | {cell(m['prediction_error_median_tokens'], '{:.0f}')} / "
+                    f"{cell(m['prediction_error_p90_tokens'], '{:.0f}')} | "
                     f"{sum(r['errors'] for r in runs)} |")
     return "\n".join(rows)
 
@@ -175,9 +184,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=12 << 20, help="per instance (default 12 MiB)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--workload", choices=("shared", "rag", "mixed", "chat"), default="shared")
+    p.add_argument("--contenders", help=f"default: {','.join(CONTENDERS)} (shared), {','.join(ROUTED)} (others)")
     p.add_argument("--json", type=Path, help="write every run's figures here")
-    return p.parse_args()
+    args = p.parse_args()
+    args.contenders = (args.contenders or ",".join(CONTENDERS if args.workload == "shared" else ROUTED)).split(",")
+    unknown = [c for c in args.contenders if c not in CONTENDERS + ROUTED]
+    if unknown or (args.workload != "shared" and set(args.contenders) & set(PINNED)):
+        p.error(f"contenders for --workload {args.workload}: "
+                f"{', '.join(CONTENDERS + ('precise',) if args.workload == 'shared' else ROUTED)}")
+    return args
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -186,21 +202,17 @@ async def main(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="real-vllm-"))
     spec = VllmFleetSpec(model_dir=shared_tiny_model(python), count=2, kv_cache_bytes=args.kv_cache_bytes,
                          block_size=args.block_size, python=python)
-    contenders = args.contenders.split(",")
+    contenders = args.contenders
     results: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
     with VllmFleet(spec, log_dir) as fleet:
         print(f"starting 2 vLLM instances (logs in {log_dir}) ...", file=sys.stderr, flush=True)
         await fleet.wait_ready()
         names = [i.name for i in fleet.instances]
-        inner = SharedPrompts(seed=0, model=MODEL, max_tokens=args.max_tokens, pool_size=args.prefixes,
-                              system_tokens=args.system_tokens, question_tokens=40, zipf=0.0)
-        workload = Labelled(inner=inner, labels=labels_pinned_like(args.prefixes, names))
+        workload = await workload_for(args, fleet, names)
         ports = free_ports(len(names), fleet.instances[-1].port + 20)
-        forward = subprocess.Popen([sys.executable, str(FORWARDER),
-                                    *(f"{ports + k}={i.port}" for k, i in enumerate(fleet.instances))],
-                                   stdout=subprocess.DEVNULL)
-        try:
-            await asyncio.sleep(1.0)
+        pairs = [f"{ports + k}={i.port}" for k, i in enumerate(fleet.instances)]
+        with Child("forwarder", pairs, log_dir, module="warmroute.bench.tcp_forwarder") as forward:
+            await forward.wait_for_log("forwarding", 1, timeout_s=30)
             forwarder = (forward, [f"http://127.0.0.1:{ports + k}" for k in range(len(names))])
             for r in range(args.rounds):
                 order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
@@ -208,13 +220,36 @@ async def main(args: argparse.Namespace) -> int:
                     figures = await run_one(c, args, fleet, workload, forwarder, log_dir)
                     results[c].append(figures)
                     print(f"round {r + 1} {c}: {json.dumps(figures)}", file=sys.stderr, flush=True)
-        finally:
-            forward.terminate()
-            forward.wait()
     print(table(results))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_outputs(args.json, results)
     return 0
+
+
+async def workload_for(args: argparse.Namespace, fleet: VllmFleet, names: list[str]) -> Workload:
+    if args.workload in ("mixed", "chat"):
+        return make_workload(args.workload, seed=0, model=MODEL, max_tokens=args.max_tokens)
+    if args.workload == "rag":
+        capacity = sum([await kv_capacity_tokens(u) for u in fleet.urls])
+        doc_tokens = 1200  # warmroute's 4-character units: ~950 tokens of the tiny model's tokenizer
+        docs = max(2, int(0.75 * capacity / (doc_tokens * 0.8)))
+        print(f"rag: {docs} documents of ~{int(doc_tokens * 0.8)} tokens for {capacity} KV tokens in all",
+              file=sys.stderr, flush=True)
+        return make_workload("rag", seed=0, model=MODEL, max_tokens=args.max_tokens, docs=docs,
+                             doc_tokens=doc_tokens, question_tokens=150, zipf=0.0, systems=1, system_tokens=50)
+    inner = SharedPrompts(seed=0, model=MODEL, max_tokens=args.max_tokens, pool_size=args.prefixes,
+                          system_tokens=args.system_tokens, question_tokens=40, zipf=0.0)
+    return Labelled(inner=inner, labels=labels_pinned_like(args.prefixes, names))
+
+
+async def kv_capacity_tokens(url: str) -> int:
+    """num_gpu_blocks x block_size, from the instance's vllm:cache_config_info (read as the router reads it)."""
+    async with aiohttp.ClientSession() as s:
+        text, = await fetch_metrics(s, [url + "/metrics"])
+    capacity = parse_engine_metrics(text).capacity_tokens
+    if capacity is None:
+        raise RuntimeError(f"{url}/metrics has no vllm:cache_config_info")
+    return capacity
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -225,5 +260,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         raise SystemExit(asyncio.run(main(parse_args())))
+    except VllmMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None

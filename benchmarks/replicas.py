@@ -6,8 +6,9 @@
 
 For every replica count N: a fresh emulated fleet (`warmroute engine --count 4`, cold caches, each instance's
 KV capacity a quarter of the workload's working set, as in `warmroute demo`), N independent `warmroute serve`
-processes (each its own prefix index; no shared state) in front of it, and a round-robin front (`front`
-below: a tiny streaming aiohttp proxy that sends each request to the next replica) in front of those. The
+processes (each its own prefix index; no shared state) in front of it, and a round-robin front
+(`warmroute.bench.front`: a tiny streaming aiohttp proxy that sends each request to the next replica) in front
+of those. The
 same workload (same seed) runs through the front with `warmroute.bench.run_bench`; the fleet hit rate comes
 from the engines' own prefix-cache counters over the measured window. With one replica the front is still
 there, so every run pays the same extra hop. Mode `independent`: nothing shared between replicas; mode
@@ -16,93 +17,46 @@ free port for the run (needs Debian's redis-server and the redis package). Mode 
 serve --workers N` instead of N replicas (its worker processes share index updates through local sockets,
 no Redis), behind the same front.
 
-Writes docs/replicas.md (the command line on top) and out/replicas.json.
+Writes out/replicas.json (everything measured) and out/replicas.md (the report, the command line on top), to
+replace the measured part of docs/replicas.md by hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
-import json
-import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
-
-import aiohttp
-from aiohttp import web
 
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
 from warmroute.bench.demo import FleetPlan, plan_for
 from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.processes import Child, free_ports
+from warmroute.bench.record import OUT, command_line, write_outputs
 from warmroute.bench.stats import BenchResult
-
-ROOT = Path(__file__).resolve().parent.parent
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
-
-
-# -- the round-robin front -----------------------------------------------------------------------------------------
-def front_app(upstreams: list[str]) -> web.Application:
-    """Each request to the next upstream in turn; the answer streamed back chunk by chunk."""
-    turn = itertools.cycle(upstreams)
-
-    async def on_start(app: web.Application) -> None:
-        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                               timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
-
-    async def on_stop(app: web.Application) -> None:
-        await app["session"].close()
-
-    async def forward(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        async with request.app["session"].request(request.method, next(turn) + request.path_qs, data=body or None,
-                                                  headers=headers) as up:
-            resp = web.StreamResponse(status=up.status, headers={k: v for k, v in up.headers.items()
-                                                                 if k.lower() not in HOP_BY_HOP})
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
-
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.on_startup.append(on_start)
-    app.on_cleanup.append(on_stop)
-    app.router.add_route("*", "/{tail:.*}", forward)
-    return app
-
-
-def run_front(port: int, upstreams: list[str]) -> None:
-    print(f"front listening on 127.0.0.1:{port}", flush=True)
-    web.run_app(front_app(upstreams), host="127.0.0.1", port=port, access_log=None, print=None)
-
 
 # -- one measurement -----------------------------------------------------------------------------------------------
 async def measure(replicas: int, mode: str, workload, plan: FleetPlan, args: argparse.Namespace,
                   logs: Path) -> BenchResult:
     engine_port = free_ports(plan.instances)
     urls = [f"http://127.0.0.1:{engine_port + i}" for i in range(plan.instances)]
-    children: list[Child | subprocess.Popen] = []
+    children: list[Child] = []
     shared: list[str] = []
     try:
         if mode == "redis":
             redis_port = free_ports(1, engine_port + plan.instances + 10)
-            redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            redis = Child.command(f"redis-{replicas}", ["redis-server", "--port", str(redis_port), "--bind",
+                                                        "127.0.0.1", "--save", "", "--appendonly", "no"], logs)
             children.append(redis)
+            await redis.wait_for_log("Ready to accept connections", 1, timeout_s=30)
             shared = ["--redis-url", f"redis://127.0.0.1:{redis_port}/0"]
-            await asyncio.sleep(0.5)
         engines = Child(f"engines-{replicas}", plan.engine_args(engine_port), logs)
         children.append(engines)
         await engines.wait_for_log("listening on", plan.instances, timeout_s=60)
         router_port = free_ports(replicas + 1, engine_port + plan.instances + 20)
-        routers = []
+        routers: list[tuple[Child, str]] = []
         processes = 1 if mode == "workers" else replicas
         if mode == "workers":
             shared = ["--workers", str(replicas)]
@@ -111,39 +65,23 @@ async def measure(replicas: int, mode: str, workload, plan: FleetPlan, args: arg
                     "--kv-capacity-tokens", str(plan.kv_capacity_tokens), *shared]
             for i, u in enumerate(urls):
                 argv += ["--backend", f"engine-{i}={u}"]
-            router = Child(f"router-{replicas}-{r}", argv, logs)
-            children.append(router)
-            routers.append(f"http://127.0.0.1:{router_port + r}")
-        for child, url in zip([c for c in children if isinstance(c, Child)][1:], routers):
+            children.append(Child(f"router-{replicas}-{r}", argv, logs))
+            routers.append((children[-1], f"http://127.0.0.1:{router_port + r}"))
+        for child, url in routers:
             await child.wait_for_http(url + "/health", timeout_s=60)
         front_port = router_port + processes
-        with open(logs / f"front-{replicas}.log", "wb") as out:
-            front = subprocess.Popen([sys.executable, __file__, "front", "--port", str(front_port), *routers],
-                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        front = Child(f"front-{replicas}", ["--port", str(front_port), *(url for _, url in routers)], logs,
+                      module="warmroute.bench.front")
         children.append(front)
         target = f"http://127.0.0.1:{front_port}"
-        deadline = time.monotonic() + 30
-        async with aiohttp.ClientSession() as s:
-            while True:
-                try:
-                    async with s.get(target + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert time.monotonic() < deadline and front.poll() is None, "front did not start"
-                await asyncio.sleep(0.1)
+        await front.wait_for_http(target + "/health", timeout_s=30)
         settings = BenchSettings(concurrency=plan.concurrency, duration_s=args.duration, warmup_s=args.warmup,
                                  seed=args.seed, engine_metrics=[u + "/metrics" for u in urls],
                                  label=f"{replicas} {mode}", drain_s=5.0)
         return await run_bench(target, workload, settings)
     finally:
         for child in reversed(children):
-            if isinstance(child, Child):
-                child.stop()
-            elif child.poll() is None:
-                child.terminate()
-                child.wait(5)
+            child.stop()
 
 
 def report(results: list[BenchResult], plan: FleetPlan, args: argparse.Namespace, command: str) -> str:
@@ -181,14 +119,6 @@ def report(results: list[BenchResult], plan: FleetPlan, args: argparse.Namespace
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "front":
-        p = argparse.ArgumentParser()
-        p.add_argument("front")
-        p.add_argument("--port", type=int, required=True)
-        p.add_argument("upstreams", nargs="+")
-        a = p.parse_args()
-        run_front(a.port, a.upstreams)
-        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_arguments(parser, default="mixed")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
@@ -209,7 +139,7 @@ def main() -> int:
         args.max_tokens = 8
     workload = workload_from_args(args)
     plan = plan_for(workload, args.concurrency)
-    command = ".venv/bin/python benchmarks/replicas.py " + shlex.join(sys.argv[1:])
+    command = command_line(__file__, sys.argv[1:])
     results = []
     with tempfile.TemporaryDirectory(prefix="warmroute-replicas-") as logs:
         runs = [(n, mode) for n in args.replicas for mode in (["independent"] if n == 1 else args.modes)]
@@ -221,12 +151,7 @@ def main() -> int:
     text = report(results, plan, args, command)
     print(text)
     if not args.no_write:
-        (ROOT / "out").mkdir(exist_ok=True)
-        (ROOT / "out" / "replicas.json").write_text(json.dumps([r.summary() for r in results], indent=2))
-        doc = ROOT / "docs" / "replicas.md"
-        previous = doc.read_text() if doc.exists() else ""
-        keep = previous.split("\n## Reading\n", 1)[1] if "\n## Reading\n" in previous else ""
-        doc.write_text(text + ("\n## Reading\n" + keep if keep else ""))
+        write_outputs(OUT / "replicas.json", [r.summary() for r in results], text)
     return 0
 
 

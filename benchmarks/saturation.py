@@ -28,50 +28,47 @@ Issue #2's two performance targets, measured side by side in one run on one mach
     Reported: p50 and p99 of both TTFT distributions and their differences (the target), and percentiles of
     the paired differences.
 
-The load generator is a plain asyncio protocol on uvloop (no aiohttp client): 20–80 µs of CPU per request
+The load generator (`warmroute.bench.rawload`, asyncio protocols on uvloop): 20–80 µs of CPU per request
 (the more requests per wake-up, the less), measured and reported per window beside the router's and the
 instances' CPU, so it can be seen not to be the bottleneck (wrk or h2load are not needed; neither is
 installed here). The peers come from .peers-venv/ (see benchmarks/compare_peers.py; `--install` installs
 them there if missing); a peer that is missing or does not start is reported and skipped.
 
-Writes out/saturation.json, and (unless --no-doc) the section "Saturation throughput and added latency
-(issue #2)" of docs/benchmarks.md and its two rows in the summary table at the top.
+Writes out/saturation.json (everything measured) and out/saturation.md: the section "Saturation throughput
+and added latency (issue #2)" of docs/benchmarks.md and its two rows for the summary table at the top, to be
+pasted there by hand.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
-import platform
 import random
-import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_peers as cp  # noqa: E402  (the peers' virtualenv, router command lines, readiness)
+import compare_peers as cp  # noqa: E402  (the peers' virtualenv, router command lines)
 
+from warmroute.bench.cpu import CpuMeter  # noqa: E402
+from warmroute.bench.formats import number, times, us  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
-from warmroute.bench.stats import percentile  # noqa: E402
+from warmroute.bench.rawload import ClosedLoop, PairedStreams, hostport, measured  # noqa: E402
+from warmroute.bench.record import (OUT, command_line, load_average, log, machine, now_utc, tree_state,  # noqa: E402
+                                    write_outputs)
+from warmroute.bench.stats import percentile, to_ms  # noqa: E402
 from warmroute.errors import UsageError  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "Saturation throughput and added latency (issue #2)"
 INSTANCES = 4
 KV_CAPACITY = 1 << 20  # warmroute's configured capacity per instance: large, nothing is ever evicted
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 TARGET_P50_MS, TARGET_P99_MS = 1.0, 3.0
 
 SYSTEM_PROMPTS = [
@@ -171,348 +168,6 @@ def request_bodies(model: str, count: int, stream: Callable[[int], bool], max_to
     return out
 
 
-def http_request(host: str, port: int, path: str, body: bytes) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-
-
-# -- the load generator: raw keep-alive HTTP/1.1 on asyncio protocols ----------------------------------------------
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection, one request at a time; owner.done(conn, end_time, error) as each answer ends."""
-
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.t0 = self.first = 0.0
-        self.head_end = -1
-        self.length: int | None = None
-        self.chunked = False
-        self.pos = 0
-        self.status = 0
-        self.close_after = False
-        self.waiting = False
-        self.streamed = False  # set by the owner: what kind of request is in flight
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def send(self, data: bytes) -> None:
-        self.buf.clear()
-        self.head_end, self.length, self.chunked, self.pos, self.status, self.first = -1, None, False, 0, 0, 0.0
-        self.waiting = True
-        self.t0 = time.perf_counter()
-        assert self.transport is not None
-        self.transport.write(data)
-
-    def data_received(self, data: bytes) -> None:
-        if not self.waiting:
-            return
-        buf = self.buf
-        buf += data
-        if self.head_end < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            self.head_end = end + 4
-            head = bytes(buf[:end]).lower()
-            try:
-                self.status = int(head[9:12])
-                at = head.find(b"\r\ncontent-length:")
-                if at >= 0:
-                    stop = head.find(b"\r\n", at + 2)
-                    self.length = int(head[at + 17:stop if stop >= 0 else len(head)])
-                else:
-                    self.chunked = b"chunked" in head
-                    if not self.chunked:
-                        self._finish(False, "unframed")
-                        return
-            except ValueError:
-                self._finish(False, "bad_head")
-                return
-            self.close_after = b"\r\nconnection: close" in head
-            self.pos = self.head_end
-        if not self.first and len(buf) > self.head_end:
-            self.first = time.perf_counter()
-        if self.length is not None:
-            if len(buf) - self.head_end >= self.length:
-                self._finish(True, None)
-            return
-        pos = self.pos
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                break
-            try:
-                size = int(bytes(buf[pos:eol]).split(b";")[0], 16)
-            except ValueError:
-                self._finish(False, "bad_chunk")
-                return
-            if size == 0:
-                if buf.find(b"\r\n", eol + 2) >= 0:  # the empty line after the last chunk (no trailers)
-                    self._finish(True, None)
-                return
-            if len(buf) < eol + 4 + size:
-                break
-            pos = eol + 4 + size
-        self.pos = pos
-
-    def _finish(self, framed: bool, error: str | None) -> None:
-        self.waiting = False
-        if error is None and self.status != 200:
-            error = f"http_{self.status}"
-        if error is None:
-            body = self.buf[self.head_end:]
-            if b"[DONE]" not in body[-64:] and b'"choices"' not in body:
-                error = "bad_body"
-        end = time.perf_counter()
-        if error is not None or self.close_after:
-            self.close()
-        self.owner.done(self, end, error)
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        if self.waiting:
-            self.waiting = False
-            self.owner.done(self, time.perf_counter(), "disconnected")
-
-
-async def _drain(idle: asyncio.Event, drain_s: float, busy: bool, conns: Any) -> None:
-    """Let requests in flight finish (at most `drain_s`), then close every connection."""
-    if busy:
-        try:
-            await asyncio.wait_for(idle.wait(), drain_s)
-        except TimeoutError:
-            pass
-    for conn in list(conns):
-        conn.close()
-
-
-async def _connect(owner: Any, host: str, port: int) -> _Conn:
-    loop = asyncio.get_running_loop()
-    _, conn = await loop.create_connection(lambda: _Conn(owner), host, port)
-    return conn
-
-
-@dataclass
-class Window:
-    """What one measured window saw (requests that ended inside it)."""
-
-    ok: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    latency_s: list[float] = field(default_factory=list)  # end to end, sampled
-    ttft_s: list[float] = field(default_factory=list)  # streamed requests, sampled
-
-    def error(self, kind: str) -> None:
-        self.errors[kind] = self.errors.get(kind, 0) + 1
-
-
-SAMPLE_EVERY = 8  # keep one latency in 8 (enough for p99, little work per request)
-
-
-class ClosedLoop:
-    """`connections` keep-alive connections over `targets`, each sending its requests back to back."""
-
-    def __init__(self, targets: Sequence[tuple[str, int]], path: str, bodies: Sequence[bytes],
-                 connections: int) -> None:
-        self.targets = list(targets)
-        self.requests = [[http_request(h, p, path, b) for b in bodies] for h, p in self.targets]
-        self.streamed = [b'"stream":true' in b for b in bodies]
-        self.connections = connections
-        self.window = Window()
-        self.measuring = self.running = False
-        self.next_index: dict[_Conn, int] = {}
-        self.target_of: dict[_Conn, int] = {}
-        self.in_flight = 0
-        self.idle = asyncio.Event()
-        self.counter = 0
-        self.reconnects: set[asyncio.Task] = set()
-
-    async def start(self) -> None:
-        self.running = True
-        for k in range(self.connections):
-            await self._open(k % len(self.targets), k)
-
-    async def _open(self, t: int, start: int) -> None:
-        host, port = self.targets[t]
-        conn = await _connect(self, host, port)
-        self.target_of[conn] = t
-        self.next_index[conn] = start
-        self._send(conn)
-
-    def _send(self, conn: _Conn) -> None:
-        i = self.next_index[conn] % len(self.requests[0])
-        self.next_index[conn] = i + self.connections
-        self.in_flight += 1
-        conn.send(self.requests[self.target_of[conn]][i])
-        conn.streamed = self.streamed[i]
-
-    def done(self, conn: _Conn, end: float, error: str | None) -> None:
-        self.in_flight -= 1
-        if self.measuring:
-            w = self.window
-            if error is None:
-                w.ok += 1
-                self.counter += 1
-                if self.counter % SAMPLE_EVERY == 0:
-                    w.latency_s.append(end - conn.t0)
-                    if conn.streamed:
-                        w.ttft_s.append(conn.first - conn.t0)
-            else:
-                w.error(error)
-        if not self.running:
-            if self.in_flight == 0:
-                self.idle.set()
-            return
-        if conn.transport is None or conn.transport.is_closing():
-            t = self.target_of.pop(conn)
-            start = self.next_index.pop(conn)
-            task = asyncio.get_running_loop().create_task(self._reopen(t, start))
-            self.reconnects.add(task)
-            task.add_done_callback(self.reconnects.discard)
-            return
-        self._send(conn)
-
-    async def _reopen(self, t: int, start: int) -> None:
-        try:
-            await self._open(t, start)
-        except OSError:
-            self.window.error("connect")
-            await asyncio.sleep(0.05)
-            if self.running:
-                await self._reopen(t, start)
-
-    async def stop(self, drain_s: float = 5.0) -> None:
-        self.running = False
-        for task in list(self.reconnects):
-            task.cancel()
-        await _drain(self.idle, drain_s, busy=bool(self.in_flight), conns=self.target_of)
-
-
-class PairedStreams:
-    """`sessions` sessions; each sends one streamed request straight to an instance and the same through the
-    router at the same moment, waits for both answers, repeats. Pairs ending inside the window are kept."""
-
-    def __init__(self, instances: Sequence[tuple[str, int]], router: tuple[str, int], path: str,
-                 bodies: Sequence[bytes], sessions: int) -> None:
-        self.instances, self.router, self.path, self.bodies = list(instances), router, path, list(bodies)
-        self.sessions = sessions
-        self.pairs: list[tuple[float, float]] = []  # (direct TTFT, router TTFT), seconds
-        self.errors: dict[str, int] = {}
-        self.measuring = self.running = False
-        self.state: dict[_Conn, _Session] = {}
-        self.active = 0
-        self.idle = asyncio.Event()
-
-    async def start(self, stagger_s: float) -> None:
-        self.running = True
-        rng = random.Random(1)
-        for k in range(self.sessions):
-            host, port = self.instances[k % len(self.instances)]
-            s = _Session(k, await _connect(self, host, port), await _connect(self, *self.router),
-                         [http_request(host, port, self.path, b) for b in self.bodies],
-                         [http_request(*self.router, self.path, b) for b in self.bodies])
-            self.state[s.direct] = self.state[s.routed] = s
-            asyncio.get_running_loop().call_later(rng.uniform(0, stagger_s), self._go, s)
-
-    def _go(self, s: _Session) -> None:
-        if not self.running or s.broken:
-            return
-        i = s.n % len(self.bodies)
-        s.pending, s.error = 2, None
-        self.active += 1
-        first, second = ((s.direct, s.direct_req), (s.routed, s.routed_req))
-        if (s.k + s.n) % 2:
-            first, second = second, first
-        s.n += 1
-        first[0].send(first[1][i])
-        second[0].send(second[1][i])
-
-    def done(self, conn: _Conn, end: float, error: str | None) -> None:
-        s = self.state[conn]
-        if error is not None:
-            s.error = error
-            s.broken = s.broken or conn.transport is None or conn.transport.is_closing()
-        s.pending -= 1
-        if s.pending:
-            return
-        self.active -= 1
-        if self.measuring:
-            if s.error is None:
-                self.pairs.append((s.direct.first - s.direct.t0, s.routed.first - s.routed.t0))
-            else:
-                self.errors[s.error] = self.errors.get(s.error, 0) + 1
-        if self.running and not s.broken:
-            self._go(s)
-        elif self.active == 0:
-            self.idle.set()
-
-    async def stop(self, drain_s: float = 5.0) -> None:
-        self.running = False
-        await _drain(self.idle, drain_s, busy=bool(self.active), conns=self.state)
-
-
-@dataclass(eq=False)
-class _Session:
-    k: int
-    direct: _Conn
-    routed: _Conn
-    direct_req: list[bytes]
-    routed_req: list[bytes]
-    n: int = 0
-    pending: int = 0
-    error: str | None = None
-    broken: bool = False
-
-
-# -- CPU accounting ------------------------------------------------------------------------------------------------
-def session_cpu() -> dict[int, float]:
-    """CPU seconds (user + system) of every process, summed by session id (each child runs in its own)."""
-    out: dict[int, float] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        out[int(fields[3])] = out.get(int(fields[3]), 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return out
-
-
-def machine_busy() -> float:
-    """CPU seconds the whole machine has been busy (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
-    return (sum(parts[:8]) - idle) / CLK_TCK
-
-
-class CpuMeter:
-    """Cores used over a window by each named group of processes, by this process, and by everything else."""
-
-    def __init__(self, groups: dict[str, list[int]]) -> None:
-        self.groups = groups  # label -> session ids
-
-    def snapshot(self) -> tuple[float, dict[int, float], float, float]:
-        return time.perf_counter(), session_cpu(), time.process_time(), machine_busy()
-
-    def cores(self, a: tuple, b: tuple) -> dict[str, float]:
-        wall = b[0] - a[0]
-        out = {label: sum(b[1].get(s, 0.0) - a[1].get(s, 0.0) for s in sids) / wall
-               for label, sids in self.groups.items()}
-        out["load generator"] = (b[2] - a[2]) / wall
-        out["machine"] = (b[3] - a[3]) / wall
-        out["other processes"] = max(0.0, out["machine"] - sum(v for k, v in out.items() if k != "machine"))
-        return {k: round(v, 3) for k, v in out.items()}
-
-
 # -- the runs -----------------------------------------------------------------------------------------------------
 @dataclass
 class Running:
@@ -553,10 +208,10 @@ async def start_fleet(fleet: FleetSpec, contenders: Sequence[Contender], venv: P
                 continue
             rport = free_ports(2, next_port)
             next_port = rport + 2
-            proc = cp.Proc(f"{tag}-{c.label.replace(' ', '-')}", c.argv(rport, urls, venv), logs)
+            proc = Child.command(f"{tag}-{c.label.replace(' ', '-')}", c.argv(rport, urls, venv), logs)
             target = f"http://127.0.0.1:{rport}"
             try:
-                running.model = await cp.wait_ready(proc, target)
+                running.model = await proc.wait_for_model(target)
             except UsageError as exc:
                 proc.stop()
                 running.notes.append(f"{c.label} ({fleet.kind}): {exc}")
@@ -564,70 +219,46 @@ async def start_fleet(fleet: FleetSpec, contenders: Sequence[Contender], venv: P
                 continue
             running.routers[c.label] = (proc, target)
         if not running.model:
-            running.model = await cp.wait_ready(children[0], urls[0])
+            running.model = await children[0].wait_for_model(urls[0])
     except BaseException:
         running.stop()
         raise
     return running
 
 
-def _hostport(url: str) -> tuple[str, int]:
-    host, _, port = url.rsplit("/", 1)[-1].rpartition(":")
-    return host, int(port)
-
-
 async def saturation_window(running: Running, contender: Contender, args: argparse.Namespace,
                             meter: CpuMeter) -> dict[str, Any]:
     if contender.router is None:
-        targets = [_hostport(u) for u in running.urls]
+        targets = [hostport(u) for u in running.urls]
     else:
-        targets = [_hostport(running.routers[contender.label][1])]
+        targets = [hostport(running.routers[contender.label][1])]
     bodies = request_bodies(running.model, 256, lambda i: i % 2 == 1, args.max_tokens,
                             salt=random.randrange(1 << 20))
     load = ClosedLoop(targets, "/v1/chat/completions", bodies, args.connections)
     await load.start()
-    a, b = await _measured(load, args.warmup, args.duration, meter)
+    a, b = await measured(load, args.warmup, args.duration, meter)
     w, wall = load.window, b[0] - a[0]
     lat = sorted(w.latency_s)
     ttft = sorted(w.ttft_s)
     return {
         "contender": contender.label, "fleet": running.fleet.kind, "requests": w.ok, "errors": w.errors,
         "seconds": round(wall, 3), "rps": round(w.ok / wall, 1),
-        "latency_ms": {"p50": _ms(percentile(lat, 50)), "p99": _ms(percentile(lat, 99))},
-        "stream_ttft_ms": {"p50": _ms(percentile(ttft, 50)), "p99": _ms(percentile(ttft, 99))},
+        "latency_ms": {"p50": to_ms(percentile(lat, 50)), "p99": to_ms(percentile(lat, 99))},
+        "stream_ttft_ms": {"p50": to_ms(percentile(ttft, 50)), "p99": to_ms(percentile(ttft, 99))},
         "cpu_cores": meter.cores(a, b),
     }
-
-
-async def _measured(load: Any, warmup_s: float, duration_s: float, meter: CpuMeter) -> tuple[Any, Any]:
-    """Run a started load generator unmeasured for `warmup_s`, then measured for `duration_s`; stop it.
-    Returns the CPU meter's snapshots at the start and end of the measured window."""
-    try:
-        await asyncio.sleep(warmup_s)
-        a = meter.snapshot()
-        load.measuring = True
-        await asyncio.sleep(duration_s)
-        load.measuring = False
-        b = meter.snapshot()
-    finally:
-        await load.stop()
-    return a, b
 
 
 async def latency_window(running: Running, contender: Contender, args: argparse.Namespace,
                          meter: CpuMeter) -> dict[str, Any]:
     bodies = request_bodies(running.model, 256, lambda i: True, args.stream_tokens, salt=random.randrange(1 << 20))
-    pairs = PairedStreams([_hostport(u) for u in running.urls], _hostport(running.routers[contender.label][1]),
+    pairs = PairedStreams([hostport(u) for u in running.urls], hostport(running.routers[contender.label][1]),
                           "/v1/chat/completions", bodies, args.streams)
     stream_s = args.stream_tokens * args.itl_ms / 1000
     await pairs.start(stagger_s=stream_s)
-    a, b = await _measured(pairs, args.warmup + stream_s, args.duration, meter)
+    a, b = await measured(pairs, args.warmup + stream_s, args.duration, meter)
     return {"contender": contender.label, "pairs": [[round(d, 6), round(r, 6)] for d, r in pairs.pairs],
             "errors": pairs.errors, "seconds": round(b[0] - a[0], 3), "cpu_cores": meter.cores(a, b)}
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1000 * seconds, 3)
 
 
 def round_orders(contenders: Sequence[Contender], rounds: int) -> list[list[Contender]]:
@@ -736,8 +367,8 @@ def saturation_summary(windows: Sequence[dict[str, Any]]) -> dict[str, dict[str,
         }
     peer_us = out.get(PEER, {}).get("router_cpu_us_per_request")
     for row in out.values():
-        us = row["router_cpu_us_per_request"]
-        row["per_core_ratio_to_peer"] = round(peer_us / us, 3) if us and peer_us else None
+        cpu_us = row["router_cpu_us_per_request"]
+        row["per_core_ratio_to_peer"] = round(peer_us / cpu_us, 3) if cpu_us and peer_us else None
     return out
 
 
@@ -764,18 +395,6 @@ def latency_met(s: dict[str, Any] | None) -> bool | None:
 
 
 # -- report (pure) ------------------------------------------------------------------------------------------------
-def _f(v: float | None, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
-
-
-def _times(ratio: float | None) -> str:
-    return "" if ratio is None else f" ({ratio:.2f}×)"
-
-
-def _us(v: float | None) -> str:
-    return "-" if v is None else f"{v:,.0f} µs"
-
-
 def render_section(meta: dict[str, Any], sat: dict[str, dict[str, dict[str, Any]]],
                    lat: dict[str, dict[str, Any]]) -> str:
     """The docs/benchmarks.md section (heading included)."""
@@ -805,13 +424,13 @@ def render_section(meta: dict[str, Any], sat: dict[str, dict[str, dict[str, Any]
         for label, s in rows.items():
             c = s["cores"]
             router = c.get(label) if label != "direct" else None
-            us = s["router_cpu_us_per_request"]
+            cpu_us = s["router_cpu_us_per_request"]
             lines.append(
                 f"| {label} | {s['rps']:,.0f} ({', '.join(f'{x:,.0f}' for x in s['rounds'])}) | "
-                f"{_f(s['ratio_to_peer'])} | {s['errors']} | {_f(s['latency_p50_ms'], 1)} / "
-                f"{_f(s['latency_p99_ms'], 1)} ms | {_f(router)} / {_f(c.get('instances'))} / "
-                f"{_f(c.get('load generator'))} / {_f(c.get('other processes'))} | "
-                f"{_us(us)} | {'-' if not us else f'{1e6 / us:,.0f}'}{_times(s['per_core_ratio_to_peer'])} |")
+                f"{number(s['ratio_to_peer'])} | {s['errors']} | {number(s['latency_p50_ms'], 1)} / "
+                f"{number(s['latency_p99_ms'], 1)} ms | {number(router)} / {number(c.get('instances'))} / "
+                f"{number(c.get('load generator'))} / {number(c.get('other processes'))} | "
+                f"{us(cpu_us)} | {'-' if not cpu_us else f'{1e6 / cpu_us:,.0f}'}{times(s['per_core_ratio_to_peer'])} |")
         lines += ["", loadgen_note(rows), ""]
     if lat:
         lines += [f"### (b) Added latency at {meta['streams']} concurrent streams", "",
@@ -826,12 +445,12 @@ def render_section(meta: dict[str, Any], sat: dict[str, dict[str, dict[str, Any]
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for label, s in lat.items():
             lines.append(
-                f"| {label} | {s['pairs']:,} | {s['errors']} | {_f(s['direct_p50'])} / {_f(s['direct_p99'])} ms | "
-                f"{_f(s['router_p50'])} / {_f(s['router_p99'])} ms | **{_f(s['added_p50'])} / "
-                f"{_f(s['added_p99'])} ms** | {_f(s['paired_p50'])} / {_f(s['paired_p99'])} ms | "
-                f"{', '.join(_f(x) for x in s['rounds_added_p50'])} | "
-                f"{', '.join(_f(x) for x in s['rounds_added_p99'])} | {_f(s['router_cores'])} / "
-                f"{_f(s['machine_cores'])} |")
+                f"| {label} | {s['pairs']:,} | {s['errors']} | {number(s['direct_p50'])} / {number(s['direct_p99'])} ms | "
+                f"{number(s['router_p50'])} / {number(s['router_p99'])} ms | **{number(s['added_p50'])} / "
+                f"{number(s['added_p99'])} ms** | {number(s['paired_p50'])} / {number(s['paired_p99'])} ms | "
+                f"{', '.join(number(x) for x in s['rounds_added_p50'])} | "
+                f"{', '.join(number(x) for x in s['rounds_added_p99'])} | {number(s['router_cores'])} / "
+                f"{number(s['machine_cores'])} |")
         lines.append("")
     lines += ["### Targets", ""] + [f"- {v}" for v in verdicts(sat, lat)]
     if meta.get("notes"):
@@ -846,7 +465,7 @@ def loadgen_note(rows: dict[str, dict[str, Any]]) -> str:
     if routed:
         worst = max(routed.values(), key=lambda v: v["cores"].get("load generator", 0.0))
         parts.append(f"Load generator: at most {worst['cores'].get('load generator', 0.0):.2f} cores in a router's "
-                     f"windows ({_us(worst['loadgen_cpu_us_per_request'])} per request), far from one core: the "
+                     f"windows ({us(worst['loadgen_cpu_us_per_request'])} per request), far from one core: the "
                      "routers, not it, set their throughput.")
     if "direct" in rows:
         d = rows["direct"]["cores"]
@@ -891,8 +510,8 @@ def summary_rows(sat: dict[str, dict[str, dict[str, Any]]], lat: dict[str, dict[
             if not ours:
                 continue
             best_ratio.append(max(v["ratio_to_peer"] for v in ours.values()))
-            cpu = (f", router CPU per request {_us(ours['warmroute']['router_cpu_us_per_request'])} vs "
-                   f"{_us(peer['router_cpu_us_per_request'])} "
+            cpu = (f", router CPU per request {us(ours['warmroute']['router_cpu_us_per_request'])} vs "
+                   f"{us(peer['router_cpu_us_per_request'])} "
                    f"({ours['warmroute']['per_core_ratio_to_peer']:.2f}× smg's req/s per core)"
                    if "warmroute" in ours and ours["warmroute"]["per_core_ratio_to_peer"] else "")
             parts.append(f"{fleet} instances: smg {peer['rps']:,.0f} req/s; " + ", ".join(
@@ -922,35 +541,6 @@ def summary_rows(sat: dict[str, dict[str, dict[str, Any]]], lat: dict[str, dict[
     return rows
 
 
-def update_doc(text: str, section: str, rows: dict[str, str]) -> str:
-    """`text` with the section replaced (or appended) and each summary row replaced (or added after the last
-    row of the summary table)."""
-    heading = f"## {SECTION}"
-    start = text.find(heading + "\n")
-    if start >= 0:
-        nxt = text.find("\n## ", start + len(heading))
-        end = len(text) if nxt < 0 else nxt + 1
-        text = text[:start] + section + ("\n" if nxt >= 0 else "") + text[end:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    lines = text.split("\n")
-    for prefix, row in rows.items():
-        hit = next((i for i, ln in enumerate(lines) if ln.startswith(prefix)), None)
-        if hit is not None:
-            lines[hit] = row
-            continue
-        summary = next((i for i, ln in enumerate(lines) if ln.startswith("## Summary against the targets")), None)
-        if summary is None:
-            continue
-        i = summary + 1
-        while i < len(lines) and not lines[i].startswith("|"):
-            i += 1
-        while i < len(lines) and lines[i].startswith("|"):
-            i += 1
-        lines.insert(i, row)
-    return "\n".join(lines)
-
-
 # -- driver ---------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -962,7 +552,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="instances for (a): trivial stubs and/or the emulated engine at time scale 0")
     p.add_argument("--engine-processes", type=int, default=2, help="processes the emulated fleet is split over")
     p.add_argument("--phases", nargs="+", choices=["saturation", "latency"], default=["saturation", "latency"],
-                   help="(a), (b) or both (the default; only a run of both rewrites the doc section)")
+                   help="(a), (b) or both (the default)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 4 s (instead of 5 of 5)")
     p.add_argument("--rounds", type=int)
     p.add_argument("--duration", type=float, help="measured seconds per window")
@@ -972,11 +562,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=64, help="(b) concurrent streams through the router")
     p.add_argument("--stream-tokens", type=int, default=32, help="(b) tokens per stream")
     p.add_argument("--itl-ms", type=float, default=20.0, help="(b) milliseconds between two streamed tokens")
-    p.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
+    p.add_argument("--peers-venv", type=Path, default=cp.PEERS_VENV)
     p.add_argument("--install", action="store_true", help="pip-install a missing peer into --peers-venv")
-    p.add_argument("--json", type=Path, default=ROOT / "out" / "saturation.json")
-    p.add_argument("--doc", type=Path, default=DOC)
-    p.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
+    p.add_argument("--json", type=Path, default=OUT / "saturation.json",
+                   help="everything measured; the Markdown fragment goes beside it (.md)")
     p.add_argument("--logs", type=Path, help="keep every child's log in this folder")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 5)
@@ -985,34 +574,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown contenders: {', '.join(sorted(unknown))}")
     return args
-
-
-def command_line(argv: list[str]) -> str:
-    return " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/saturation.py", *argv])
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def tree_state() -> str:
-    """The commit measured, and the source files that differed from it (uncommitted work is measured too)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "warmroute"], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=10).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    files = sorted(line[3:] for line in changed if line.strip())
-    return f"commit {head or 'unknown'}" + (f" plus uncommitted changes to {', '.join(files)}" if files else "")
-
-
-def load_average() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 async def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -1049,10 +610,10 @@ async def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     log(f"done in {time.monotonic() - started:.0f} s")
     return {
         "meta": {
-            "command": command_line(argv),
+            "command": command_line(__file__, argv),
             "tree": tree_state(),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other work",
+            "date": now_utc(),
+            "machine": machine(),
             "load_before": load_before, "load_after": load_average(),
             "peer_version": peer_version,
             "config": f"{args.rounds} rounds, {args.warmup:g} s warm-up + {args.duration:g} s measured per window",
@@ -1071,8 +632,13 @@ async def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     }
 
 
-def print_table(result: dict[str, Any]) -> None:
-    print(render_section(result["meta"], result["saturation"], result["latency"]))
+def render_fragment(result: dict[str, Any]) -> str:
+    """The docs/benchmarks.md section, then its rows for the summary table at the top of that page."""
+    section = render_section(result["meta"], result["saturation"], result["latency"])
+    rows = summary_rows(result["saturation"], result["latency"])
+    if not rows:
+        return section
+    return section + "\n### Rows for the summary table\n\n" + "\n".join(rows.values()) + "\n"
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -1089,16 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         log(f"error: {exc}")
         return 2
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print_table(result)
-    if not args.no_doc and set(args.phases) != {"saturation", "latency"}:
-        log(f"only {' and '.join(args.phases)} measured: {args.doc} left as it is (see {args.json})")
-    elif not args.no_doc:
-        section = render_section(result["meta"], result["saturation"], result["latency"])
-        args.doc.write_text(update_doc(args.doc.read_text(), section,
-                                       summary_rows(result["saturation"], result["latency"])))
-        log(f"wrote {args.doc} and {args.json}")
+    fragment = render_fragment(result)
+    print(fragment)
+    write_outputs(args.json, result, fragment)
     bad = any(s["errors"] for rows in result["saturation"].values() for s in rows.values()) or any(
         s["errors"] for s in result["latency"].values())
     return 1 if bad else 0

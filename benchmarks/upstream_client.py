@@ -18,18 +18,15 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 from multidict import CIMultiDict
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from warmroute.bench.processes import free_ports  # noqa: E402
-from warmroute.router.upstream import UpstreamPool  # noqa: E402
+from warmroute.bench.processes import Child
+from warmroute.router.upstream import UpstreamPool
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 30}], "max_tokens": 8,
                    "stream": False}).encode()
@@ -80,24 +77,21 @@ async def measure(args: argparse.Namespace, base: str) -> dict[str, list[tuple[f
     return results
 
 
+async def _measure_against(child: Child, args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+    return await measure(args, await child.wait_for_url(timeout_s=30))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=8000)
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
-    port = free_ports(1)
-    child = subprocess.Popen([sys.executable, "-m", "warmroute.bench.trivial", "--count", "1", "--port", str(port)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert child.stdout is not None
-        child.stdout.readline()  # "... listening on ..."
-        import uvloop
+    import uvloop
 
-        results = uvloop.run(measure(args, f"http://127.0.0.1:{port}"))
-    finally:
-        child.terminate()
-        child.wait()
+    with tempfile.TemporaryDirectory(prefix="warmroute-upstream-client-") as logs:
+        with Child("instance", ["--count", "1", "--port", "0"], Path(logs), module="warmroute.bench.trivial") as child:
+            results = uvloop.run(_measure_against(child, args))
     print(f"{args.requests} requests per round over {args.connections} connections, {args.rounds} rounds "
           "(alternating order); medians over the rounds")
     print(f"{'client':<24}{'CPU µs/request':>16}{'wall µs/request':>17}   CPU per round")

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import aiohttp
-from aiohttp import web
 
 
 class Answer(NamedTuple):
@@ -46,32 +45,3 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, interval
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(interval)
-
-
-class StubEngine:
-    """An upstream that is healthy and answers every other request with `{"engine": name}` (membership tests
-    that need a live instance, not an inference engine)."""
-
-    def __init__(self, name: str = "stub") -> None:
-        self.name = name
-
-    async def start(self) -> StubEngine:
-        app = web.Application()
-        app.router.add_get("/health", self._ok)
-        app.router.add_route("*", "/{tail:.*}", self._any)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.port = self.runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        return self
-
-    async def _ok(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _any(self, request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"engine": self.name})
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()

@@ -1,5 +1,6 @@
-"""A stand-in inference instance on 127.0.0.1 (records what it receives, answers with an echo or a test's own
-behaviour), and a router started in front of such stand-ins: what the router's HTTP tests share."""
+"""The tests' one stand-in inference instance on 127.0.0.1 (records what it receives, answers with an echo or a
+test's own behaviour), a router started in front of such stand-ins, and `serve_app` for the other fake
+servers (Kubernetes API servers) the tests run."""
 
 from __future__ import annotations
 
@@ -16,31 +17,46 @@ Behaviour = Callable[[web.Request], Awaitable[web.StreamResponse]]
 JSON_TYPE = {"Content-Type": "application/json"}  # what clients send; other media types get a 415
 
 
-class Upstream:
-    """A stand-in instance: records what it receives; `behaviour` replaces its default echo answer."""
+async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                    ssl_context: ssl.SSLContext | None = None, **runner_options) -> tuple[web.AppRunner, str]:
+    """`app` listening on host:port (0: a free port); its runner (`cleanup()` stops it) and base URL."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1, **runner_options)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    return runner, f"{'https' if ssl_context else 'http'}://{host}:{runner.addresses[0][1]}"
 
-    def __init__(self, name: str, models: tuple[str, ...] = ("m",)) -> None:
+
+class Upstream:
+    """A stand-in instance: /health, /v1/models listing `models` (None: no such route, the path is answered like
+    any other), every other path recorded and answered with an echo (after `delay` seconds) or by
+    `behaviour`. Bodies are recorded as they arrived (compressed ones are not decompressed)."""
+
+    def __init__(self, name: str, models: tuple[str, ...] | None = ("m",)) -> None:
         self.name = name
-        self.models = list(models)
+        self.models = None if models is None else list(models)
         self.health_status = 200
+        self.delay = 0.0
         self.seen: list[tuple[str, str, dict[str, str], bytes]] = []  # method, path_qs, headers, body
         self.behaviour: Behaviour | None = None
         self.cancelled = asyncio.Event()  # set when a handler was cut off by its client (the router)
         self.runner: web.AppRunner | None = None
         self.url = ""
 
-    async def start(self, port: int = 0, ssl_context: ssl.SSLContext | None = None) -> Upstream:
+    async def start(self, port: int = 0, ssl_context: ssl.SSLContext | None = None,
+                    host: str = "127.0.0.1") -> Upstream:
         app = web.Application(client_max_size=64 * 1024**2)  # as large as the router lets through
         app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
+        if self.models is not None:
+            app.router.add_get("/v1/models", self._models)
         app.router.add_route("*", "/{tail:.*}", self._any)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", port, ssl_context=ssl_context)
-        await site.start()
+        self.runner, self.url = await serve_app(app, host, port, ssl_context, handler_cancellation=True,
+                                                auto_decompress=False)
         self.port = self.runner.addresses[0][1]
-        self.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
         return self
+
+    def paths(self) -> list[str]:
+        """The paths (with query) of the requests received, in order."""
+        return [path for _, path, _, _ in self.seen]
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -58,6 +74,8 @@ class Upstream:
         body = await request.read()
         self.seen.append((request.method, request.raw_path, dict(request.headers), body))
         try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
             if self.behaviour is not None:
                 return await self.behaviour(request)
             return web.json_response({"upstream": self.name, "path": request.path, "bytes": len(body)},
@@ -65,6 +83,13 @@ class Upstream:
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+
+
+def answer_json(body: dict, status: int = 200) -> Behaviour:
+    """A behaviour: every request answered with `body` as JSON."""
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(body, status=status)
+    return answer
 
 
 def settings_for(*upstreams: Upstream, **overrides) -> dict:

@@ -57,6 +57,7 @@ instances = st.fixed_dictionaries({
     "engine": engine_loads,
     "depth": st.one_of(st.just(0), st.integers(0, 600)),
     "recent": st.one_of(st.sampled_from([0.0, 1.0, 5.0, 20.0]), st.floats(0, 100, allow_nan=False)),
+    "ramp": st.sampled_from([None, None, None, 0.0, 5.0, 40.0]),  # seconds into a slow-start ramp
 })
 strategy_settings = st.builds(
     StrategySettings,
@@ -72,6 +73,7 @@ strategy_settings = st.builds(
         sticky_kv_limit=st.sampled_from([0.0, 1.75, 1000.0]),
         hot_balance_factor=st.sampled_from([0.0, 0.2, 1.0]),
         hot_balance_slack=st.sampled_from([0.0, 2.0]),
+        slow_start_window=st.sampled_from([0.0, 30.0]),
     ),
 )
 block_sizes = st.sampled_from([64, 128])
@@ -86,6 +88,8 @@ def make_fleet(drawn: list[dict], mean_uncached: float, block_bytes: int = 64) -
         inst.healthy, inst.draining, inst.engine = d["healthy"], d["draining"], d["engine"]
         inst.recent = d["recent"]
         inst.inflight_prompt_tokens = d["prompt_tokens"] if d["inflight"] else 0
+        if d.get("ramp") is not None:
+            f.ramps[inst.name] = f.now - d["ramp"]
         if d["depth"]:
             depths[inst.name] = d["depth"]
     f.mean_uncached_tokens = mean_uncached

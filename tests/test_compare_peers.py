@@ -140,7 +140,12 @@ def test_contender_command_lines(tmp_path):
     by = {c.label: c for c in cp.CONTENDERS}
     ours = by["cache_aware"].argv(8080, 8081, urls, 4096, tmp_path)
     assert ours[1:4] == ["-m", "warmroute", "serve"]
-    assert ours[-2:] == ["--backend", "engine-1=http://127.0.0.1:9001"]
+    assert ours[-2:] == ["--backend", "engine-1=http://127.0.0.1:9001"] and "--kv-events" not in ours
+    precise = by["precise"].argv(8080, 8081, urls, 4096, tmp_path)
+    assert precise[precise.index("--strategy") + 1] == "cache_aware" and "--kv-events" in precise
+    assert (Path(precise[precise.index("--tokenizer") + 1]) / "tokenizer.json").exists()
+    assert "--kv-events-port" in cp.engine_argv(9000, 4096, 0.5, 8, 9100)
+    assert "--kv-events-port" not in cp.engine_argv(9000, 4096, 0.5, 8)
     smg = by["smg cache_aware"].argv(8080, 8081, urls, 4096, tmp_path)
     assert smg[:2] == [str(tmp_path / "bin" / "smg"), "launch"]
     assert smg[smg.index("--worker-urls") + 1:smg.index("--worker-urls") + 3] == urls

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from client_helpers import StubEngine
+from fake_upstream import Upstream, answer_json
 from warmroute.router.dashboard import HOT_SLOTS, Activity
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -20,19 +19,21 @@ from warmroute.router.settings import load_settings
 SECRET_TEXT = "confidential-system-prompt-XYZZY"
 
 
-class Engine(StubEngine):
-    """A stand-in engine answering chat completions with a usage report (half the prompt cached)."""
+# A chat completion with a usage report (half the prompt cached).
+ANSWER = answer_json({"choices": [{"message": {"role": "assistant", "content": "hi"}}],
+                      "usage": {"prompt_tokens": 400, "completion_tokens": 1,
+                                "prompt_tokens_details": {"cached_tokens": 200}}})
 
-    async def _any(self, request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"choices": [{"message": {"role": "assistant", "content": "hi"}}],
-                                  "usage": {"prompt_tokens": 400, "completion_tokens": 1,
-                                            "prompt_tokens_details": {"cached_tokens": 200}}})
+
+async def _engine(name: str) -> Upstream:
+    engine = await Upstream(name, models=None).start()
+    engine.behaviour = ANSWER
+    return engine
 
 
 @pytest.fixture
 async def router_with_traffic():
-    engines = [await Engine(f"gpu-{i}").start() for i in range(3)]
+    engines = [await _engine(f"gpu-{i}") for i in range(3)]
     router = await start_router(load_settings({
         "backends": [f"{e.name}={e.url}" for e in engines], "port": 0, "health_interval": 3600,
         "engine_metrics": False}, env={}))

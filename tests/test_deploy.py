@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from aiohttp import web
 
+from fake_upstream import Upstream
 from warmroute.cli import SUBCOMMANDS
 from warmroute.core.feedback import VERDICTS
 from warmroute.core.strategies import REASONS
@@ -228,15 +228,8 @@ async def _healthcheck(port: int) -> int:
 
 
 async def test_healthcheck_command_tells_healthy_from_no_healthy_backend():
-    async def ok(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    upstream = web.Application()
-    upstream.router.add_get("/health", ok)
-    runner = web.AppRunner(upstream, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    healthy = await _start_router(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    upstream = await Upstream("ok").start()
+    healthy = await _start_router(upstream.url)
     with socket.socket() as s:  # a port nobody listens on: the first health round ejects the backend
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
@@ -247,7 +240,7 @@ async def test_healthcheck_command_tells_healthy_from_no_healthy_backend():
     finally:
         await healthy.stop()
         await unhealthy.stop()
-        await runner.cleanup()
+        await upstream.stop()
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------------------
@@ -264,11 +257,11 @@ def test_every_manifest_parses_and_names_its_kind():
                     assert doc["metadata"]["name"], path
 
 
-def test_rbac_allows_exactly_what_kubernetes_discovery_reads():
+def test_rbac_allows_exactly_what_kubernetes_discovery_reads_and_the_deletion_costs_patch():
     objects = k8s_objects()
-    (rule,) = objects["Role"]["rules"]
-    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]}
+    assert objects["Role"]["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]  # router/kubernetes.py PodDeletionCost
     binding = objects["RoleBinding"]
     assert binding["roleRef"]["name"] == objects["Role"]["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": objects["ServiceAccount"]["metadata"]["name"]}]
@@ -596,3 +589,53 @@ def test_dashboard_queries_parse_as_promql():
     for title, expr, _ in expressions(dashboard()):
         promql.parse(expr.replace("$__rate_interval", "5m"))  # raises on a syntax error
 
+
+# -- Autoscaling on the demand signal (deploy/kubernetes/autoscaling/, docs/autoscaling.md) --------------------------
+AUTOSCALING = K8S / "autoscaling"
+
+
+def autoscaling_object(name: str) -> dict:
+    (doc,) = [d for d in yaml.safe_load_all((AUTOSCALING / name).read_text()) if d is not None]
+    return doc
+
+
+def quantity(value: str) -> float:
+    """A Kubernetes quantity as the HPA reads a target value ("700m", "0.7", "2")."""
+    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+
+
+def test_keda_scales_on_the_summed_demand_ratio_at_the_routers_target():
+    from warmroute.core.demand import DemandSettings
+
+    obj = autoscaling_object("keda-scaledobject.yaml")
+    assert (obj["apiVersion"], obj["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    (trigger,) = obj["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"  # ceil(current x value / target)
+    query = trigger["metadata"]["query"]
+    assert check_promql(query, router_series()) == []
+    assert query.startswith("sum(warmroute_fleet_demand_ratio{")  # router replicas each report their share
+    assert quantity(trigger["metadata"]["threshold"]) == DemandSettings().scale_target
+    spec = obj["spec"]
+    assert spec["scaleTargetRef"]["kind"] == "Deployment" and 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+
+
+def test_the_hpa_reads_the_demand_ratio_the_adapter_serves():
+    from warmroute.core.demand import DemandSettings
+
+    hpa = autoscaling_object("hpa.yaml")
+    assert (hpa["apiVersion"], hpa["kind"]) == ("autoscaling/v2", "HorizontalPodAutoscaler")
+    (metric,) = hpa["spec"]["metrics"]
+    external = metric["external"]
+    assert metric["type"] == "External" and external["target"]["type"] == "Value"
+    assert quantity(external["target"]["value"]) == DemandSettings().scale_target
+    series = router_series()
+    assert external["metric"]["name"] in series
+    assert set(external["metric"]["selector"]["matchLabels"]) <= series[external["metric"]["name"]][1]
+    adapter = autoscaling_object("prometheus-adapter-rules.yaml")
+    (rule,) = yaml.safe_load(adapter["data"]["config.yaml"])["externalRules"]
+    assert rule["name"]["as"] == external["metric"]["name"]
+    assert check_promql(rule["seriesQuery"].strip("'"), series) == []
+    concrete = rule["metricsQuery"].replace("<<.Series>>", external["metric"]["name"]).replace(
+        "<<.LabelMatchers>>", 'model="m"')
+    assert check_promql(concrete, series) == []
+    assert hpa["spec"]["scaleTargetRef"] == autoscaling_object("keda-scaledobject.yaml")["spec"]["scaleTargetRef"]

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from client_helpers import wait_for
-from warmroute.router.app import DISCOVERY, METRICS, ROUTER
+from fake_upstream import Upstream
+from warmroute.router.app import DISCOVERY, METRICS, PROXY, ROUTER
 from warmroute.router.discovery import read_backends_file, with_host
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -27,51 +27,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}
 
 
-class Engine:
-    """A stand-in engine: /health, and every other path answers with its name, after `delay` seconds."""
-
-    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
-        self.name, self.host = name, host
-        self.delay = 0.0
-        self.hits = 0
-        self.runner: web.AppRunner | None = None
-
-    async def start(self, port: int = 0) -> Engine:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_route("*", "/{tail:.*}", self._any)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, self.host, port).start()
-        self.port = self.runner.addresses[0][1]
-        self.url = f"http://{self.host}:{self.port}"
-        return self
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _any(self, request: web.Request) -> web.Response:
-        await request.read()
-        self.hits += 1
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        return web.json_response({"engine": self.name})
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-
-
 def base(**values) -> dict:
     return {"port": 0, "health_interval": 3600, "engine_metrics": False, "models_interval": 0, **values}
-
-
-@pytest.fixture
-async def engines():
-    started = [await Engine(f"e{i}").start() for i in range(3)]
-    yield started
-    for e in started:
-        await e.stop()
 
 
 # -- the backends file -----------------------------------------------------------------------------------------
@@ -107,8 +64,8 @@ def test_settings_need_a_source_of_backends(tmp_path):
     assert "x" not in repr(load_settings({"admin_token": "x"}, env={}).admin_token)
 
 
-async def test_backends_file_changes_add_and_drain_instances(tmp_path, engines):
-    e0, e1, e2 = engines
+async def test_backends_file_changes_add_and_drain_instances(tmp_path, stand_ins):
+    e0, e1, e2 = stand_ins
     f = tmp_path / "backends.yaml"
     write(f, f"- e1={e1.url}\n")
     router = await start_router(load_settings(base(backends=[f"e0={e0.url}"], backends_file=str(f),
@@ -136,8 +93,8 @@ async def test_backends_file_changes_add_and_drain_instances(tmp_path, engines):
         await router.stop()
 
 
-async def test_sighup_rereads_the_backends_file(tmp_path, engines):
-    e0, e1, _ = engines
+async def test_sighup_rereads_the_backends_file(tmp_path, stand_ins):
+    e0, e1, _ = stand_ins
     f = tmp_path / "backends.yaml"
     f.write_text(f"- e0={e0.url}\n")
     env = {**os.environ, "WARMROUTE_BACKENDS_FILE_INTERVAL": "3600", "WARMROUTE_ENGINE_METRICS": "false"}
@@ -189,8 +146,8 @@ class socket_port:
 
 
 # -- draining --------------------------------------------------------------------------------------------------
-async def test_a_drained_instance_finishes_its_requests_then_leaves(engines):
-    e0, e1, _ = engines
+async def test_a_drained_instance_finishes_its_requests_then_leaves(stand_ins):
+    e0, e1, _ = stand_ins
     router = await start_router(load_settings(base(backends=[f"e0={e0.url}", f"e1={e1.url}"],
                                                    admin_token=TOKEN, strategy="round_robin"), env={}))
     fleet = router.app[ROUTER].fleet
@@ -219,8 +176,8 @@ async def test_a_drained_instance_finishes_its_requests_then_leaves(engines):
 
 
 # -- the admin API ---------------------------------------------------------------------------------------------
-async def test_admin_api_adds_lists_and_deletes(engines):
-    e0, e1, _ = engines
+async def test_admin_api_adds_lists_and_deletes(stand_ins):
+    e0, e1, _ = stand_ins
     router = await start_router(load_settings(base(backends=[f"e0={e0.url}"], admin_token=TOKEN), env={}))
     fleet = router.app[ROUTER].fleet
     try:
@@ -261,8 +218,8 @@ async def test_admin_api_adds_lists_and_deletes(engines):
         await router.stop()
 
 
-async def test_admin_api_needs_the_token_and_does_not_exist_without_one(engines):
-    e0 = engines[0]
+async def test_admin_api_needs_the_token_and_does_not_exist_without_one(stand_ins):
+    e0 = stand_ins[0]
     router = await start_router(load_settings(base(backends=[f"e0={e0.url}"], admin_token=TOKEN), env={}))
     try:
         async with aiohttp.ClientSession() as client:
@@ -275,7 +232,7 @@ async def test_admin_api_needs_the_token_and_does_not_exist_without_one(engines)
                         assert r.status == 401, (method, path, headers)
                         assert r.headers["WWW-Authenticate"].startswith("Bearer")
                         assert TOKEN not in await r.text()
-            assert e0.hits == 0  # never forwarded to an engine either
+            assert e0.seen == []  # never forwarded to an engine either
         assert set(router.app[ROUTER].fleet.instances) == {"e0"}
     finally:
         await router.stop()
@@ -289,7 +246,7 @@ async def test_admin_api_needs_the_token_and_does_not_exist_without_one(engines)
                                           json={"name": "z", "url": e0.url}) as r:
                     assert r.status == 404, (method, path)
                     assert "admin_token" in (await r.json())["error"]["message"]
-        assert e0.hits == 0
+        assert e0.seen == []
         assert set(router.app[ROUTER].fleet.instances) == {"e0"}
     finally:
         await router.stop()
@@ -298,9 +255,9 @@ async def test_admin_api_needs_the_token_and_does_not_exist_without_one(engines)
 # -- DNS --------------------------------------------------------------------------------------------------------
 async def test_dns_names_become_one_instance_per_address_and_follow_changes():
     # Engines on 127.0.0.1 and 127.0.0.2 (both loopback on Linux), one port; the resolver is injected.
-    first = await Engine("a1", "127.0.0.1").start()
+    first = await Upstream("a1", models=None).start()
     try:
-        second = await Engine("a2", "127.0.0.2").start(first.port)
+        second = await Upstream("a2", models=None).start(first.port, host="127.0.0.2")
     except OSError:
         await first.stop()
         pytest.skip("127.0.0.2 is not usable here")
@@ -317,7 +274,7 @@ async def test_dns_names_become_one_instance_per_address_and_follow_changes():
     server = TestServer(build_app(settings, resolver=resolver), host="127.0.0.1")
     await server.start_server()
     app = server.app
-    fleet, urls = app[ROUTER].fleet, app[DISCOVERY].membership.urls
+    fleet, urls = app[ROUTER].fleet, app[PROXY].urls  # where the proxy sends each instance's requests
     try:
         assert urls == {"pool": f"http://127.0.0.1:{first.port}"} and fleet.instances["pool"].healthy
         answers["engines.test"] = ["127.0.0.1", "127.0.0.2"]
@@ -328,7 +285,7 @@ async def test_dns_names_become_one_instance_per_address_and_follow_changes():
                 body = {**CHAT, "messages": [{"role": "user", "content": f"d{i} " * 300}]}
                 async with client.post(str(server.make_url("/v1/chat/completions")), json=body) as r:
                     assert r.status == 200
-        assert first.hits and second.hits
+        assert first.seen and second.seen
         answers["engines.test"] = ["127.0.0.2"]  # the first address goes: its instance drains away
         await wait_for(lambda: set(fleet.instances) == {"pool-1"})
         answers["engines.test"] = []  # a failed lookup keeps the last addresses
@@ -341,8 +298,8 @@ async def test_dns_names_become_one_instance_per_address_and_follow_changes():
         await second.stop()
 
 
-async def test_dns_off_by_default_keeps_the_name_in_the_url(engines):
-    e0 = engines[0]
+async def test_dns_off_by_default_keeps_the_name_in_the_url(stand_ins):
+    e0 = stand_ins[0]
     router = await start_router(load_settings(base(backends=[f"e0=http://localhost:{e0.port}"]), env={}))
     try:
         assert router.app[DISCOVERY].membership.urls == {"e0": f"http://localhost:{e0.port}"}

@@ -7,13 +7,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from fake_upstream import Upstream
+
 from warmroute.core.engine_load import EngineLoad, backlog_tokens, observe
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import key_for_json
 from warmroute.core.strategies import StrategySettings, make_strategy
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
-from warmroute.router.app import PROXY, ROUTER, SCRAPER
+from warmroute.router.app import ROUTER, SCRAPER, UPSTREAMS
 from warmroute.router.engine_metrics import EngineSignals, MalformedMetrics, parse_engine_metrics
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
@@ -154,45 +156,26 @@ def test_other_routers_queue_on_the_warm_instance_sends_a_request_elsewhere():
 
 
 # -- the scraper -------------------------------------------------------------------------------------------------
-class Broken:
+async def _broken_engines() -> dict[str, Upstream]:
     """Stand-in engines: one answers 404 on /metrics, one malformed text, one its load but no KV capacity."""
-
-    def __init__(self) -> None:
-        self.runner: web.AppRunner | None = None
-
-    async def start(self) -> dict[str, str]:
-        def answer(status: int = 200, text: str = "ok"):
-            async def handler(_: web.Request) -> web.Response:
-                return web.Response(status=status, text=text)
-            return handler
-
-        app = web.Application()
-        app.router.add_get("/404/metrics", answer(404))
-        app.router.add_get("/bad/metrics", answer(text="vllm:num_requests_waiting x y z\n"))
-        app.router.add_get("/nocap/metrics", answer(text="vllm:num_requests_waiting 0\nvllm:num_requests_running 1\n"))
-        app.router.add_get("/404/health", answer())
-        app.router.add_get("/bad/health", answer())
-        app.router.add_get("/nocap/health", answer())
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        return {"notfound": url + "/404", "malformed": url + "/bad", "nocap": url + "/nocap"}
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+    pages = {"notfound": (404, "ok"), "malformed": (200, "vllm:num_requests_waiting x y z\n"),
+             "nocap": (200, "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\n")}
+    started = {}
+    for name, (status, text) in pages.items():
+        async def metrics(request: web.Request, status: int = status, text: str = text) -> web.Response:
+            return web.Response(status=status if request.path == "/metrics" else 404, text=text)
+        started[name] = await Upstream(name, models=None).start()
+        started[name].behaviour = metrics
+    return started
 
 
 async def test_scraper_reads_an_emulated_engine_and_counts_broken_ones(caplog):
     caplog.set_level("INFO", logger="warmroute.router")
     engines = await start_fleet(1, config=EngineConfig.from_profile("8b", kv_capacity_tokens=48_000),
                                 time_scale=0.02)
-    broken = Broken()
-    urls = await broken.start()
+    broken = await _broken_engines()
     router = await start_router(load_settings({
-        "backends": [f"e0={engines.urls[0]}", *(f"{n}={u}" for n, u in urls.items()),
+        "backends": [f"e0={engines.urls[0]}", *(f"{n}={u.url}" for n, u in broken.items()),
                      "refused=http://127.0.0.1:9"],
         "port": 0, "health_interval": 3600, "engine_metrics_interval": 3600}, env={}))
     try:
@@ -209,7 +192,7 @@ async def test_scraper_reads_an_emulated_engine_and_counts_broken_ones(caplog):
             assert f'warmroute_engine_scrape_errors_total{{backend="{instance}",kind="{kind}"}} 1.0' in text
         assert 'backend="e0"' not in text.split("warmroute_engine_scrape_errors_total")[-1]
         # What the router assumes is said once per instance: the capacity learnt, or that none was found.
-        await router.app[SCRAPER].scrape_all(router.app[PROXY].session)
+        await router.app[SCRAPER].scrape_all(router.app[UPSTREAMS].session)
         said = [r.getMessage() for r in caplog.records if "KV capacity" in r.getMessage()]
         assert said.count("instance e0: KV capacity 48,000 tokens, from its /metrics") == 1
         missing = [m for m in said if m.startswith("instance nocap: no KV capacity")]
@@ -218,7 +201,8 @@ async def test_scraper_reads_an_emulated_engine_and_counts_broken_ones(caplog):
         assert fleet.instances["nocap"].engine is not None  # its load was read all the same
     finally:
         await router.stop()
-        await broken.stop()
+        for up in broken.values():
+            await up.stop()
         await engines.close()
 
 

@@ -64,5 +64,6 @@ def test_the_pool_points_at_the_pickers_grpc_port_and_the_picker_at_the_pool(tmp
 def test_rbac_allows_exactly_what_the_pool_discovery_reads():
     objs = objects()
     rules = {(r["apiGroups"][0], r["resources"][0]): sorted(r["verbs"]) for r in objs["Role"]["rules"]}
-    assert rules == {(GROUP, PLURAL): ["get", "list", "watch"], ("", "pods"): ["get", "list", "watch"]}
+    assert rules == {(GROUP, PLURAL): ["get", "list", "watch"],
+                     ("", "pods"): ["get", "list", "patch", "watch"]}  # patch: their deletion costs
     assert objs["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == objs["ServiceAccount"]["metadata"]["name"]

@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # 
 from google.protobuf import struct_pb2  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from client_helpers import StubEngine, wait_for  # noqa: E402
+from client_helpers import wait_for  # noqa: E402
 from warmroute.gateway.endpoints import endpoint_of  # noqa: E402
 from warmroute.gateway.picker import DESTINATION, SERVED, SERVICE_NAME, SUBSET  # noqa: E402
 from warmroute.gateway.server import start_picker  # noqa: E402
@@ -26,17 +26,9 @@ Mode = modes.ProcessingMode
 
 
 @pytest.fixture
-async def stubs():
-    engines = [await StubEngine(f"s{i}").start() for i in range(3)]
-    yield engines
-    for e in engines:
-        await e.stop()
-
-
-@pytest.fixture
-async def picker(stubs):
+async def picker(stand_ins):
     running = await start_picker(load_settings({
-        "backends": [f"s{i}={e.url}" for i, e in enumerate(stubs)], "port": 0, "epp_port": 0, "epp_fallbacks": 1,
+        "backends": [f"s{i}={e.url}" for i, e in enumerate(stand_ins)], "port": 0, "epp_port": 0, "epp_fallbacks": 1,
         "health_interval": 3600, "engine_metrics": False, "models_interval": 0}, env={}))
     yield running
     await running.stop()
@@ -83,7 +75,7 @@ class Stream:
         return await asyncio.wait_for(self.call.read(), 5)
 
 
-async def test_buffered_body_gets_the_endpoint_and_a_fallback_in_header_and_metadata(picker, stubs, channel):
+async def test_buffered_body_gets_the_endpoint_and_a_fallback_in_header_and_metadata(picker, stand_ins, channel):
     s = Stream(channel)
     await s.send(request_headers=_headers("/v1/chat/completions"))
     assert (await s.reply()).HasField("request_headers")  # BUFFERED: the headers go on unchanged
@@ -92,7 +84,7 @@ async def test_buffered_body_gets_the_endpoint_and_a_fallback_in_header_and_meta
     value = _set_headers(reply.request_body.response.header_mutation)[DESTINATION]
     endpoints = value.split(",")
     assert len(endpoints) == 2 and len(set(endpoints)) == 2  # the choice, then one fallback (epp_fallbacks 1)
-    assert set(endpoints) <= {endpoint_of(e.url) for e in stubs}
+    assert set(endpoints) <= {endpoint_of(e.url) for e in stand_ins}
     assert _metadata_value(reply) == value  # never two different values
     assert _books(picker) == 1
     await s.send(response_headers=_headers("", **{":status": "200"}))
@@ -139,8 +131,8 @@ def _subset_hint(endpoints: list[str]) -> core.Metadata:
     return core.Metadata(filter_metadata={"envoy.lb.subset_hint": hint})
 
 
-async def test_the_subset_hint_limits_the_choice(picker, stubs, channel):
-    only = endpoint_of(stubs[2].url)
+async def test_the_subset_hint_limits_the_choice(picker, stand_ins, channel):
+    only = endpoint_of(stand_ins[2].url)
     for _ in range(4):
         s = Stream(channel)
         await s.send(request_headers=_headers("/v1/chat/completions"), metadata_context=_subset_hint([only]))
@@ -200,7 +192,7 @@ async def test_books_close_when_the_stream_breaks_at_any_point(picker, channel):
     assert picker.picker.streams == 0
 
 
-async def test_the_books_follow_the_endpoint_that_served(picker, stubs, channel):
+async def test_the_books_follow_the_endpoint_that_served(picker, stand_ins, channel):
     s = Stream(channel)
     await s.send(request_headers=_headers("/v1/chat/completions"))
     await s.reply()
@@ -241,28 +233,28 @@ async def _pick(channel: grpc.aio.Channel, text: str, subset: list[str] | None =
     return _set_headers(reply.request_body.response.header_mutation)[DESTINATION]
 
 
-async def test_endpoints_come_from_the_backends_file_and_the_admin_api(stubs, tmp_path):
+async def test_endpoints_come_from_the_backends_file_and_the_admin_api(stand_ins, tmp_path):
     import aiohttp
 
     listed = tmp_path / "backends.yaml"
-    listed.write_text(f"backends: [file-0={stubs[0].url}]\n")
+    listed.write_text(f"backends: [file-0={stand_ins[0].url}]\n")
     running = await start_picker(load_settings({
         "backends_file": str(listed), "backends_file_interval": 0.05, "admin_token": "t" * 32, "port": 0,
         "epp_port": 0, "health_interval": 3600, "engine_metrics": False, "models_interval": 0}, env={}))
     try:
         async with grpc.aio.insecure_channel(running.target) as ch:
-            assert await _pick(ch, "a") == endpoint_of(stubs[0].url)
+            assert await _pick(ch, "a") == endpoint_of(stand_ins[0].url)
             async with aiohttp.ClientSession(headers={"Authorization": "Bearer " + "t" * 32}) as client:
                 async with client.post(running.url + "/admin/instances",
-                                       json={"name": "admin-1", "url": stubs[1].url}) as r:
+                                       json={"name": "admin-1", "url": stand_ins[1].url}) as r:
                     assert r.status == 201, await r.text()
-            only_new = [endpoint_of(stubs[1].url)]
+            only_new = [endpoint_of(stand_ins[1].url)]
             assert await _pick(ch, "b", subset=only_new) == only_new[0]
-            listed.write_text(f"backends: [file-2={stubs[2].url}]\n")  # file-0 leaves, file-2 joins
+            listed.write_text(f"backends: [file-2={stand_ins[2].url}]\n")  # file-0 leaves, file-2 joins
             await wait_for(lambda: set(running.picker.router.fleet.instances) == {"admin-1", "file-2"})
             await wait_for(lambda: running.picker.router.fleet.instances["file-2"].healthy)
             picked = {await _pick(ch, str(i)) for i in range(8)}
-            assert picked <= {endpoint_of(stubs[1].url), endpoint_of(stubs[2].url)}
+            assert picked <= {endpoint_of(stand_ins[1].url), endpoint_of(stand_ins[2].url)}
     finally:
         await running.stop()
 
@@ -280,9 +272,6 @@ def test_what_the_picker_cannot_do_is_one_line_and_exit_2(argv, words, capsys):
     assert len(err.splitlines()) == 1 and words in err and err.startswith("warmroute epp: error:")
 
 
-from test_shared_index import redis_url  # noqa: E402,F401  (the fixture: a redis-server of its own)
-
-
 async def _decided(channel: grpc.aio.Channel, text: str) -> tuple[str, str]:
     """(endpoint, reason) of one request, up to its response headers; then the stream ends."""
     s = Stream(channel)
@@ -298,8 +287,8 @@ async def _decided(channel: grpc.aio.Channel, text: str) -> tuple[str, str]:
     return endpoint.split(",")[0], reason
 
 
-async def test_picker_replicas_share_their_index_through_redis(stubs, redis_url):  # noqa: F811
-    values = {"backends": [f"s{i}={e.url}" for i, e in enumerate(stubs)], "port": 0, "epp_port": 0,
+async def test_picker_replicas_share_their_index_through_redis(stand_ins, redis_url):  # noqa: F811
+    values = {"backends": [f"s{i}={e.url}" for i, e in enumerate(stand_ins)], "port": 0, "epp_port": 0,
               "health_interval": 3600, "engine_metrics": False, "models_interval": 0, "redis_url": redis_url}
     a, b = [await start_picker(load_settings(values, env={})) for _ in range(2)]
     try:

@@ -10,16 +10,16 @@ import asyncio
 import contextlib
 import gzip
 import json
-import os
 import re
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
+
+from fake_upstream import Upstream
+from warmroute.bench.processes import Child
 
 TOKEN = "hostile-suite-token"
 MAX_BODY = 256 * 1024
@@ -29,63 +29,23 @@ CONTROL = ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping", "/start_
            "/server_info", "/scale_elastic_ep", "/update_weights")
 
 
-class Recorder:
-    """The instance behind the router: healthy, answers everything 200, remembers what reached it."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
-
-    async def start(self) -> str:
-        app = web.Application(client_max_size=64 * 1024**2)
-        app.router.add_get("/health", self._health)
-        app.router.add_route("*", "/{tail:.*}", self._any)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1, auto_decompress=False)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _any(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        self.seen.append((request.method, request.raw_path, dict(request.headers), body))
-        return web.json_response({"ok": True})
-
-    def paths(self) -> list[str]:
-        return [p for _, p, _, _ in self.seen]
-
-
 @contextlib.asynccontextmanager
-async def serve(backends_file: Path) -> AsyncIterator[tuple[Recorder, str]]:
-    recorder = Recorder()
-    url = await recorder.start()
-    backends_file.write_text(f"- engine={url}\n")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "warmroute", "serve", "--backends-file", str(backends_file), "--port", "0",
+async def serve(backends_file: Path) -> AsyncIterator[tuple[Upstream, str]]:
+    """A router process reading `backends_file`, in front of one stand-in instance that records what reaches it."""
+    engine = await Upstream("engine", models=None).start()
+    backends_file.write_text(f"- engine={engine.url}\n")
+    router = Child("router", [
+        "serve", "--backends-file", str(backends_file), "--port", "0",
         "--admin-token", TOKEN, "--max-body-bytes", str(MAX_BODY), "--idle-timeout", "0.5",
         "--models-interval", "0", "--no-engine-metrics", "--health-interval", "3600",
-        "--backends-file-interval", "0.1", stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        "--backends-file-interval", "0.1"], backends_file.parent)
     try:
-        assert proc.stderr is not None
-        while True:
-            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
-            assert line, "router exited before listening"
-            if m := re.search(r"listening on (http://\S+)", line):
-                break
-        router = m.group(1)
-        async with aiohttp.ClientSession() as client:  # the backends file is read after the port is bound
-            for _ in range(100):
-                async with client.get(router + "/health") as r:
-                    if r.status == 200:
-                        break
-                await asyncio.sleep(0.05)
-        yield recorder, router
+        url = await router.wait_for_url(timeout_s=30)
+        await router.wait_for_http(url + "/health", timeout_s=10)  # the backends file is read after the port is bound
+        yield engine, url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        await recorder.runner.cleanup()
+        router.stop(grace_s=0)
+        await engine.stop()
 
 
 async def raw(router: str, data: bytes, timeout: float = 5.0) -> bytes:

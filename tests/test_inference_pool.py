@@ -10,7 +10,8 @@ from collections import defaultdict
 import pytest
 from aiohttp import web
 
-from client_helpers import StubEngine, wait_for
+from client_helpers import wait_for
+from fake_upstream import Upstream, serve_app
 from warmroute.router.app import ROUTER
 from warmroute.router.inference_pool import instances_of_pods, pool_targets
 from warmroute.router.server import start_router
@@ -59,10 +60,8 @@ class FakeApi:
         app = web.Application()
         app.router.add_get(POOLS, self._serve)
         app.router.add_get(PODS, self._serve)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.runner, url = await serve_app(app)
+        return url
 
     def put(self, path: str, kind: str, obj: dict) -> None:
         self.version += 1
@@ -101,18 +100,11 @@ class FakeApi:
         await self.runner.cleanup()
 
 
-async def test_an_inference_pool_drives_the_fleet(tmp_path, monkeypatch):
+async def test_an_inference_pool_drives_the_fleet(kubeconfig):
     api = FakeApi()
     api_url = await api.start()
-    engine = await StubEngine().start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": api_url}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "llm"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    engine = await Upstream("stub", models=None).start()
+    kubeconfig(api_url)
     api.objects[POOLS]["llama"] = pool({"app": "vllm"}, engine.port)
     api.objects[PODS]["vllm-0"] = pod("vllm-0", "127.0.0.1")
     api.objects[PODS]["vllm-1"] = pod("vllm-1", "127.0.0.2", ready=False)
@@ -138,3 +130,45 @@ async def test_an_inference_pool_drives_the_fleet(tmp_path, monkeypatch):
         await router.stop()
         await api.stop()
         await engine.stop()
+
+
+class RecordingCoreApi:
+    """CoreV1Api's patch_namespaced_pod, recording the patches (failing for pods in `refuse`)."""
+
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, str, dict, str]] = []
+        self.refuse: set[str] = set()
+
+    async def patch_namespaced_pod(self, name, namespace, body, _preload_content=True, _content_type=None):
+        if name in self.refuse:
+            raise RuntimeError("forbidden")
+        self.patches.append((name, namespace, body, _content_type))
+
+        class Response:
+            async def read(self) -> bytes:
+                return b"{}"
+
+        return Response()
+
+
+async def test_the_pools_pods_get_their_instances_deletion_costs():
+    from warmroute.router.inference_pool import InferencePoolDiscovery
+    from warmroute.router.kubernetes import DELETION_COST, PodDeletionCost
+
+    source = InferencePoolDiscovery.__new__(InferencePoolDiscovery)  # its pods and ports, without a watch
+    source.namespace, source.targets = "llm", ("app=vllm", (8000, 8001))
+    source.pods = {"a": pod("a", "10.0.0.1"), "b": pod("b", "10.0.0.2"), "c": pod("c", "10.0.0.3", ready=False)}
+    assert source.instance_pods() == {"a-8000": "a", "a-8001": "a", "b-8000": "b", "b-8001": "b"}
+    costs = {"a-8000": 5, "a-8001": 9, "b-8000": 1, "b-8001": 0}
+    writer, api = PodDeletionCost(source, lambda: costs, 1.0), RecordingCoreApi()
+    await writer.update(api)
+    assert sorted((n, b["metadata"]["annotations"][DELETION_COST]) for n, _, b, _ in api.patches) == [
+        ("a", "9"), ("b", "1")]  # a pod with several ports: its most valuable instance's
+    assert {(ns, ct) for _, ns, _, ct in api.patches} == {("llm", "application/merge-patch+json")}
+    await writer.update(api)
+    assert len(api.patches) == 2  # nothing changed: nothing written
+    costs["b-8000"], api.refuse = 3, {"b"}
+    await writer.update(api)  # refused: tried again at the next round
+    api.refuse = set()
+    await writer.update(api)
+    assert [(n, b["metadata"]["annotations"][DELETION_COST]) for n, _, b, _ in api.patches[2:]] == [("b", "3")]

@@ -3,84 +3,15 @@ ready endpoints become instances, terminating ones drain, and the slices are lis
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 import aiohttp
-import pytest
-from aiohttp import web
 
-from client_helpers import StubEngine, wait_for
+from client_helpers import wait_for
+from fake_upstream import Upstream
+from kube_api import FakeApi, endpoint, slice_
 from warmroute.router.app import ROUTER
 from warmroute.router.kubernetes import instances_of
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
-
-
-PATH = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
-
-
-def endpoint(pod: str, address: str, ready: bool = True, terminating: bool = False) -> dict:
-    return {"addresses": [address], "conditions": {"ready": ready, "serving": ready, "terminating": terminating},
-            "targetRef": {"kind": "Pod", "name": pod, "namespace": "llm"}}
-
-
-def slice_(name: str, port: int, *endpoints: dict, version: str = "1") -> dict:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-            "metadata": {"name": name, "namespace": "llm", "resourceVersion": version,
-                         "labels": {"kubernetes.io/service-name": "vllm"}},
-            "ports": [{"name": "metrics", "port": 9, "protocol": "TCP"}, {"name": "http", "port": port,
-                                                                         "protocol": "TCP"}],
-            "endpoints": list(endpoints)}
-
-
-class FakeApi:
-    """GET .../endpointslices: the current list; with ?watch=true, the events put on `events` (None ends the
-    watch, as the API server does at timeoutSeconds)."""
-
-    def __init__(self) -> None:
-        self.slices: dict[str, dict] = {}
-        self.version = 1
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.lists = 0
-        self.selectors: list[str] = []
-
-    async def start(self) -> str:
-        app = web.Application()
-        app.router.add_get(PATH, self._endpointslices)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    def change(self, kind: str, obj: dict) -> None:
-        self.version += 1
-        obj["metadata"]["resourceVersion"] = str(self.version)
-        if kind == "DELETED":
-            self.slices.pop(obj["metadata"]["name"], None)
-        else:
-            self.slices[obj["metadata"]["name"]] = obj
-        self.events.put_nowait({"type": kind, "object": obj})
-
-    async def _endpointslices(self, request: web.Request) -> web.StreamResponse:
-        self.selectors.append(request.query.get("labelSelector", ""))
-        if request.query.get("watch") not in ("true", "True", "1"):
-            self.lists += 1
-            return web.json_response({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
-                                      "metadata": {"resourceVersion": str(self.version)},
-                                      "items": list(self.slices.values())})
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        while True:
-            event = await self.events.get()
-            if event is None:
-                break
-            await resp.write(json.dumps(event).encode() + b"\n")
-        await resp.write_eof()
-        return resp
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
 
 
 def test_only_ready_endpoints_on_the_named_port_become_instances():
@@ -93,18 +24,11 @@ def test_only_ready_endpoints_on_the_named_port_become_instances():
     assert instances_of(slices, "vllm", "grpc") == []
 
 
-async def test_endpointslices_drive_the_fleet(tmp_path, monkeypatch):
+async def test_endpointslices_drive_the_fleet(kubeconfig):
     api = FakeApi()
     api_url = await api.start()
-    engine = await StubEngine().start()  # every pod is 127.0.0.x on the engine's port
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": api_url}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "llm"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    engine = await Upstream("stub", models=None).start()  # every pod is 127.0.0.x on the engine's port
+    kubeconfig(api_url)
     api.slices["vllm-abc"] = slice_("vllm-abc", engine.port, endpoint("vllm-0", "127.0.0.1"))
     router = await start_router(load_settings({"kubernetes_service": "llm/vllm", "kubernetes_port": "http",
                                                "port": 0, "health_interval": 3600, "engine_metrics": False},

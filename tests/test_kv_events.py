@@ -10,8 +10,8 @@ import pytest
 
 from warmroute.core.block_hash import block_hashes, extend_chain
 from warmroute.core.exact_index import ExactIndex, pack_tokens, token_chain, token_seed
-from warmroute.core.kv_events import (AllBlocksCleared, BadMessage, BlockRemoved, BlockStored, decode_batch,
-                                      decode_seq, encode_seq)
+from warmroute.core.kv_events import (AllBlocksCleared, BadMessage, BlockRemoved, BlockStored, EventSource,
+                                      decode_batch, decode_seq, encode_seq, source_from_vllm)
 
 enc = msgspec.msgpack.encode
 
@@ -154,3 +154,29 @@ def test_partial_blocks_are_skipped_and_larger_blocks_replace_them():
     assert index.instances["a"].partial == 1 and index.size("a") == 4
     index.apply("a", engine_events(tokens, [4]))  # a prefix hit's blocks reported again: nothing changes
     assert index.size("a") == 4 and index.match_tokens("a", chain_of(tokens), 0.0) == 4 * BS
+
+
+def test_sources_reported_by_vllm_are_reached_at_the_instances_host():
+    body = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                  "replay_endpoint": "tcp://*:5558", "topic": "kv-events", "buffer_steps": 10000}}
+    assert source_from_vllm(body, "10.0.0.7") == (EventSource("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558"), "")
+    # IPv6 instance, a concrete endpoint (what vLLM reports for tcp://*:0), no replay socket, two ranks
+    body = {"1": {"endpoint": "tcp://10.9.9.9:4001"}, "0": {"endpoint": "tcp://10.9.9.9:4000", "replay_endpoint": None}}
+    source, note = source_from_vllm(body, "fd00::1")
+    assert source == EventSource("tcp://10.9.9.9:4000", None) and "rank 0" in note and "2" in note
+    assert source_from_vllm({"0": {"endpoint": "tcp://[::]:5"}}, "fd00::1")[0] == EventSource("tcp://[fd00::1]:5", None)
+    assert source_from_vllm({"0": {"endpoint": "ipc:///tmp/kv"}}, "h")[0] == EventSource("ipc:///tmp/kv", None)
+
+
+@pytest.mark.parametrize("body, why", [({}, "no KV events"),
+                                       ({"0": {"endpoint": "tcp://*:1", "enable_kv_cache_events": False}}, "ZMQ"),
+                                       ({"0": {"endpoint": "tcp://*:1", "publisher": "null"}}, "ZMQ")])
+def test_sources_that_publish_nothing_say_so(body, why):
+    source, note = source_from_vllm(body, "h")
+    assert source is None and why in note
+
+
+@pytest.mark.parametrize("body", [[], "x", {"0": "tcp://*:1"}, {"0": {"replay_endpoint": "tcp://*:1"}}])
+def test_unreadable_sources_raise_bad_message(body):
+    with pytest.raises(BadMessage):
+        source_from_vllm(body, "h")

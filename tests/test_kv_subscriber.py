@@ -280,3 +280,36 @@ async def test_an_unreadable_batch_even_replayed_leaves_it_stale_until_cleared(m
     finally:
         await sub.stop()
         await engine.pub.close()
+
+
+async def test_stop_ends_the_subscriber_while_messages_are_queued(metrics):
+    """Stopping while a backlog waits on the socket: every receive then completes at once, so the stop request
+    lands on a receive that has already finished; it must still end the subscriber (the router's shutdown
+    waits for it)."""
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    empty = msgspec.msgpack.encode([0.0, [], 0])
+    seq = 0
+    try:
+        for _ in range(5):  # each round a new subscriber, stopped mid-backlog
+            sub = KvEventSubscriber("a", f"tcp://127.0.0.1:{port}", ExactIndex(), metrics)
+            await sub.start()
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 5
+            while sub.stream.live == 0:  # until it is subscribed
+                assert loop.time() < end
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), empty])
+                seq += 1
+                await asyncio.sleep(0.02)
+            for _ in range(500):  # a backlog: the subscriber is now busy taking it, one message per loop turn
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), empty])
+                seq += 1
+            while sub.stream.live < 3:
+                await asyncio.sleep(0)
+            task = sub._task
+            await asyncio.wait([asyncio.ensure_future(sub.stop())], timeout=5)
+            assert task is not None and task.done(), "the subscriber kept running after stop()"
+    finally:
+        pub.close(linger=0)

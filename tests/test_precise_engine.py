@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from client_helpers import ask, wait_for
+from warmroute.bench.processes import free_ports
 from warmroute.engine.kv_events import KvEventPublisher
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import EngineServer, start_fleet
@@ -39,9 +40,10 @@ def backend(server: EngineServer) -> dict:
     return entry
 
 
-async def router_for(engines) -> object:
+async def router_for(engines, backends: list[dict] | None = None) -> object:
+    """A precise-mode router; `backends` (default: each engine with its event endpoints) as the entries."""
     return await start_router(load_settings({
-        "backends": [backend(s) for s in engines.servers], "port": 0, "kv_events": True,
+        "backends": backends or [backend(s) for s in engines.servers], "port": 0, "kv_events": True,
         "tokenizer": str(default_tokenizer_dir()), "kv_capacity_tokens": KV_TOKENS, "health_interval": 0.2,
         "engine_metrics": False, "models_interval": 0}, env={}))
 
@@ -194,3 +196,36 @@ async def test_a_lost_batch_without_replay_leaves_the_model_to_decide():
     finally:
         await router.stop()
         await engines.close()
+
+
+async def test_the_router_asks_each_engine_where_it_publishes(engines):
+    """No endpoints configured: the router asks each engine (GET /kv_event_sources, answered as vLLM does) where
+    it publishes, follows it, and decides exactly."""
+    router = await router_for(engines, [{"name": s.name, "url": s.url} for s in engines.servers])
+    exact = router.app[ROUTER].exact
+    try:
+        await wait_for(lambda: exact.fresh == {s.name for s in engines.servers}, timeout=10)
+        async with aiohttp.ClientSession() as client:
+            first = await ask(client, router.url, chat(0, 0))
+            await wait_for(lambda: exact.size(first.instance) > 0)
+            again = await ask(client, router.url, chat(0, 1))
+        assert (again.instance, again.reason) == (first.instance, "cache_hit; match=precise")
+        assert again.cached_tokens > 0
+    finally:
+        await router.stop()
+
+
+async def test_an_engine_started_after_the_router_is_found_once_it_answers():
+    port = free_ports(1)
+    router = await router_for(None, [{"name": "late", "url": f"http://127.0.0.1:{port}"}])
+    exact = router.app[ROUTER].exact
+    try:
+        await asyncio.sleep(0.5)
+        assert "late" not in exact.fresh  # nobody to ask yet: the approximate model would route for it
+        fleet = await start_fleet(1, port, name="late", config=CONFIG, time_scale=TIME_SCALE, kv_events_port=0)
+        try:
+            await wait_for(lambda: "late" in exact.fresh, timeout=15)
+        finally:
+            await fleet.close()
+    finally:
+        await router.stop()

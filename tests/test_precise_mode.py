@@ -14,12 +14,12 @@ import pytest
 import zmq
 from tokenizers import Tokenizer
 
-from client_helpers import StubEngine, wait_for
+from client_helpers import wait_for
+from fake_upstream import Upstream
 from tokenizer_helpers import write_model_dir
 from warmroute.engine.kv_events import KvEventPublisher
 from warmroute.errors import UsageError
-from warmroute.router.admin import MEMBERSHIP
-from warmroute.router.app import CATALOG, ROUTER
+from warmroute.router.app import CATALOG, KV_EVENTS, ROUTER
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
 
@@ -61,7 +61,7 @@ class Instance:
         self.pub.flush()
         return n * BS
 
-    def backend(self, stub: StubEngine) -> dict:
+    def backend(self, stub: Upstream) -> dict:
         entry = {"name": self.name, "url": stub.url, "kv_events_endpoint": self.pub.endpoint}
         if self.pub.replay_endpoint:
             entry["kv_events_replay_endpoint"] = self.pub.replay_endpoint
@@ -70,7 +70,7 @@ class Instance:
 
 @pytest.fixture
 async def fleet(model_dir):
-    stubs = [await StubEngine(n).start() for n in ("a", "b")]
+    stubs = [await Upstream(n, models=None).start() for n in ("a", "b")]
     instances = [Instance("a"), Instance("b", replay=False)]
     for i in instances:
         await i.pub.start()
@@ -177,14 +177,14 @@ async def test_adapter_requests_match_the_blocks_stored_for_that_adapter(fleet, 
 
 async def test_subscribers_follow_membership(model_dir):
     """An instance added through the admin API gets its subscriber (and its events decide); removed, it goes."""
-    stub = await StubEngine("c").start()
+    stub = await Upstream("c", models=None).start()
     inst = Instance("c")
     await inst.pub.start()
     router = await start_router(load_settings({
         "admin_token": "t0ken", "port": 0, "kv_events": True, "tokenizer": str(model_dir), "kv_events_port": 0,
         "health_interval": 3600, "engine_metrics": False, "models_interval": 0}, env={}))
     headers = {"Authorization": "Bearer t0ken"}
-    sources = router.app[MEMBERSHIP].kv_events
+    sources = router.app[KV_EVENTS]
     try:
         async with aiohttp.ClientSession() as client:
             async with client.post(router.url + "/admin/instances", json=inst.backend(stub), headers=headers) as r:
@@ -204,7 +204,7 @@ async def test_subscribers_follow_membership(model_dir):
 
 
 async def test_a_router_started_after_its_engines_decides_exactly_from_its_first_request(model_dir):
-    stubs = [await StubEngine(n).start() for n in ("a", "b")]
+    stubs = [await Upstream(n, models=None).start() for n in ("a", "b")]
     instances = [Instance("a"), Instance("b")]
     for i in instances:
         await i.pub.start()

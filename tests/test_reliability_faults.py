@@ -9,52 +9,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import socket
-import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from fake_upstream import CHAT, Upstream, router_for
-from warmroute.bench.processes import free_ports
+from warmroute.bench.processes import Child, free_ports
+from warmroute.prometheus_text import read_samples
 from warmroute.router.app import ROUTER
 
-# A stand-in instance in its own process, so it can really be killed (SIGKILL: no FIN handshake niceties,
-# no graceful shutdown): SSE streams of 40 chunks 50 ms apart, /health 200.
-_KILLABLE = r"""
-import asyncio, sys
-from aiohttp import web
-
-async def sse(request):
-    await request.read()
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    for i in range(40):
-        await resp.write(b'data: {"i": %d}\n\n' % i)
-        await asyncio.sleep(0.05)
-    await resp.write(b"data: [DONE]\n\n")
-    return resp
-
-async def health(request):
-    return web.Response(text="ok")
-
-app = web.Application()
-app.router.add_get("/health", health)
-app.router.add_post("/v1/chat/completions", sse)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=lambda *a: print("ready", flush=True))
-"""
+# A trivial instance in its own process, so it can really be killed (SIGKILL: no FIN handshake niceties, no
+# graceful shutdown): streams of STREAM_TOKENS tokens 50 ms apart, /health 200.
+STREAM_TOKENS = 40
 
 
-async def _spawn_killable(port: int) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _KILLABLE, str(port),
-                                                stdout=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 20)
-    assert line.startswith(b"ready"), line
+async def _spawn_killable(port: int, logs: Path) -> Child:
+    proc = Child("killable", ["--port", str(port), "--itl-ms", "50"], logs, module="warmroute.bench.trivial")
+    try:
+        await proc.wait_for_log("listening on", 1, timeout_s=20)
+    except BaseException:
+        proc.stop()
+        raise
     return proc
 
 
@@ -84,13 +64,13 @@ async def _sse_upstream(name: str) -> Upstream:
 
 
 @pytest.mark.slow
-async def test_instance_killed_mid_stream():
+async def test_instance_killed_mid_stream(tmp_path):
     """SIGKILL an instance with streams open: those clients see a cut connection within a second; requests
     sent after the kill all go to the survivor (none lost); the instance is ejected within one health
     interval and taken back within one interval of coming back on the same port."""
     interval = 0.5
     port = free_ports(1)
-    proc = await _spawn_killable(port)
+    proc = await _spawn_killable(port, tmp_path)
     b = await _sse_upstream("b")
     a_url = f"http://127.0.0.1:{port}"
     router = await router_for(b, backends=[f"a={a_url}", f"b={b.url}"], strategy="round_robin",
@@ -99,15 +79,16 @@ async def test_instance_killed_mid_stream():
     try:
         async with aiohttp.ClientSession() as client:
             # Four streams, round robin: two on each instance.
-            streams = [await client.post(router.url + "/v1/chat/completions", json=CHAT) for _ in range(4)]
+            stream = {**CHAT, "stream": True, "max_tokens": STREAM_TOKENS}
+            streams = [await client.post(router.url + "/v1/chat/completions", json=stream) for _ in range(4)]
             on_a = [r for r in streams if r.headers["x-warmroute-instance"] == "a"]
             assert len(on_a) == 2
             for r in on_a:
                 await r.content.readuntil(b"\n\n")  # the stream is flowing
-            proc.send_signal(signal.SIGKILL)
+            proc.signal_group(signal.SIGKILL)
             killed_at = time.monotonic()
             ejected = asyncio.ensure_future(_until(lambda: not fleet.instances["a"].healthy, interval + 0.5))
-            await proc.wait()
+            await asyncio.to_thread(proc.proc.wait, 5)
 
             cut = 0
             for r in on_a:  # a cut connection, surfaced fast: never a hang, never a clean end
@@ -133,7 +114,7 @@ async def test_instance_killed_mid_stream():
             assert eject_s <= interval + 0.2
 
             # Back on the same port: taken back by the next health check.
-            proc = await _spawn_killable(port)
+            proc = await _spawn_killable(port, tmp_path)
             restarted_at = time.monotonic()
             recover_s = await _until(lambda: fleet.instances["a"].healthy, interval + 1.0)
             results = await asyncio.gather(*(one() for _ in range(6)))
@@ -142,9 +123,7 @@ async def test_instance_killed_mid_stream():
               f"ejected_within={eject_s:.3f}s recovered_after={recover_s:.3f}s (interval {interval}s) "
               f"since_restart={time.monotonic() - restarted_at:.3f}s")
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        proc.stop()
         await router.stop()
         await b.stop()
 
@@ -192,10 +171,11 @@ async def test_silent_instance_first_byte_timeout_is_retried_elsewhere():
             assert max(took) < 0.3 + 1.0  # one timeout at most, then the retry
             assert not fleet.instances["a"].healthy  # 3 consecutive failures (health check + timeouts)
             text = await (await client.get(router.url + "/metrics")).text()
-            retried = re.search(r'^warmroute_retries_total\{backend="a",kind="upstream_timeout"\} (\S+)$', text, re.M)
-            assert retried is not None
+            retried = [v for labels, v in read_samples(text, ("warmroute_retries_total",))["warmroute_retries_total"]
+                       if labels == {"backend": "a", "kind": "upstream_timeout"}]
+            assert len(retried) == 1
         print(f"\nsilent instance: 6/6 answered by b, slowest {max(took):.3f}s (first_byte_timeout 0.3s), "
-              f"retried {float(retried.group(1)):g}; ejected after 3 consecutive failures (its first health check "
+              f"retried {retried[0]:g}; ejected after 3 consecutive failures (its first health check "
               f"timed out, then 2 first-byte timeouts)")
     finally:
         await router.stop()

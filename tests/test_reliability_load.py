@@ -1,25 +1,18 @@
 """Load: 2,000 concurrent streaming clients held about 20 s through one router process on loopback, with no
-errors and flat memory. The harness (trivial SSE upstream process, router process, clients) is
-benchmarks/soak.py's, which also runs the opt-in multi-minute soak (`benchmarks/soak.py --minutes 10`)."""
+errors and flat memory. The harness (trivial instance process, router process, clients) is
+warmroute.bench.stream_load, which benchmarks/soak.py also drives for the opt-in multi-minute soak
+(`benchmarks/soak.py --minutes 10`)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import re
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
-_spec = importlib.util.spec_from_file_location("soak", _PATH)
-soak = importlib.util.module_from_spec(_spec)
-assert _spec.loader is not None
-sys.modules["soak"] = soak  # its dataclasses look their module up
-_spec.loader.exec_module(soak)
+from warmroute.bench import stream_load as soak
+from warmroute.prometheus_text import read_samples
 
 CLIENTS = 2000
 
@@ -27,19 +20,19 @@ CLIENTS = 2000
 async def _inflight(url: str) -> int:
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
         text = await r.text()
-    return int(sum(float(v) for v in re.findall(r'^warmroute_inflight\{[^}]*\} (\S+)$', text, re.M)))
+    return int(sum(v for _, v in read_samples(text, ("warmroute_inflight",)).get("warmroute_inflight", [])))
 
 
 @pytest.mark.slow
 async def test_2000_concurrent_streams_no_errors_flat_memory():
     assert soak.raise_fd_limit() >= 2 * CLIENTS + 200
-    stack = await soak.start_stack()
+    stack = await soak.start_stack(itl_ms=1000)
     try:
-        warm = await soak.wave(stack.url, CLIENTS, chunks=3, gap=0.5)  # connections, buffers, caches warm
+        warm = await soak.wave(stack.url, CLIENTS, chunks=3)  # connections, buffers, caches warm
         assert warm.errors == 0, warm.kinds
         rss_before = soak.rss_kib(stack.router.pid)
         start = time.monotonic()
-        held = asyncio.ensure_future(soak.wave(stack.url, CLIENTS, chunks=20, gap=1.0))
+        held = asyncio.ensure_future(soak.wave(stack.url, CLIENTS, chunks=21))  # 20 s
         peak_inflight = 0
         while not held.done():
             await asyncio.sleep(2)

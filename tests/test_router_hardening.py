@@ -21,20 +21,6 @@ TOKEN = "admin-secret"
 
 
 @pytest.fixture
-async def up_a():
-    up = await Upstream("a").start()
-    yield up
-    await up.stop()
-
-
-@pytest.fixture
-async def up_b():
-    up = await Upstream("b").start()
-    yield up
-    await up.stop()
-
-
-@pytest.fixture
 async def client():
     async with aiohttp.ClientSession(auto_decompress=False) as s:
         yield s

@@ -11,7 +11,7 @@ from fake_upstream import CHAT, Upstream, router_for
 from warmroute.core.fleet import Fleet
 from warmroute.core.routing_key import key_for_json
 from warmroute.core.strategies import STRATEGIES, ModelNotServed, make_strategy
-from warmroute.router.app import CATALOG, HEALTH, PROXY, ROUTER
+from warmroute.router.app import CATALOG, HEALTH, ROUTER, UPSTREAMS
 
 
 def fleet_of(models: dict[str, set[str] | None]) -> Fleet:
@@ -82,7 +82,7 @@ async def test_requests_go_to_the_instances_serving_their_model_over_http():
         status, instance, _ = await ask(router, "not-listed-anywhere")  # as before: any instance
         assert status == 200 and instance in ("a", "b")
         b.health_status = 503  # b fails its next health check: qwen has nowhere to go, llama still has a
-        await router.app[HEALTH].check(router.app[PROXY].session, "b")
+        await router.app[HEALTH].check(router.app[UPSTREAMS].session, "b")
         assert (await ask(router, "llama"))[:2] == (200, "a")
         status, _, body = await ask(router, "qwen")
         assert status == 503 and "qwen" in body["error"]["message"]

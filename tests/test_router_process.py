@@ -5,71 +5,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import re
 import signal
-import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from fake_upstream import Upstream
+from warmroute.bench.processes import Child
+from warmroute.prometheus_text import read_samples
+
 CHUNKS = 5
 
 
-async def _sse_upstream() -> tuple[web.AppRunner, str]:
-    async def sse(request: web.Request) -> web.StreamResponse:
-        chunks = json.loads(await request.read()).get("chunks", CHUNKS)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(chunks):
-            await resp.write(f"data: {i}\n\n".encode())
-            await asyncio.sleep(0.1)
-        return resp
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", sse)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
-async def _start_router(upstream: str, *extra: str) -> tuple[asyncio.subprocess.Process, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "warmroute", "serve", "--backend", f"a={upstream}", "--port", "0",
-        "--shutdown-timeout", "5", *extra, stderr=asyncio.subprocess.PIPE,
-        start_new_session=True)  # its own process group: a failed test kills the workers too (see below)
-    assert proc.stderr is not None
-    while True:
-        line = (await asyncio.wait_for(proc.stderr.readline(), 20)).decode()
-        assert line, "router exited before listening"
-        m = re.search(r"listening on (http://\S+)", line)
-        if m:
-            return proc, m.group(1)
+async def _sse(request: web.Request) -> web.StreamResponse:
+    """An event every 0.1 s, as many as the body's `chunks` (default CHUNKS)."""
+    chunks = json.loads(await request.read()).get("chunks", CHUNKS)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(chunks):
+        await resp.write(f"data: {i}\n\n".encode())
+        await asyncio.sleep(0.1)
+    return resp
 
 
 @contextlib.asynccontextmanager
-async def _router_over_upstream(*extra: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    """A router process in front of one streaming upstream; both gone afterwards, whatever happened."""
-    upstream, url = await _sse_upstream()
-    proc = None
+async def _router_over_upstream(*extra: str) -> AsyncIterator[tuple[Child, str]]:
+    """A router process in front of one streaming upstream; both gone afterwards (the router's workers too: it
+    runs in a process group of its own), whatever happened."""
+    upstream = await Upstream("a", models=None).start()
+    upstream.behaviour = _sse
     try:
-        proc, router = await _start_router(url, *extra)
-        yield proc, router
+        with tempfile.TemporaryDirectory(prefix="warmroute-router-process-") as logs:
+            with Child("router", ["serve", "--backend", f"a={upstream.url}", "--port", "0", "--shutdown-timeout",
+                                  "5", *extra], Path(logs)) as proc:
+                yield proc, await proc.wait_for_url(timeout_s=20)
     finally:
-        if proc is not None and proc.returncode is None:
-            # The workers too: a worker left running keeps stderr open, and wait() waits for that.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-        await upstream.cleanup()
+        await upstream.stop()
 
 
 async def test_sigterm_lets_in_flight_streams_finish_then_exits_0():
@@ -78,10 +54,10 @@ async def test_sigterm_lets_in_flight_streams_finish_then_exits_0():
             async with client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi"}) as r:
                 assert r.status == 200
                 await r.content.readuntil(b"\n\n")
-                proc.send_signal(signal.SIGTERM)
+                proc.proc.send_signal(signal.SIGTERM)
                 rest = await asyncio.wait_for(r.content.read(), 5)
             assert rest.count(b"data:") == CHUNKS - 1  # the stream finished after the signal
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert await proc.exited(10) == 0
 
 
 async def test_sigterm_stops_accepting_and_cuts_streams_at_the_deadline():
@@ -93,7 +69,7 @@ async def test_sigterm_stops_accepting_and_cuts_streams_at_the_deadline():
             async with client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi", "chunks": 100}) as r:
                 assert r.status == 200
                 await r.content.readuntil(b"\n\n")
-                proc.send_signal(signal.SIGTERM)
+                proc.proc.send_signal(signal.SIGTERM)
                 signalled = time.monotonic()
                 await asyncio.sleep(0.3)
                 with pytest.raises(OSError):  # the listening socket is closed: refused
@@ -101,7 +77,7 @@ async def test_sigterm_stops_accepting_and_cuts_streams_at_the_deadline():
                 with pytest.raises(aiohttp.ClientPayloadError):
                     await asyncio.wait_for(r.content.read(), 5)
                 cut_after = time.monotonic() - signalled
-        assert await asyncio.wait_for(proc.wait(), 5) == 0
+        assert await proc.exited(5) == 0
         exited_after = time.monotonic() - signalled
         assert 0.9 <= cut_after <= 1.5 and exited_after <= 2.5, (cut_after, exited_after)
         print(f"\nSIGTERM: stream cut after {cut_after:.2f}s (deadline 1 s), exit 0 after {exited_after:.2f}s")
@@ -113,8 +89,8 @@ async def test_workers_share_the_port_and_stop_together():
             for _ in range(4):
                 async with client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi"}) as r:
                     assert r.status == 200 and (await r.read()).count(b"data:") == CHUNKS
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await proc.exited(10) == 0
 
 
 async def test_workers_share_their_index_and_their_metrics():
@@ -140,13 +116,13 @@ async def test_workers_share_their_index_and_their_metrics():
                     pid = (await r.json())["pid"]
                 async with client.get(router + "/metrics") as r:
                     text = await r.text()
-            entries = float(re.search(r"^warmroute_index_entries (\S+)$", text, re.M).group(1))
-            answered = sum(float(v) for v in re.findall(r'^warmroute_requests_total\{[^}]*status="200"\} (\S+)$',
-                                                          text, re.M))
+            samples = read_samples(text, ("warmroute_index_entries", "warmroute_requests_total"))
+            entries = sum(v for _, v in samples["warmroute_index_entries"])
+            answered = sum(v for labels, v in samples["warmroute_requests_total"] if labels.get("status") == "200")
             readings[pid] = (entries, answered)  # the latest reading of each worker
             await asyncio.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await proc.exited(10) == 0
 
 
 async def test_workers_show_one_dashboard():
@@ -180,5 +156,5 @@ async def test_workers_show_one_dashboard():
         a, b = views.values()
         assert a["hot_prefixes"] == b["hot_prefixes"]  # the same ids and shares from either worker
         assert sorted(p["share"] for p in a["hot_prefixes"]) == [0.3333, 0.3333, 0.3333]
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await proc.exited(10) == 0

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from fake_upstream import CHAT, router_for
 from warmroute.core.routing_key import key_for_json
-from warmroute.router.app import PROXY, ROUTER
+from warmroute.router.app import ROUTER, UPSTREAMS
 
 # -- proxying ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body", [
@@ -536,7 +536,7 @@ async def test_many_concurrent_streams_keep_the_books_straight(up_a, up_b, clien
         fleet = router.app[ROUTER].fleet
         assert all(i.inflight == 0 and i.queued_prefill_tokens == 0 and i.inflight_prompt_tokens == 0
                    for i in fleet.instances.values())
-        assert router.app[PROXY].session is not None
+        assert router.app[UPSTREAMS].started
     finally:
         await router.stop()
 

@@ -135,17 +135,18 @@ def test_strategies_without_an_index_record_nothing(strategy):
     assert router.fleet.index.entries() == 0
 
 
-def _choice_for_a_prefix_only_a_holds(swamped: bool = False, **settings) -> str:
-    """Where the router sends a prompt whose prefix only `a` holds, with a queue there worth 4 prompts (and, if
-    `swamped`, prompts in flight there needing 2x its KV cache), `b` idle."""
+def _choice_for_a_prefix_only_a_holds(swamped: float = 0.0, scale: float = 1.0, **settings) -> str:
+    """Where the router sends a prompt whose prefix only `a` holds, with a queue there worth 4 prompts (and
+    prompts in flight there needing `swamped` x its KV cache), `b` idle; `scale`: the capacity factor feedback
+    learnt."""
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "tell me about caches " * 60}]})
     router = make_router(**settings)
     key = router.key_of("/v1/chat/completions", body.encode(), None)
     router.fleet.index.record("a", key.blocks())
     a = router.fleet.instances["a"]
     a.queued_prefill_tokens, a.inflight = 4 * key.tokens, 4
-    if swamped:
-        a.inflight_prompt_tokens = 2 * a.kv_capacity_tokens
+    a.inflight_prompt_tokens = int(swamped * a.kv_capacity_tokens)
+    router.fleet.cache_scale.value = scale
     assert router.strategy.settings.cache_aware.shared_miss_weight == 1.0
     return router.decide(key).instance
 
@@ -157,10 +158,18 @@ def test_miss_weights_reach_the_strategy_and_change_its_choice():
 
 
 def test_sticky_kv_limit_reaches_the_strategy_and_changes_its_choice():
-    """`a` swamped (2x its KV cache in flight): by default (1.75) the request goes to `b`; with the limit raised
-    to 1000 it stays on `a`."""
-    assert _choice_for_a_prefix_only_a_holds(swamped=True) == "b"
-    assert _choice_for_a_prefix_only_a_holds(swamped=True, sticky_kv_limit=1000.0) == "a"
+    """`a` swamped (3.5x its KV cache in flight): by default (3) the request goes to `b`; with the limit raised
+    to 1000 it stays on `a`; at 2x it stays by default, and goes with the limit lowered to 1.75."""
+    assert _choice_for_a_prefix_only_a_holds(swamped=3.5) == "b"
+    assert _choice_for_a_prefix_only_a_holds(swamped=3.5, sticky_kv_limit=1000.0) == "a"
+    assert _choice_for_a_prefix_only_a_holds(swamped=2.0) == "a"
+    assert _choice_for_a_prefix_only_a_holds(swamped=2.0, sticky_kv_limit=1.75) == "b"
+
+
+def test_kv_pressure_counts_the_capacity_feedback_learnt():
+    """The books count the router's tokens, the capacity the engine's: with feedback's factor at 1.5 (1.5 router
+    tokens fit where the configuration says one), 3.5x the configured capacity is 2.3x the learnt one: kept."""
+    assert _choice_for_a_prefix_only_a_holds(swamped=3.5, scale=1.5) == "a"
 
 
 def _swamped_router(**settings):

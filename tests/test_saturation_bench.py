@@ -27,7 +27,7 @@ def test_tiny_run_of_both_phases(tmp_path):
     """The script's own driver: stub fleet, direct and warmroute, one short round of each phase."""
     argv = ["--contenders", "direct", "warmroute", "--fleets", "stub", "--rounds", "1", "--duration", "1",
             "--warmup", "0.3", "--connections", "8", "--streams", "4", "--stream-tokens", "4", "--itl-ms", "5",
-            "--json", str(tmp_path / "sat.json"), "--no-doc", "--logs", str(tmp_path / "logs")]
+            "--json", str(tmp_path / "sat.json"), "--logs", str(tmp_path / "logs")]
     args = sat.parse_args(argv)
     result = asyncio.run(sat.measure(args, argv))
 
@@ -45,9 +45,12 @@ def test_tiny_run_of_both_phases(tmp_path):
     assert lat["direct_p50"] > 0 and lat["router_p50"] > 0
     assert not result["meta"]["notes"]
 
-    section = sat.render_section(result["meta"], result["saturation"], result["latency"])
-    assert section.startswith(f"## {sat.SECTION}\n")
-    assert "| warmroute |" in section
+    fragment = sat.render_fragment(result)
+    assert fragment.startswith(f"## {sat.SECTION}\n")
+    assert "| warmroute |" in fragment
+    # the summary table's row for (b); none for (a), which needs smg's throughput to compare with
+    assert "### Rows for the summary table\n\n| router added latency" in fragment
+    assert "| saturation throughput" not in fragment
 
 
 async def test_trivial_instances_answer_like_an_engine():
@@ -78,6 +81,34 @@ async def test_trivial_instances_answer_like_an_engine():
             await s.close()
 
 
+async def _exchange(url: str, data: bytes) -> bytes:
+    """Write raw bytes to a trivial instance, read until it closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    writer.write(data)
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_trivial_instances_refuse_bad_requests_and_answer_pipelined_ones_in_order():
+    servers = await start_trivial_fleet(1)
+    url = servers[0].url
+    try:
+        too_long = await _exchange(url, b"GET /health HTTP/1.1\r\nX: " + b"x" * 70_000 + b"\r\n\r\n")
+        assert too_long.startswith(b"HTTP/1.1 400 ") and b"head too large" in too_long
+        too_big = await _exchange(url, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n{")
+        assert too_big.startswith(b"HTTP/1.1 413 ")
+        assert (await _exchange(url, b"NONSENSE\r\n\r\n")).startswith(b"HTTP/1.1 400 ")
+        both = await _exchange(url, b"GET /health HTTP/1.1\r\n\r\n"
+                                    b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert both.startswith(b"HTTP/1.1 200 ") and both.count(b"HTTP/1.1 200 ") == 2
+        assert both.endswith(b'"max_model_len":1048576}]}')
+    finally:
+        for s in servers:
+            await s.close()
+
+
 def test_latency_summary_and_verdict():
     pairs = [(0.001, 0.0015)] * 99 + [(0.002, 0.006)]
     s = sat.latency_summary(pairs)
@@ -100,21 +131,14 @@ def test_saturation_ratios_are_taken_within_a_round():
     assert rows["warmroute"]["rps"] == 100
 
 
-def test_update_doc_replaces_section_and_rows():
-    doc = ("# B\n\n## Summary against the targets\n\n| target | measured | status |\n| --- | --- | --- |\n"
-           "| router added latency p50 old | x | y |\n\n## Other\n\ntext\n")
-    section = f"## {sat.SECTION}\n\nnew numbers\n"
-    rows = {"| router added latency": "| router added latency NEW | a | b |",
-            "| saturation throughput": "| saturation throughput NEW | c | d |"}
-    once = sat.update_doc(doc, section, rows)
-    assert "| router added latency NEW | a | b |\n| saturation throughput NEW | c | d |\n\n## Other" in once
-    assert once.endswith(section)
-    twice = sat.update_doc(once, section.replace("new", "newer"), rows)
-    assert twice.count(f"## {sat.SECTION}") == 1 and "newer numbers" in twice
-    assert twice.count("saturation throughput NEW") == 1
-    # a section in the middle is replaced in place, the rest kept
-    middle = sat.update_doc(once + "\n## Later\n\nkept\n", section, rows)
-    assert middle.count(f"## {sat.SECTION}") == 1 and middle.endswith("## Later\n\nkept\n")
+def test_fragment_ends_with_the_summary_rows():
+    sat_rows = {"stub": {"smg": {"rps": 100.0, "ratio_to_peer": 1.0, "router_cpu_us_per_request": 50.0},
+                         "warmroute": {"rps": 150.0, "ratio_to_peer": 1.5, "router_cpu_us_per_request": 40.0,
+                                       "per_core_ratio_to_peer": 1.25}}}
+    rows = sat.summary_rows(sat_rows, {})
+    assert list(rows) == ["| saturation throughput"]
+    assert "warmroute 150 (1.50×)" in rows["| saturation throughput"] and rows["| saturation throughput"].endswith(
+        "| met |")
 
 
 def test_round_orders_alternate():

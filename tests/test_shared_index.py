@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import socket
-import subprocess
 import time
 
 import aiohttp
 import pytest
 
-from client_helpers import StubEngine
+from fake_upstream import Upstream
 from warmroute.bench.processes import free_ports
 from warmroute.core.block_hash import block_hashes
 from warmroute.router.app import ROUTER
@@ -42,33 +39,8 @@ def test_messages_round_trip_and_malformed_ones_are_refused():
             unpack(bad)
 
 
-@pytest.fixture
-def redis_url():
-    pytest.importorskip("redis", reason="the redis package is not installed (pip install 'warmroute[redis]')")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run installs it)")
-    port = free_ports(1)
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
-        time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
-
-
 async def test_replicas_learn_each_others_prefixes(redis_url):
-    engines = [await StubEngine(f"gpu-{i}").start() for i in range(4)]
+    engines = [await Upstream(f"gpu-{i}", models=None).start() for i in range(4)]
     values = {"backends": [f"{e.name}={e.url}" for e in engines], "port": 0, "health_interval": 3600,
               "engine_metrics": False, "engine_feedback": False, "redis_url": redis_url,
               "redis_channel": f"test:{free_ports(1)}"}
@@ -104,7 +76,7 @@ async def test_replicas_learn_each_others_prefixes(redis_url):
 
 async def test_a_router_whose_redis_is_down_still_serves():
     pytest.importorskip("redis")
-    engine = await StubEngine("gpu-0").start()
+    engine = await Upstream("gpu-0", models=None).start()
     router = await start_router(load_settings({
         "backends": [f"gpu-0={engine.url}"], "port": 0, "health_interval": 3600, "engine_metrics": False,
         "redis_url": f"redis://127.0.0.1:{free_ports(1)}/0"}, env={}))

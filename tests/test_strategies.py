@@ -133,14 +133,14 @@ def test_cache_aware_lets_a_private_prefix_go_when_its_holder_is_swamped():
     from warmroute.core.engine_load import EngineLoad
 
     f, s, a, b, k, holder = _conversation_on_the_first_of_two()
-    holder.inflight_prompt_tokens = 17_500  # 1.75 x its KV cache: still sticky
+    holder.inflight_prompt_tokens = 30_000  # 3 x its KV cache: still sticky
     assert s.choose(k, f).instance == a
-    holder.inflight_prompt_tokens = 17_501
+    holder.inflight_prompt_tokens = 30_001
     d = s.choose(k, f)
     assert d.instance == b and d.reason == KV_SPILL and d.matched_tokens == 0
-    holder.inflight_prompt_tokens = 10_000  # 1.0 x from this router's books...
+    holder.inflight_prompt_tokens = 16_000  # 1.6 x from this router's books...
     assert s.choose(k, f).instance == a
-    holder.engine = EngineLoad(waiting=4, running=4, foreign_requests=4.0)  # ...2.0 x with another router's
+    holder.engine = EngineLoad(waiting=4, running=4, foreign_requests=4.0)  # ...3.2 x with another router's
     assert s.choose(k, f).instance == b
     never = make_strategy("cache_aware", StrategySettings(balance_factor=10.0, sticky_kv_limit=1000.0))
     assert never.choose(k, f).instance == a

@@ -164,6 +164,46 @@ async def test_vllms_own_4xx_errors_pass_through_unchanged(setup: Setup, case: s
     assert json.loads(routed[1])["error"]["message"]
 
 
+async def test_precise_mode_finds_each_instances_publisher_from_vllm_itself(setup: Setup) -> None:
+    """Backends given by URL only: the router asks vLLM (GET /kv_event_sources) where it publishes, follows its
+    KV-cache events, and decides a repeated prefix exactly."""
+    from warmroute.core.kv_events import EventSource, source_from_vllm
+    from warmroute.router.app import ROUTER
+    from warmroute.router.server import start_router
+    from warmroute.router.settings import load_settings
+
+    async with aiohttp.ClientSession() as client:
+        for inst in setup.fleet.instances:
+            async with client.get(inst.url + "/kv_event_sources") as r:
+                source, _ = source_from_vllm(await r.json(), inst.host)
+            assert source == EventSource(f"tcp://{inst.host}:{inst.events_port}",
+                                         f"tcp://{inst.host}:{inst.replay_port}")
+        router = await start_router(load_settings({
+            "backends": [{"name": n, "url": u} for n, u in setup.engines.items()], "port": 0, "kv_events": True,
+            "tokenizer": str(setup.fleet.spec.model_dir), "health_interval": 0.5, "models_interval": 0}, env={}))
+        try:
+            exact = router.app[ROUTER].exact
+            for _ in range(200):  # replay from batch 0 puts each stream in step
+                if exact.fresh == set(setup.engines):
+                    break
+                await asyncio.sleep(0.05)
+            assert exact.fresh == set(setup.engines)
+            body = chat(long_text(400), "Which clause applies?")
+            async with client.post(router.url + "/v1/chat/completions", json=body) as r:
+                first = r.headers["x-warmroute-instance"]
+                assert r.status == 200
+            for _ in range(200):  # the engine's BlockStored event for the prompt
+                if exact.size(first) > 0:
+                    break
+                await asyncio.sleep(0.05)
+            async with client.post(router.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                assert (r.headers["x-warmroute-instance"], r.headers["x-warmroute-reason"]) == \
+                    (first, "cache_hit; match=precise")
+        finally:
+            await router.stop()
+
+
 async def test_an_instance_killed_mid_run_costs_no_retryable_request(setup: Setup) -> None:
     """Requests in flight on an instance when it is SIGKILLed (vLLM answers a non-streamed request only when
     done, so none has had a byte back) are all sent again and answered by the survivor, as are those sent

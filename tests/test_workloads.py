@@ -238,3 +238,28 @@ def test_real_mooncake_trace_prefixes_are_shared():
         assert req.prompt_tokens == rec.input_length
     # The first two requests share hash id 0: their prompts share the first 512-token block.
     assert reqs[0].body["prompt"][:BLOCK_CHARS] == reqs[1].body["prompt"][:BLOCK_CHARS]
+
+
+# -- several tenants ----------------------------------------------------------------------------------------
+def test_tenants_interleave_each_at_its_own_rate_in_arrival_order():
+    """Each tenant's own workload at its own Poisson rate, every request marked with its tenant, the sessions of
+    all in arrival order and within the duration; the same seed gives the same stream."""
+    from warmroute.workloads.tenants import Tenants, TenantStream
+
+    def stream(seed: int) -> Tenants:
+        return Tenants(seed=seed, duration_s=200.0, streams=(
+            TenantStream("quiet", make_workload("mixed", seed=1), 2.0),
+            TenantStream("noisy", make_workload("mixed", seed=2), 10.0)))
+
+    sessions = list(stream(0).sessions())
+    starts = [s.arrival_s for s in sessions]
+    assert starts == sorted(starts) and 0 < starts[0] and starts[-1] < 200.0
+    requests = Counter()
+    for s in sessions:
+        assert len({r.tenant for r in s.requests}) == 1 and all(r.arrival_s is None for r in s.requests[1:])
+        requests[s.requests[0].tenant] += len(s.requests)
+    assert 0.8 * 400 < requests["quiet"] < 1.2 * 400 and 0.8 * 2000 < requests["noisy"] < 1.2 * 2000
+    assert [s.id for s in islice(stream(0).sessions(), 50)] == [s.id for s in sessions[:50]]
+    assert [s.arrival_s for s in islice(stream(1).sessions(), 5)] != starts[:5]
+    with pytest.raises(ValueError):
+        Tenants(streams=())

@@ -20,9 +20,10 @@ from pathlib import Path
 from rich.console import Console
 
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
+from warmroute.bench.formats import pct
 from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.processes import Child, free_ports
-from warmroute.bench.report import COMPACT_ROWS, pct, print_results
+from warmroute.bench.report import COMPACT_ROWS, print_results
 from warmroute.bench.stats import BenchResult
 from warmroute.core.strategies import STRATEGIES as ROUTER_STRATEGIES
 from warmroute.errors import UsageError

@@ -9,22 +9,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from warmroute.bench.formats import ms, number, pct
 from warmroute.bench.stats import BenchResult
 
 Row = tuple[str, Callable[[dict[str, Any]], str]]
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x:,.0f} ms"
-
-
-def pct(x: float | None) -> str:
-    """A ratio as a percentage with one decimal, "-" when unknown."""
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _num(x: float | None, unit: str = "") -> str:
-    return "-" if x is None else f"{x:,.1f}{unit}"
 
 
 def _shares(counts: dict[str, int]) -> str:
@@ -47,17 +35,17 @@ ROWS: list[Row] = [
     ("load", lambda s: s["mode"]),
     ("requests measured", lambda s: f"{s['requests']:,}"),
     ("errors", lambda s: _errors(s["errors"])),
-    ("TTFT p50", lambda s: _ms(s["ttft_ms"]["p50"])),
-    ("TTFT p90", lambda s: _ms(s["ttft_ms"]["p90"])),
-    ("TTFT p99", lambda s: _ms(s["ttft_ms"]["p99"])),
-    ("end-to-end p50", lambda s: _ms(s["e2e_ms"]["p50"])),
-    ("end-to-end p99", lambda s: _ms(s["e2e_ms"]["p99"])),
-    ("throughput", lambda s: _num(s["throughput"]["requests_per_s"], " req/s")),
-    ("output tokens", lambda s: _num(s["throughput"]["output_tokens_per_s"], " tok/s")),
+    ("TTFT p50", lambda s: ms(s["ttft_ms"]["p50"])),
+    ("TTFT p90", lambda s: ms(s["ttft_ms"]["p90"])),
+    ("TTFT p99", lambda s: ms(s["ttft_ms"]["p99"])),
+    ("end-to-end p50", lambda s: ms(s["e2e_ms"]["p50"])),
+    ("end-to-end p99", lambda s: ms(s["e2e_ms"]["p99"])),
+    ("throughput", lambda s: number(s["throughput"]["requests_per_s"], 1, " req/s")),
+    ("output tokens", lambda s: number(s["throughput"]["output_tokens_per_s"], 1, " tok/s")),
     ("token hit rate (fleet)", lambda s: pct(s["hit_rate"]["fleet"])),
     ("token hit rate (client)", lambda s: pct(s["hit_rate"]["client"])),
     ("prediction error |p50| / |p90|", lambda s: _prediction(s["prediction_error_tokens"])),
-    ("load spread (max/mean)", lambda s: _num(s["instances"]["load_spread"], "x")),
+    ("load spread (max/mean)", lambda s: number(s["instances"]["load_spread"], 1, "x")),
     ("requests per instance", lambda s: _shares(s["instances"]["requests"])),
 ]
 
@@ -84,7 +72,7 @@ def render_table(results: Sequence[BenchResult], title: str = "", rows: Sequence
 
 
 def _class_cell(c: dict[str, Any] | None) -> str:
-    return "-" if not c else f"{_ms(c['ttft_p50_ms'])} / {pct(c['client_hit_rate'])}"
+    return "-" if not c else f"{ms(c['ttft_p50_ms'])} / {pct(c['client_hit_rate'])}"
 
 
 def print_results(results: Sequence[BenchResult], *, as_json: bool = False, title: str = "",

@@ -45,6 +45,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def to_ms(seconds: float | None, digits: int = 3) -> float | None:
+    """Seconds as milliseconds rounded to `digits` decimals (for JSON), None stays None."""
+    return None if seconds is None else round(1000 * seconds, digits)
+
+
 def hit_rate(hits: float, queries: float) -> float | None:
     return hits / queries if queries > 0 else None
 

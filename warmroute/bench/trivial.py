@@ -19,8 +19,8 @@ one SSE event per token, a finish event, the usage event when asked, `[DONE]`).
   * GET /v1/models, /health, /metrics, /get_model_info, /get_server_info (and /model_info, /server_info,
     which SGLang Model Gateway probes) answer with small fixed bodies; anything else is a 404.
 
-HTTP/1.1 keep-alive only (no pipelining beyond reading one request at a time, no Expect: 100-continue,
-no chunked request bodies): enough for routers and load generators, not a general server.
+HTTP/1.1 keep-alive, requests parsed by httptools and answered in order, one at a time (no Expect:
+100-continue): enough for routers and load generators, not a general server.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ import asyncio
 import json
 import signal
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+import httptools
 
 from warmroute.engine.openai_format import Completion, error_body
 from warmroute.engine.server import DEFAULT_MODEL
@@ -129,12 +132,26 @@ def _error(status: int, message: str) -> bytes:
     return response_head(status, "application/json", len(data)) + data
 
 
+class _Refused(Exception):
+    """Raised from a parser callback: the request is refused with this status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class _Connection(asyncio.Protocol):
+    """One client connection: requests parsed by httptools, answered in order, one at a time."""
+
     def __init__(self, server: TrivialServer) -> None:
         self.server = server
-        self.buf = bytearray()
+        self.parser = httptools.HttpRequestParser(self)
+        self.head_bytes = 0
+        self.url = bytearray()
+        self.body = bytearray()
+        self.requests: deque[tuple[str, str, bytes, bool]] = deque()  # method, path, body, keep alive
         self.transport: asyncio.Transport | None = None
-        self.busy = False  # a paced stream is being written: read the next request after it
+        self.busy = False  # a paced stream is being written: answer the next request after it
         self.timer: asyncio.TimerHandle | None = None
         self.close_after = False
 
@@ -147,47 +164,59 @@ class _Connection(asyncio.Protocol):
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            refused = exc.__context__  # what one of our callbacks raised
+            if isinstance(refused, _Refused):
+                self._fail(refused.status, str(refused))
+                return
+            self._fail(400, f"bad request: {exc}")
+            return
         if not self.busy:
-            self._serve_buffered()
+            self._serve_queued()
 
-    def _serve_buffered(self) -> None:
-        while self.transport is not None and not self.busy:
-            buf = self.buf
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD_BYTES:
-                    self._fail(400, "request head too large")
-                return
-            head = bytes(buf[:end]).decode("latin-1")
-            lines = head.split("\r\n")
-            parts = lines[0].split(" ")
-            if len(parts) != 3:
-                self._fail(400, "bad request line")
-                return
-            method, path = parts[0], parts[1].split("?", 1)[0]
-            length = 0
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                name = name.strip().lower()
-                if name == "content-length":
-                    length = int(value.strip() or 0)
-                elif name == "connection" and value.strip().lower() == "close":
-                    self.close_after = True
-            if length > MAX_BODY_BYTES:
-                self._fail(413, "request body too large")
-                return
-            start = end + 4
-            if len(buf) < start + length:
-                return
-            body = bytes(buf[start:start + length])
-            del buf[:start + length]
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.head_bytes = 0
+        self.url.clear()
+        self.body.clear()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(url)
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(name + value)
+        if name.lower() == b"content-length" and value.strip().isdigit() and int(value) > MAX_BODY_BYTES:
+            raise _Refused(413, "request body too large")
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+        if len(self.body) > MAX_BODY_BYTES:
+            raise _Refused(413, "request body too large")
+
+    def on_message_complete(self) -> None:
+        method = self.parser.get_method().decode("latin-1")
+        path = bytes(self.url).split(b"?", 1)[0].decode("latin-1")
+        self.requests.append((method, path, bytes(self.body), self.parser.should_keep_alive()))
+
+    def _count_head(self, data: bytes) -> None:
+        self.head_bytes += len(data)
+        if self.head_bytes > MAX_HEAD_BYTES:
+            raise _Refused(400, "request head too large")
+
+    def _serve_queued(self) -> None:
+        while self.transport is not None and not self.busy and self.requests:
+            method, path, body, keep_alive = self.requests.popleft()
+            self.close_after = not keep_alive
             self._answer(method, path, body)
             if self.close_after and not self.busy and self.transport is not None:
                 self.transport.close()
 
     def _fail(self, status: int, message: str) -> None:
-        assert self.transport is not None
+        if self.transport is None:
+            return
         self.transport.write(_error(status, message))
         self.transport.close()
 
@@ -237,7 +266,7 @@ class _Connection(asyncio.Protocol):
         if self.close_after:
             self.transport.close()
             return
-        self._serve_buffered()
+        self._serve_queued()
 
 
 class TrivialServer:

@@ -16,20 +16,26 @@ only to an instance with more spare capacity):
     keeps its instance `hold_keep` x the fleet's mean time to first token first.
   * waiting for any instance with room (a strategy that knows nothing of caches).
 
+A waiting request's chain is recorded in the prefix index at the instance it waits for, so the requests
+sharing its prefix that arrive meanwhile wait there too instead of scattering.
+
 When an instance has room (a request finished there, or it came back), `pump` gives it, of the waiters it may
 take, the highest priority first; within a priority, the tenants that have had no more than their fair share
 (start-time fair queuing in requests, by tenant weight, within `fair_slack`); among those, the one losing
-least of its predicted cached match there (its match there less its deepest anywhere) plus aging. The queue
-is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
-deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator
-(virtual time) drive the same object with their own clocks.
+least of its predicted cached match there (its match there less its deepest anywhere) plus aging, and on a
+tie the earliest virtual finish time (a burst queues behind itself). Fairness holds fleet-wide, not only among
+the requests waiting for one instance: a tenant behind its share gets the freed slot, lent to the instance
+its request waits for (cache kept; that instance may go `fair_lend` x the threshold past it, and the fleet's
+total stays under the sum of the thresholds). The queue is bounded in requests and bytes (a full queue
+refuses its lowest priority first) and every waiter has a deadline; the shell answers those with 429. All of
+it is pure: the router (asyncio) and the simulator (virtual time) drive the same object with their own clocks.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +88,13 @@ class AdmissionSettings:
     spill_headroom: float = 1.0
     aging_tokens_per_s: float = 0.0  # matched tokens a waiter is willing to lose elsewhere per second waited
     fair_slack: float = 4.0  # requests a tenant may be ahead of the least-served waiting tenant
+    # Slots past its threshold an instance may take, as a share of it, for a tenant behind its fair share (lent
+    # by the instances serving tenants ahead of theirs: the fleet's total stays under the sum of thresholds).
+    fair_lend: float = 0.5
     tenant_weights: dict[str, float] = field(default_factory=dict)  # 1.0 for tenants not listed
+    # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
+    # books do when a request is sent (the shells set it to the strategy's records_prefixes).
+    record_queued: bool = True
 
 
 @dataclass(slots=True, eq=False)
@@ -104,6 +116,7 @@ class Waiter:
     keep_until: float = 0.0  # until then only `pin` may take it; then others, once aging outweighs its loss there
     strict_until: float = 0.0  # until then the KV limit applies to it, and `pin` (if any) is preferred
     depths: dict[str, int] = field(default_factory=dict)
+    blocks: Sequence[int] = ()  # its prompt's chain (the strategy's)
     model: str | None = None
     instance: str | None = None  # assigned by pump: where it goes (a slot is reserved there until `dispatched`)
     shed: str | None = None  # set when refused: one of SHED_REASONS
@@ -145,6 +158,7 @@ class Admission:
         self.bytes = 0
         self.reserved: dict[str, int] = {}  # slots given to assigned waiters not yet dispatched, per instance
         self._served: dict[str, float] = {}  # per tenant: requests admitted from the queue / weight (virtual time)
+        self._waiting: dict[str, int] = {}  # per tenant: requests waiting
         self._seq = itertools.count()
 
     # -- room ----------------------------------------------------------------------------------------------
@@ -152,13 +166,24 @@ class Admission:
         return self.settings.concurrency_threshold - inst.inflight - self.reserved.get(inst.name, 0)
 
     def has_room(self, inst: Instance, kv_tokens: int, strict_kv: bool = True) -> bool:
-        """Under the ConcurrencyThreshold (counting reserved slots) and, if `strict_kv`, the KV limit with this
-        request's `kv_tokens` (unless nothing is in flight there: an idle instance takes anything)."""
-        if not (inst.healthy and not inst.draining) or self.spare(inst) <= 0:
+        """Under the ConcurrencyThreshold (counting reserved slots), with the fleet's total under the sum of the
+        thresholds (`fleet_spare`), and, if `strict_kv`, under the KV limit with this request's `kv_tokens`
+        (unless nothing is in flight there: an idle instance takes anything)."""
+        return self.fleet_spare() > 0 and self._fits(inst, kv_tokens, strict_kv)
+
+    def _fits(self, inst: Instance, kv_tokens: int, strict_kv: bool, lent: int = 0) -> bool:
+        """has_room at one instance, `lent` slots past its threshold."""
+        if not (inst.healthy and not inst.draining) or self.spare(inst) + lent <= 0:
             return False
         if not strict_kv or not inst.inflight or inst.kv_capacity_tokens <= 0:
             return True
-        return kv_pressure(inst) + kv_tokens / inst.kv_capacity_tokens <= self.settings.kv_limit
+        scale = self.fleet.cache_scale.value
+        return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.kv_limit
+
+    def fleet_spare(self) -> int:
+        """Free slots over the routable instances: fewer than theirs added up while an instance serves past its
+        threshold on a slot lent to a tenant behind its share (`best_for`), so the fleet's total stays bounded."""
+        return sum(self.spare(i) for i in self.fleet.routable())
 
     def _headroom(self) -> int:
         return max(1, math.ceil(self.settings.spill_headroom * self.settings.concurrency_threshold))
@@ -173,13 +198,13 @@ class Admission:
             if s.enabled and self.waiters:
                 self._charge(tenant)  # its share of capacity, while others wait for theirs
             return None
-        why = BUSY if self.spare(inst) <= 0 or not inst.routable else KV
+        why = KV if inst.routable and self.spare(inst) > 0 and self.fleet_spare() > 0 else BUSY
         depths = self._depths(decision)
         waiter = Waiter(seq=next(self._seq), priority=priority, tenant=tenant, size_bytes=size_bytes,
                         enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens,
                         uncached_tokens=decision.uncached_tokens, prompt_tokens=decision.prompt_tokens, why=why,
                         pin=decision.instance if decision.blocks else None, first=decision.instance, keep_until=now,
-                        strict_until=now + s.patience_s, depths=depths, model=model)
+                        strict_until=now + s.patience_s, depths=depths, blocks=decision.blocks, model=model)
         if why == KV and decision.private:
             waiter.keep_until = now + min(s.patience_s, s.hold_keep * self.fleet.mean_ttft_s)
         return waiter
@@ -206,9 +231,25 @@ class Admission:
             self._remove(v, PREEMPTED)
         self._activate(waiter.tenant)
         self.waiters[waiter.seq] = waiter
+        self._waiting[waiter.tenant] = self._waiting.get(waiter.tenant, 0) + 1
         self.bytes += waiter.size_bytes
         self._queue_prefill(waiter, +1)
+        self._pending(waiter, record=True)
         return victims
+
+    def _pending(self, w: Waiter, record: bool) -> None:
+        """A waiting request's chain in the index at the instance it waits for, beyond what was there when it
+        arrived: recorded while it waits (its prefix will be computed there, so the requests sharing it that
+        arrive meanwhile wait there too; recorded only when sent, they scattered), forgotten when it leaves the
+        queue (the shell records what it sends; left in, its own prediction at dispatch would count it as
+        cached, and the engine's report that it was not would shrink the index's model of the cache)."""
+        if not (self.settings.record_queued and w.pin is not None and w.blocks):
+            return
+        held = w.depths.get(w.pin, 0) // self.fleet.block_tokens
+        if record:
+            self.fleet.index.record(w.pin, w.blocks)
+        elif held < len(w.blocks):
+            self.fleet.index.forget(w.pin, w.blocks[held:])
 
     def _queue_prefill(self, w: Waiter, sign: int) -> None:
         """A waiter's prefill counts as queued at its pinned instance while it waits (Instance.queued_prefill_tokens,
@@ -228,9 +269,9 @@ class Admission:
     def _activate(self, tenant: str) -> None:
         """A tenant with nothing waiting starts at the least-served waiting tenant's virtual time: it cannot bank
         the share it did not use while idle."""
-        if any(w.tenant == tenant for w in self.waiters.values()):
+        if tenant in self._waiting:
             return
-        floor = min((self._served.get(w.tenant, 0.0) for w in self.waiters.values()), default=None)
+        floor = min((self._served.get(t, 0.0) for t in self._waiting), default=None)
         if floor is None:  # nothing waits: everyone starts level, and the table stays small
             self._served.clear()
             return
@@ -255,8 +296,14 @@ class Admission:
 
     def _remove(self, waiter: Waiter, shed: str | None = None) -> None:
         del self.waiters[waiter.seq]
+        left = self._waiting[waiter.tenant] - 1
+        if left:
+            self._waiting[waiter.tenant] = left
+        else:
+            del self._waiting[waiter.tenant]
         self.bytes -= waiter.size_bytes
         self._queue_prefill(waiter, -1)
+        self._pending(waiter, record=False)
         waiter.shed = shed
 
     # -- dispatch ------------------------------------------------------------------------------------------
@@ -272,12 +319,12 @@ class Admission:
         while progress and self.waiters:
             progress = False
             for inst in sorted(self.fleet.routable(), key=lambda i: -self.spare(i)):
-                if self.spare(inst) <= 0:
+                if self.spare(inst) <= 0 or self.fleet_spare() <= 0:
                     continue
-                w = self.best_for(inst, now)
-                if w is not None:
-                    self._assign(w, inst.name)
-                    assigned.append(w)
+                choice = self.best_for(inst, now)
+                if choice is not None:
+                    self._assign(*choice)
+                    assigned.append(choice[0])
                     progress = True
         return assigned, shed
 
@@ -302,20 +349,64 @@ class Admission:
         """One more request admitted for `tenant`: its virtual time advances by 1 / its weight. Requests that go
         at once count too: a tenant flooding the instances that have room is behind in the queue elsewhere."""
         if len(self._served) > MAX_TENANTS_TRACKED:  # tenants are client-chosen: keep those waiting
-            self._served = {w.tenant: self._served.get(w.tenant, 0.0) for w in self.waiters.values()}
-        floor = min((self._served.get(w.tenant, 0.0) for w in self.waiters.values()), default=0.0)
+            self._served = {t: self._served.get(t, 0.0) for t in self._waiting}
+        floor = min((self._served.get(t, 0.0) for t in self._waiting), default=0.0)
         start = max(self._served.get(tenant, 0.0), floor)  # no credit banked while it had nothing waiting
         self._served[tenant] = start + 1.0 / self.settings.tenant_weights.get(tenant, 1.0)
 
-    def best_for(self, inst: Instance, now: float) -> Waiter | None:
-        """The waiter `inst` should take now: highest priority, then fair among tenants, then the deepest match
-        there plus aging."""
-        for band in self._bands(inst, now):
-            floor = min(self._served.get(w.tenant, 0.0) for w in band)
-            fair = [w for w in band if self._served.get(w.tenant, 0.0) <= floor + self.settings.fair_slack]
+    def best_for(self, inst: Instance, now: float) -> tuple[Waiter, str] | None:
+        """The waiter `inst`'s free slot should go to, and where. Highest priority first. Within a priority:
+
+        * if a waiter for another instance, of a tenant with none waiting that `inst` may take, is behind (its
+          virtual finish time, `finish_times`, more than fair_slack before the earliest of those `inst` may
+          take), the earliest such waiter gets the slot, lent to the instance it waits for (up to fair_lend x
+          the threshold past it), so it keeps its cache, while `inst` stays a slot short (`fleet_spare`). Fair
+          shares fleet-wide, not only among the requests waiting for one instance: otherwise a tenant whose
+          prefixes live on instances crowded by another's burst is served only as fast as those, and the burst
+          takes every other instance's slots.
+        * else, of those `inst` may take, the fair ones (their tenants within fair_slack of the least served)
+          that gain most from its cache (deepest match there plus aging); on a tie (as for every request waiting
+          for its own instance), the earliest virtual finish time: a quieter tenant's request before the backlog
+          of a bursting one, the oldest first within a tenant."""
+        served, slack = self._served, self.settings.fair_slack
+        tenants = len(self._waiting) > 1  # else no one is behind, and finish times go by arrival
+        finish = self.finish_times() if tenants else {w.seq: float(w.seq) for w in self.waiters.values()}
+        for local, remote in self._bands(inst, now):
+            if not local:
+                continue
+            first = min(finish[w.seq] for w in local)
+            present = {w.tenant for w in local}
+            behind = [w for w in remote if tenants and w.tenant not in present and finish[w.seq] < first - slack
+                      and self._may_borrow(w, now)]
+            if behind:
+                lent = min(behind, key=lambda w: finish[w.seq])
+                assert lent.pin is not None
+                return lent, lent.pin
+            floor = min(served.get(w.tenant, 0.0) for w in local)
+            fair = [w for w in local if served.get(w.tenant, 0.0) <= floor + slack]
             aging, name = self.settings.aging_tokens_per_s, inst.name
-            return max(fair, key=lambda w: (self.gain(w, name) + aging * (now - w.enqueued), -w.seq))
+            return max(fair, key=lambda w: (self.gain(w, name) + aging * (now - w.enqueued), -finish[w.seq],
+                                            -w.seq)), name
         return None
+
+    def finish_times(self) -> dict[int, float]:
+        """Each waiter's virtual finish time, by seq: its tenant's virtual time plus its place among that tenant's
+        waiters (arrival order, fleet-wide) over the tenant's weight. A burst queues behind itself: a request of
+        a quieter tenant (which starts at the least-served waiting tenant's time, `_activate`) comes level with
+        the head of the burst, not behind all of it."""
+        weights, served = self.settings.tenant_weights, self._served
+        last: dict[str, float] = {}
+        out: dict[int, float] = {}
+        for w in self.waiters.values():  # arrival order
+            place = last.get(w.tenant, served.get(w.tenant, 0.0)) + 1.0 / weights.get(w.tenant, 1.0)
+            out[w.seq] = last[w.tenant] = place
+        return out
+
+    def _may_borrow(self, w: Waiter, now: float) -> bool:
+        """Whether the instance `w` waits for may take it on a lent slot (fair_lend x the threshold past it)."""
+        inst = self.fleet.instances.get(w.pin or "")
+        lend = math.ceil(self.settings.fair_lend * self.settings.concurrency_threshold)
+        return inst is not None and self._fits(inst, w.kv_tokens, now < w.strict_until, lend)
 
     @staticmethod
     def gain(w: Waiter, name: str) -> int:
@@ -330,19 +421,20 @@ class Admission:
             deepest = max(deepest, w.prompt_tokens)
         return w.depths.get(name, 0) - deepest
 
-    def _bands(self, inst: Instance, now: float) -> Iterator[list[Waiter]]:
-        """The waiters `inst` may take, by priority, highest first (non-empty lists)."""
+    def _bands(self, inst: Instance, now: float) -> Iterator[tuple[list[Waiter], list[Waiter]]]:
+        """The waiters `inst` can serve (its model, room for their KV), by priority, highest first: (those its
+        pin rules let it take, those waiting for another instance)."""
         free = self.spare(inst) >= self._headroom()
-        by_priority: dict[int, list[Waiter]] = {}
+        by_priority: dict[int, tuple[list[Waiter], list[Waiter]]] = {}
         serving_cache: dict[str | None, bool] = {}
         for w in self.waiters.values():
-            if w.pin is not None and w.pin != inst.name and not self._may_leave(w, inst.name, free, now):
-                continue
             if w.model not in serving_cache:
                 serving = self.fleet.serving(w.model) if w.model is not None else None
                 serving_cache[w.model] = serving is None or inst.name in serving
-            if serving_cache[w.model] and self.has_room(inst, w.kv_tokens, now < w.strict_until):
-                by_priority.setdefault(w.priority, []).append(w)
+            if not serving_cache[w.model] or not self._fits(inst, w.kv_tokens, now < w.strict_until):
+                continue
+            local = w.pin is None or w.pin == inst.name or self._may_leave(w, inst.name, free, now)
+            by_priority.setdefault(w.priority, ([], []))[0 if local else 1].append(w)
         for p in sorted(by_priority, reverse=True):
             yield by_priority[p]
 

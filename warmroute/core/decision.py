@@ -14,9 +14,13 @@ KV_SPILL = "kv_spill"  # the one instance holding the prefix is swamped (sticky_
 UNHEALTHY_FALLBACK = "unhealthy_fallback"  # the preferred instance is down or draining
 LOAD_BALANCE = "load_balance"  # a load-only strategy chose (least_loaded, round_robin, random)
 AFFINITY = "affinity"  # the prefix's or session's own instance (prefix, session)
+# The slow-start ramp decided: a hot prefix copied first to an instance that is warming up, or a request kept off
+# the warming instance holding its prefix because it had had its ramped share (stages/slow_start.py).
+SLOW_START = "slow_start"
 # Where the chosen instance's match came from in precise mode (Decision.match).
 PRECISE, APPROXIMATE = "precise", "approximate"
-REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, KV_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY)
+REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, KV_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY,
+           SLOW_START)
 
 
 class NoInstanceAvailable(Exception):

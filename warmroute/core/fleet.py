@@ -89,6 +89,11 @@ class Fleet:
     mean_ttft_s: float = 0.0
     _ttft_seen: int = field(default=0, init=False, repr=False)
     recent_unit: FadingUnit = field(default_factory=FadingUnit, init=False)  # the unit of Instance.recent
+    # The shell's clock at the decision being made (seconds; the router's monotonic time, the simulator's virtual
+    # time): the core reads no clock, so the shell sets it before it asks for a decision.
+    now: float = 0.0
+    # Instances in their slow-start ramp: name -> when it began (`start_ramp`; read by stages/slow_start.py).
+    ramps: dict[str, float] = field(default_factory=dict, init=False)
     # model -> names of the instances that may serve it, or None where any may (see `serving`); rebuilt lazily
     _serving: dict[str, frozenset[str] | None] = field(default_factory=dict, init=False, repr=False)
 
@@ -116,6 +121,7 @@ class Fleet:
 
     def remove(self, name: str) -> None:
         self.instances.pop(name, None)
+        self.ramps.pop(name, None)
         self.index.remove_instance(name)
         self._serving.clear()
 
@@ -123,6 +129,24 @@ class Fleet:
         """Healthy, not draining, and (for a request naming a model) among the instances that may serve it."""
         serving = self.serving(model) if model is not None else None
         return routable_of(self.instances, serving)
+
+    def start_ramp(self, name: str, now: float) -> None:
+        """`name` just became routable (joined, or healthy again) while the fleet serves: it takes traffic
+        gradually from `now` (slow start). Its count of recent requests restarts, so its share is measured from
+        here, not from before it went down."""
+        inst = self.instances.get(name)
+        if inst is not None:
+            self.ramps[name] = now
+            inst.recent = 0.0
+
+    def ramping(self, window: float) -> dict[str, float]:
+        """Seconds since each ramp began, for the instances still within `window` of theirs (older ramps are
+        over and dropped)."""
+        now, ramps = self.now, self.ramps
+        over = [n for n, t in ramps.items() if now - t >= window or n not in self.instances]
+        for n in over:
+            del ramps[n]
+        return {n: now - t for n, t in ramps.items()}
 
     @contextmanager
     def only(self, name: str) -> Iterator[None]:

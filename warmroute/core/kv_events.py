@@ -157,3 +157,46 @@ def _hash(h: Any) -> int:
     if isinstance(h, (bytes, bytearray)) and h:
         return int.from_bytes(h[-8:], "big")
     raise BadMessage("a block hash must be an integer or bytes")
+
+
+# -- where an instance publishes (vLLM's GET /kv_event_sources) -----------------------------------------------------
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "[*]")
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    endpoint: str  # the publisher's PUB socket, as the router connects to it
+    replay_endpoint: str | None
+
+
+def source_from_vllm(body: Any, host: str) -> tuple[EventSource | None, str]:
+    """What vLLM's `GET /kv_event_sources` says (`{dp_rank: KVEventsConfig}`), as endpoints at `host` (the
+    instance's address: vLLM reports the wildcard it bound), and a note saying why not where it cannot be used.
+    Only the lowest data-parallel rank's stream is followed: the router sees one instance per URL."""
+    if not isinstance(body, dict):
+        raise BadMessage("expected a JSON object keyed by data-parallel rank")
+    ranks = sorted(body, key=lambda k: (not str(k).isdigit(), int(k) if str(k).isdigit() else 0, str(k)))
+    if not ranks:
+        return None, "it publishes no KV events"
+    config = body[ranks[0]]
+    if not isinstance(config, dict) or not isinstance(config.get("endpoint"), str):
+        raise BadMessage("a rank's entry has no endpoint")
+    if not config.get("enable_kv_cache_events", True) or config.get("publisher", "zmq") != "zmq":
+        return None, "it publishes no KV events over ZMQ"
+    endpoint = _at_host(config["endpoint"], host)
+    replay = config.get("replay_endpoint")
+    replay = _at_host(replay, host) if isinstance(replay, str) and replay else None
+    note = "" if len(ranks) == 1 else f"only rank {ranks[0]}'s of {len(ranks)} data-parallel ranks' events are followed"
+    return EventSource(endpoint, replay), note
+
+
+def _at_host(endpoint: str, host: str) -> str:
+    """An endpoint as the router reaches it: a wildcard it bound (tcp://*:5557) at the instance's host; a concrete
+    one as it is (vLLM reports the address it bound for tcp://*:0)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint  # ipc:// and the like: only on the same machine, and given as they are
+    where, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if where not in _WILDCARD_HOSTS:
+        return endpoint
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{port}"

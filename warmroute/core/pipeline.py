@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.routing_key import RoutingKey
@@ -43,6 +43,7 @@ class Request:
     miss_all = 0.0  # the same anywhere else
     hot = False  # its prefix carries at least 1/N of the recent requests (hot_share)
     share_cap = math.nan  # hot_share's cap on recent requests, once computed (HotShare.cap)
+    ramp_caps: dict[str, float] = {}  # slow_start: recent requests each ramping instance may have had (never mutated)
     picked_reason = ""  # what a picker that knows its own reason (affinity) said
     # Precise mode (None: off): the share of the prompt each engine whose KV events are fresh reports holding.
     precise: dict[str, float] | None = None
@@ -100,8 +101,9 @@ class Picker(Stage):
 
 
 # A compiled replacement for the filters, scorers and narrowing pickers: the candidates left (one instance, or
-# several for the last picker), or None when a filter left none (see stages/compiled.py).
-FastPath = Callable[[Request], "Instance | list[Instance] | None"]
+# several for the last picker), None when a filter left none, or False for a request it does not model (the
+# stages then run one by one; see stages/compiled.py).
+FastPath = Callable[[Request], Instance | list[Instance] | Literal[False] | None]
 
 
 class Pipeline:
@@ -140,7 +142,9 @@ class Pipeline:
             observe(req)
         for prepare in self._preparers:
             prepare(req)
-        found = self.fast(req) if self.fast is not None else self.narrow(req)
+        found = self.fast(req) if self.fast is not None else False
+        if found is False:
+            found = self.narrow(req)
         if found is None:  # a filter left nobody: it decides
             return self._emptied_by(req).when_empty(req)
         chosen = found if isinstance(found, Instance) else self._pick(req, found)

@@ -75,11 +75,11 @@ class CacheAwareSettings(BaseModel):
         description="The same when several instances hold it (a popular prefix) or none: lower copies a "
                     "popular prefix to more instances sooner.")
     sticky_kv_limit: float = Field(
-        1.75, ge=0.0, le=1000.0,
+        3.0, ge=0.0, le=1000.0,
         description="cache_aware keeps a prompt on the one instance holding its prefix (miss_weight) only while "
-                    "the prompts in flight there need at most this many times its KV cache; beyond, the engine "
-                    "evicts queued histories anyway, and the prompt weighs its miss like a shared one. "
-                    "1000: always sticky.")
+                    "the prompts in flight there need at most this many times its KV cache (as engine feedback "
+                    "scales it); beyond, the engine evicts queued histories anyway, and the prompt weighs its miss "
+                    "like a shared one. 1000: always sticky.")
     hold_kv_limit: float = Field(
         1000.0, ge=0.0, le=1000.0,
         description="cache_aware holds such a prompt in the router while the prompts in flight at its instance, "
@@ -96,6 +96,19 @@ class CacheAwareSettings(BaseModel):
         5.0, ge=0.0, le=3600,
         description="Seconds a request waiting on hold_kv_limit waits for its own instance with that limit "
                     "applied; then its own instance, or any other, takes it as soon as it has a free slot.")
+    slow_start_window: float = Field(
+        30.0, ge=0.0, le=3600.0,
+        description="Seconds over which an instance that joins the fleet (or comes back healthy) ramps up to its "
+                    "full share of requests, as Envoy's slow start; hot prefixes are copied to it first. 0: off "
+                    "(a new instance takes its full share at once). Instances present when the router starts "
+                    "do not ramp.")
+    slow_start_aggression: float = Field(
+        1.0, ge=0.05, le=100.0,
+        description="Shape of the slow-start ramp: the share grows as (elapsed / window) ** (1 / aggression); 1 is "
+                    "linear, above 1 faster at first.")
+    slow_start_min_weight: float = Field(
+        0.1, ge=0.0, le=1.0,
+        description="The share of a full instance's requests a ramping instance may take from its first second.")
     scorers: dict[str, float] = Field(
         default_factory=lambda: {"estimated_ttft": 1.0},
         description="The scorers that cost each instance, with their weights (NAME=WEIGHT,...; in YAML a "
@@ -214,7 +227,7 @@ class Strategy:
 
 class CacheAwareStrategy(Strategy):
     """Lowest estimated time to first token, never at the cost of drowning an instance (its stages: the
-    registry's prefix_match, load_guard, hot_share, the `scorers` setting's (estimated_ttft), tie_slack,
+    registry's prefix_match, load_guard, slow_start, hot_share, the `scorers` setting's (estimated_ttft), tie_slack,
     least_loaded_ties, rendezvous; docs/architecture.md).
 
     A prompt kept on the one instance holding its prefix at the private miss weight (`Decision.private`) may
@@ -264,7 +277,7 @@ class StrategySpec:
         return self.cls(name, settings, pipeline, self.records_prefixes)
 
 
-CACHE_AWARE = StrategySpec(("prefix_match", "load_guard", "hot_share", "scorers", "tie_slack",
+CACHE_AWARE = StrategySpec(("prefix_match", "load_guard", "slow_start", "hot_share", "scorers", "tie_slack",
                             "least_loaded_ties", "rendezvous"), CacheAwareStrategy, records_prefixes=True)
 STRATEGIES: dict[str, StrategySpec] = {
     "cache_aware": CACHE_AWARE,

@@ -123,7 +123,9 @@ class EngineDriver:
         k = min(fusible, max(1, int(MAX_FUSED_S / step_s)))
         self._arrival.clear()
         try:
-            await asyncio.wait_for(self._arrival.wait(), timeout=max(0.0, deadline + k * step_s - _now()))
+            # not wait_for: on Python 3.11 it drops a cancel (close()) that meets an arrival
+            async with asyncio.timeout(max(0.0, deadline + k * step_s - _now())):
+                await self._arrival.wait()
             # a request arrived: finish the step in flight, then let the model admit it
             # (at least one: the deadline may still be ahead when the request arrives early)
             k = min(k, max(1, int((_now() - deadline) / step_s) + 1))

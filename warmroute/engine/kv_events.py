@@ -101,7 +101,7 @@ class KvEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # term() would block for as long as any socket of it stayed open
 
     async def _serve_replay(self) -> None:
         assert self._replay is not None

@@ -88,6 +88,7 @@ class EngineServer:
             app.router.add_get(path, self._model_info)
         for path in ("/get_server_info", "/server_info"):
             app.router.add_get(path, self._server_info)
+        app.router.add_get("/kv_event_sources", self._kv_event_sources)
         return app
 
     # -- completions -------------------------------------------------------------------------------------------
@@ -131,6 +132,15 @@ class EngineServer:
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
+
+    async def _kv_event_sources(self, _: web.Request) -> web.Response:
+        """Where it publishes its KV-cache events, per data-parallel rank, in the shape of vLLM's answer."""
+        pub = self.kv_events
+        if pub is None:
+            return web.json_response({})
+        return web.json_response({"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                        "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+                                        "buffer_steps": pub.buffer.maxlen, "topic": pub.topic.decode()}})
 
     async def _model_info(self, _: web.Request) -> web.Response:
         return web.json_response(self._model_fields())

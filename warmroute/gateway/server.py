@@ -20,7 +20,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from warmroute.errors import UsageError
 from warmroute.gateway.endpoints import unaddressed
 from warmroute.gateway.picker import SERVICE_NAME, Picker
-from warmroute.router.app import ACTIVITY, HEALTH, PROXY, ROUTER, build_app
+from warmroute.router.admin import MEMBERSHIP
+from warmroute.router.app import ACTIVITY, HEALTH, ROUTER, build_app
+from warmroute.router.members import Addresses
 from warmroute.router.server import bind
 from warmroute.router.settings import RouterSettings
 
@@ -86,7 +88,9 @@ async def start_picker(settings: RouterSettings) -> RunningPicker:
     try:
         sock = bind(settings)
         await web.SockSite(runner, sock).start()
-        picker = Picker(app[ROUTER], app[HEALTH], app[PROXY].urls, settings, app[ACTIVITY])
+        addresses = Addresses()  # the picker's own map of where each instance is, following membership
+        app[MEMBERSHIP].subscribe(addresses)
+        picker = Picker(app[ROUTER], app[HEALTH], addresses.urls, settings, app[ACTIVITY])
         size = settings.max_body_bytes + _MESSAGE_MARGIN  # a buffered body is one message (and echoed back)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", size),
                                           ("grpc.max_send_message_length", size)])

@@ -7,6 +7,8 @@
   DELETE /admin/instances/{name}        removed now (open streams still finish, uncounted)
   POST   /admin/reset_prefix_cache      every instance's (or ?instance=NAME's) POST /reset_prefix_cache; the
                                         router forgets what it believed each instance that reset held
+  GET    /admin/scale-in                the instance whose cache is worth least (the one to remove when scaling
+                                        in), each instance's value and pod-deletion cost (autoscaling.py)
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from warmroute.router.auth import require_token
+from warmroute.router.autoscaling import FleetSignals
+from warmroute.router.connections import UPSTREAMS
 from warmroute.router.discovery import ADMIN, Membership
 from warmroute.router.errors import ApiError, bad_request
+from warmroute.router.health import HEALTH
 
 MEMBERSHIP = web.AppKey("membership", Membership)
 ADMIN_TOKEN = web.AppKey("admin_token", str)
+SIGNALS = web.AppKey("signals", FleetSignals)
 MAX_ADMIN_BODY = 64 * 1024
 
 
@@ -34,6 +40,7 @@ def add_admin_routes(app: web.Application, token: str) -> None:
     app.router.add_post("/admin/instances/{name}/drain", drain_instance)
     app.router.add_delete("/admin/instances/{name}", delete_instance)
     app.router.add_post("/admin/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_get("/admin/scale-in", scale_in)
 
 
 def _auth(request: web.Request) -> Membership:
@@ -51,6 +58,12 @@ def _one(membership: Membership, name: str) -> dict:
 async def list_instances(request: web.Request) -> web.Response:
     membership = _auth(request)
     return web.json_response({"instances": membership.listing()})
+
+
+async def scale_in(request: web.Request) -> web.Response:
+    """Which instance to remove: the one whose cache is worth least to the fleet (victim null: none to name)."""
+    _auth(request)
+    return web.json_response(request.app[SIGNALS].scale_in())
 
 
 async def add_instance(request: web.Request) -> web.Response:
@@ -74,8 +87,7 @@ async def add_instance(request: web.Request) -> web.Response:
     if not membership.add(backend, ADMIN):
         raise ApiError(409, f"instance {backend.name!r} comes from the configuration; change it there",
                        "conflict_error")
-    if membership.session is not None:
-        await membership.health.check(membership.session, backend.name)  # answer with its real state
+    await request.app[HEALTH].check_now(backend.name)  # answer with its real state
     return web.json_response(_one(membership, backend.name), status=200 if existed else 201)
 
 
@@ -101,12 +113,15 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     keep the index true: an instance that reset holds nothing the router believed it held."""
     membership = _auth(request)
     only = request.query.get("instance")
-    names = [only] if only is not None else list(membership.urls)
+    names = [only] if only is not None else list(membership.members)
     if only is not None:
         _one(membership, only)
-    if membership.session is None:
+    upstreams, urls = request.app[UPSTREAMS], membership.urls
+    if not upstreams.started:
         raise ApiError(503, "the router is still starting", "service_unavailable")
-    statuses = await asyncio.gather(*(_post(membership, n, "/reset_prefix_cache") for n in names))
+    timeout = aiohttp.ClientTimeout(total=request.app[HEALTH].settings.timeout * 5)
+    statuses = await asyncio.gather(*(_post(upstreams.session, urls.get(n), "/reset_prefix_cache", timeout)
+                                      for n in names))
     results = {}
     for name, status in zip(names, statuses):
         reset = status is not None and 200 <= status < 300
@@ -117,15 +132,13 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return web.json_response({"reset": ok, "instances": results}, status=200 if ok else 502)
 
 
-async def _post(membership: Membership, name: str, path: str) -> int | None:
+async def _post(session: aiohttp.ClientSession, url: str | None, path: str,
+                timeout: aiohttp.ClientTimeout) -> int | None:
     """POST to one instance; its status, or None if it could not be reached."""
-    assert membership.session is not None
-    url = membership.urls.get(name)
     if url is None:
         return None
-    timeout = aiohttp.ClientTimeout(total=membership.settings.health_timeout * 5)
     try:
-        async with membership.session.post(url + path, timeout=timeout) as r:
+        async with session.post(url + path, timeout=timeout) as r:
             await r.read()
             return r.status
     except (aiohttp.ClientError, OSError, TimeoutError):

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import aiohttp
 from aiohttp import web
@@ -33,27 +34,26 @@ from warmroute.core.routing_key import RAW_ROUTES, ROUTED_PATHS
 from warmroute.core.strategies import ModelNotServed, NoInstanceAvailable
 from warmroute.router import access_log as access
 from warmroute.router import dashboard as dash
-from warmroute.router.admin import MEMBERSHIP, add_admin_routes
-from warmroute.router.discovery import Discovery, Membership, Resolver, resolve
-from warmroute.router.engine_metrics import EngineScraper
+from warmroute.router.admin import MEMBERSHIP, SIGNALS, add_admin_routes
+from warmroute.router.components import Component, Components, Periodic
+from warmroute.router.connections import UPSTREAMS, Upstreams
+from warmroute.router.discovery import Discovery, DiscoverySettings, Membership, Resolver, resolve
+from warmroute.router.engine_metrics import EngineScraper, ScrapeSettings
 from warmroute.router.errors import ApiError, bad_request, json_error, no_instance, too_large
-from warmroute.router.health import Health
+from warmroute.router.health import HEALTH, Health, HealthSettings
 from warmroute.router.kv_subscriber import KvEventMetrics, KvEventSources
 from warmroute.router.metrics import NO_INSTANCE, Metrics
-from warmroute.router.models import ModelCatalog, fetch_models
-from warmroute.router.proxy import Proxy, make_session
+from warmroute.router.models import CatalogSettings, ModelCatalog, fetch_models
+from warmroute.router.proxy import Proxy
 from warmroute.router.routing import SESSION_HEADER, Router
-from warmroute.router.settings import RouterSettings, kv_event_endpoints, upstream_tls
+from warmroute.router.settings import RouterSettings, kv_event_source, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
 from warmroute.router.tenancy import priority_of, tenant_of
-from warmroute.router.upstream import UpstreamPool
-from warmroute.router.background import cancel_all
 
 log = logging.getLogger("warmroute.router")
 
 SETTINGS = web.AppKey("settings", RouterSettings)
 ROUTER = web.AppKey("router", Router)
-HEALTH = web.AppKey("health", Health)
 PROXY = web.AppKey("proxy", Proxy)
 METRICS = web.AppKey("metrics", Metrics)
 SCRAPER = web.AppKey("scraper", EngineScraper)
@@ -62,7 +62,8 @@ ACTIVITY = web.AppKey("activity", dash.Activity)
 SIBLINGS = web.AppKey("siblings", dash.Siblings)  # the other workers' dashboard snapshots
 CATALOG = web.AppKey("catalog", ModelCatalog)  # which models each instance serves
 SERVER_NAMES = web.AppKey("server_names", dict)  # (address, port) -> host name of https:// instances (DNS)
-LINKS = web.AppKey("links", object)  # Links | None: this worker's sockets to its siblings (server.py)
+KV_EVENTS = web.AppKey("kv_events", object)  # KvEventSources | None: precise mode's subscribers
+COMPONENTS = web.AppKey("components", Components)  # what starts with the app and stops with it, in order
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -142,14 +143,14 @@ async def _read_body(request: web.Request, limit: int, timeout: float) -> bytes:
 async def models(request: web.Request) -> web.Response:
     """The union of the healthy instances' /v1/models lists, each model once (also what each one serves: the
     catalog learns it here too, with the client's credentials)."""
-    proxy, fleet = request.app[PROXY], request.app[ROUTER].fleet
-    names = [n for n, i in fleet.instances.items() if i.healthy and n in proxy.urls]
+    urls, fleet = request.app[PROXY].urls, request.app[ROUTER].fleet
+    names = [n for n, i in fleet.instances.items() if i.healthy and n in urls]
     if not names:
         raise no_instance(request.app[SETTINGS].health_interval)
     auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-    assert proxy.session is not None
+    session = request.app[UPSTREAMS].session
     timeout = request.app[SETTINGS].health_timeout  # as light as a health check
-    lists = await asyncio.gather(*(fetch_models(proxy.session, proxy.urls[n], auth, timeout) for n in names))
+    lists = await asyncio.gather(*(fetch_models(session, urls[n], auth, timeout) for n in names))
     seen: dict[str, dict] = {}
     learn = request.app[SETTINGS].models_interval > 0  # 0: what instances serve is never read, so never narrows
     for name, entries in zip(names, lists):
@@ -206,7 +207,9 @@ async def dashboard_state(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = request.app[METRICS].render(request.app[ROUTER].fleet)
+    router = request.app[ROUTER]
+    request.app[METRICS].set_demand({m: (d.ratio, d.desired) for m, d in router.signals.by_model().items()})
+    body, content_type = request.app[METRICS].render(router.fleet)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = content_type
     return resp
@@ -249,27 +252,27 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     """The router's app; without `proxying`, only its control surface (metrics, health, dashboard, admin API):
     `warmroute epp`, where a gateway carries the requests and the app keeps the fleet."""
     app = web.Application(middlewares=[json_errors], client_max_size=settings.max_body_bytes)
-    names = [b.name for b in settings.backends]
-    urls = {b.name: b.url for b in settings.backends}
     app[SETTINGS] = settings
-    app[METRICS] = metrics_ = Metrics(settings.strategy, names)
+    app[METRICS] = metrics_ = Metrics(settings.strategy, [b.name for b in settings.backends])
     app[ROUTER] = router = Router(settings, metrics_)
-    app[HEALTH] = health_ = Health(router.fleet, urls, settings, metrics_)
-    app[PROXY] = Proxy(router, health_, urls, settings)
-    app[SCRAPER] = scraper = EngineScraper(router.fleet, urls, settings, metrics_)
-    app[CATALOG] = catalog = ModelCatalog(router.fleet, urls, settings, router.lora_adapters)
-    app[MEMBERSHIP] = membership = Membership(router.fleet, urls, settings, metrics_, health_, scraper, catalog)
+    app[SIGNALS] = router.signals
     app[SERVER_NAMES] = server_names = {}
-    app[DISCOVERY] = Discovery(membership, settings, resolver, server_names)
-    if router.exact is not None:  # precise mode: one subscriber per instance, following membership
-        membership.kv_events = KvEventSources(router.exact, KvEventMetrics(metrics_.registry),
-                                              settings.kv_events_topic, settings.index_memory_bytes // BYTES_PER_BLOCK)
-        for b in settings.backends:
-            membership.kv_events.add(b.name, *kv_event_endpoints(settings, b))
+    app[UPSTREAMS] = upstreams = Upstreams(upstream_tls(settings), settings.connect_timeout, server_names)
+    app[HEALTH] = health_ = Health(router.fleet, upstreams, HealthSettings.of(settings), metrics_)
+    app[PROXY] = proxy = Proxy(router, health_, upstreams, settings)
+    app[SCRAPER] = scraper = EngineScraper(router.fleet, upstreams, ScrapeSettings.of(settings), metrics_)
+    app[CATALOG] = catalog = ModelCatalog(router.fleet, upstreams, CatalogSettings.of(settings), router.lora_adapters)
+    app[KV_EVENTS] = kv_events = _kv_events(settings, router, metrics_, upstreams)
+    app[MEMBERSHIP] = membership = Membership(router.fleet, settings.backends, settings.capacity_configured)
+    membership.subscribe(metrics_, replay=False)  # built with the configured backends, as the fleet was
+    for follower in (catalog, scraper, kv_events, proxy, health_):  # health last: it checks a new instance
+        if follower is not None:
+            membership.subscribe(follower)
+    app[DISCOVERY] = Discovery(membership, DiscoverySettings.of(settings), resolver, server_names)
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
     app[SIBLINGS] = dash.Siblings()
-    app[LINKS] = links
-    app.cleanup_ctx.append(_upstream_lifetime)
+    app[COMPONENTS] = _components(app, links)
+    app.cleanup_ctx.append(_lifetime)
 
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
@@ -290,73 +293,70 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     return app
 
 
-async def _send_snapshots(app: web.Application, links: WorkerLinks) -> None:
-    """Every second, this worker's dashboard figures to the other workers (dashboard.py)."""
-    while True:
-        await asyncio.sleep(dash.SNAPSHOT_EVERY_S)
-        snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[ROUTER].admission)
-        links.send_snapshot(json.dumps(snap, separators=(",", ":")).encode())
+def _kv_events(settings: RouterSettings, router: Router, metrics_: Metrics,
+               upstreams: Upstreams) -> KvEventSources | None:
+    """Precise mode's subscribers (one per instance, following membership); None in any other mode."""
+    if router.exact is None:
+        return None
+    return KvEventSources(router.exact, KvEventMetrics(metrics_.registry), settings.kv_events_topic,
+                          settings.index_memory_bytes // BYTES_PER_BLOCK, partial(kv_event_source, settings), upstreams)
 
 
-async def _upstream_lifetime(app: web.Application) -> AsyncIterator[None]:
-    """The pooled client session, the health loop and the engine scrapes live exactly as long as the app
-    (past in-flight requests)."""
-    proxy = app[PROXY]
-    proxy.session = session = make_session(app[SETTINGS], app[SERVER_NAMES])
-    proxy.pool = pool = UpstreamPool(app[SETTINGS].connect_timeout, tls=upstream_tls(app[SETTINGS]),
-                                     server_names=app[SERVER_NAMES])
-    kv_events = app[MEMBERSHIP].kv_events
-    if kv_events is not None:
-        await kv_events.start()
-    await app[DISCOVERY].start(session)  # the backends file and DNS names, before the first health round
-    settings = app[SETTINGS]
-    k8s = None
+def _components(app: web.Application, links: Links | None) -> Components:
+    """The services, in the order they start (and stop in reverse): the connections first; the sources of
+    instances (KV events follow them, so first) before the first health round; the index shared with the other
+    replicas or workers; then the rounds that need every instance known."""
+    settings, router = app[SETTINGS], app[ROUTER]
+    items: list[Component | None] = [app[UPSTREAMS], app[KV_EVENTS], app[DISCOVERY]]
+    pods: list = []  # the Kubernetes sources, whose pods get their deletion costs
     if settings.kubernetes_service:
         from warmroute.router.kubernetes import KubernetesDiscovery
 
-        k8s = KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port)
-        await k8s.start()
-    inference_pool = None
+        pods.append(KubernetesDiscovery(app[MEMBERSHIP], settings.kubernetes_service, settings.kubernetes_port))
     if settings.inference_pool:
         from warmroute.router.inference_pool import InferencePoolDiscovery
 
-        inference_pool = InferencePoolDiscovery(app[MEMBERSHIP], settings.inference_pool)
-        await inference_pool.start()
-    shared: SharedIndex | WorkerLinks | None = None  # index updates to and from the other replicas / workers
+        pods.append(InferencePoolDiscovery(app[MEMBERSHIP], settings.inference_pool))
+    items += pods
+    if pods and settings.pod_deletion_cost:  # following what their caches are worth
+        from warmroute.router.kubernetes import PodDeletionCost
+
+        items += [PodDeletionCost(p, app[SIGNALS].deletion_costs, settings.pod_deletion_cost_interval) for p in pods]
+    redis = None  # index updates to and from the other replicas
     if settings.redis_url is not None:
-        shared = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, app[ROUTER].fleet)
-        await shared.start()
-    links = None  # a worker of `workers` > 1: the others' index updates (without Redis) and dashboard snapshots
-    if app[LINKS] is not None:
-        links = WorkerLinks(app[ROUTER].fleet, *app[LINKS], share_index=shared is None)
-        links.on_snapshot = app[SIBLINGS].receive
-        await links.start()
-        if shared is None:
-            shared = links
-    if shared is not None:
-        app[ROUTER].shared = shared
-    await app[HEALTH].check_all(session)  # know who is up before the first request
-    loops = [asyncio.create_task(app[HEALTH].run(session), name="warmroute-health")]
-    if links is not None and settings.dashboard:
-        loops.append(asyncio.create_task(_send_snapshots(app, links), name="warmroute-dashboard-snapshots"))
-    if settings.models_interval > 0:
-        await app[CATALOG].refresh_all(session)  # which instance serves which model, before the first request
-        loops.append(asyncio.create_task(app[CATALOG].run(session), name="warmroute-models"))
-    if app[SETTINGS].engine_metrics:
-        await app[SCRAPER].scrape_all(session)  # and each engine's KV capacity, where not configured
-        loops.append(asyncio.create_task(app[SCRAPER].run(session), name="warmroute-engine-metrics"))
+        redis = SharedIndex(settings.redis_url.get_secret_value(), settings.redis_channel, router.fleet)
+    # a worker of `workers` > 1: the others' index updates (without Redis) and dashboard snapshots
+    siblings = None if links is None else WorkerLinks(router.fleet, *links, share_index=redis is None,
+                                                      on_snapshot=app[SIBLINGS].receive)
+    router.shared = redis if redis is not None else siblings  # sends nothing until started
+    items += [redis, siblings, app[HEALTH]]
+    if siblings is not None and settings.dashboard:
+        items.append(SnapshotSender(app, siblings))
+    if settings.models_interval > 0:  # which instance serves which model, before the first request
+        items.append(app[CATALOG])
+    if settings.engine_metrics:  # and each engine's KV capacity, where not configured
+        items.append(app[SCRAPER])
+    return Components(c for c in items if c is not None)
+
+
+class SnapshotSender(Periodic):
+    """Every second, this worker's dashboard figures to the other workers (dashboard.py)."""
+
+    name = "dashboard-snapshots"
+    round_at_start = False
+
+    def __init__(self, app: web.Application, links: WorkerLinks) -> None:
+        super().__init__(dash.SNAPSHOT_EVERY_S)
+        self.app, self.links = app, links
+
+    async def round(self) -> None:
+        app = self.app
+        snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[ROUTER].admission)
+        self.links.send_snapshot(json.dumps(snap, separators=(",", ":")).encode())
+
+
+async def _lifetime(app: web.Application) -> AsyncIterator[None]:
+    """The components live exactly as long as the app (past in-flight requests)."""
+    await app[COMPONENTS].start()
     yield
-    await app[DISCOVERY].stop()
-    if kv_events is not None:
-        await kv_events.stop()
-    if k8s is not None:
-        await k8s.stop()
-    if inference_pool is not None:
-        await inference_pool.stop()
-    if shared is not None:
-        await shared.stop()
-    if links is not None and links is not shared:
-        await links.stop()
-    await cancel_all(loops)
-    await pool.close()
-    await session.close()
+    await app[COMPONENTS].stop()

@@ -1,7 +1,7 @@
 """Who is in the fleet: the static list, a watched backends file, DNS re-resolution, and the admin API.
 
-Every change goes through `Membership`, which keeps the fleet (core/fleet.py), the shared name -> URL map
-that the proxy, health checks and engine scrapes read, and the metrics in step:
+Every change goes through `Membership`, which tells its followers (members.py: the fleet, metrics, proxy,
+health checks, engine scrapes, model catalog, KV-event subscribers) as events:
 
   - a new instance starts ejected and gets its first health check at once; it takes traffic when that passes;
   - an instance that leaves is *drained*: no new requests, its streams finish, and it is removed once idle
@@ -27,18 +27,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import aiohttp
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from warmroute.core.fleet import Fleet
 from warmroute.errors import UsageError
-from warmroute.router.engine_metrics import EngineScraper
-from warmroute.router.health import Health
-from warmroute.router.metrics import Metrics
-from warmroute.router.models import ModelCatalog
-from warmroute.router.kv_subscriber import KvEventSources
-from warmroute.router.settings import Backend, RouterSettings, kv_event_endpoints, parse_backends
+from warmroute.router.members import Member, MembershipListener
+from warmroute.router.settings import Backend, RouterSettings, parse_backends
 from warmroute.router.upstream import ServerNames
 from warmroute.router.background import cancel_all
 
@@ -104,31 +99,49 @@ def check_backends_file(settings: RouterSettings) -> None:
             raise UsageError(str(exc)) from None
 
 
-@dataclass
-class Member:
-    name: str
-    url: str
-    source: str
-    capacity_configured: bool
+class FleetMembers:
+    """The core's fleet following membership, first of all followers: a new instance takes no traffic until its
+    first health check passes."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def added(self, member: Member) -> None:
+        self.fleet.add(member.name, member.backend.kv_capacity_tokens).healthy = False
+
+    def changed(self, member: Member) -> None:
+        if member.backend.kv_capacity_tokens:
+            self.fleet.add(member.name, member.backend.kv_capacity_tokens)
+
+    def removed(self, name: str) -> None:
+        self.fleet.remove(name)
 
 
 class Membership:
-    """Adds, drains and removes instances; owns the name -> URL map the rest of the shell reads."""
+    """Adds, drains and removes instances, and tells every follower (members.py) of each change.
 
-    def __init__(self, fleet: Fleet, urls: dict[str, str], settings: RouterSettings, metrics: Metrics,
-                 health: Health, scraper: EngineScraper, catalog: ModelCatalog | None = None) -> None:
+    `backends`: the configured instances, which the fleet and the metrics were built with; `capacity_configured`
+    says whether the user gave a backend's KV capacity (RouterSettings.capacity_configured)."""
+
+    def __init__(self, fleet: Fleet, backends: Sequence[Backend],
+                 capacity_configured: Callable[[Backend], bool]) -> None:
         self.fleet = fleet
-        self.catalog = catalog  # which models each instance serves (models.py)
-        self.urls = urls
-        self.settings = settings
-        self.metrics = metrics
-        self.health = health
-        self.scraper = scraper
-        self.members = {b.name: Member(b.name, b.url, CONFIG, settings.capacity_configured(b))
-                        for b in settings.backends}
-        self.session: aiohttp.ClientSession | None = None
-        self._checks: set[asyncio.Task] = set()
-        self.kv_events: KvEventSources | None = None  # precise mode: each instance's KV-event subscriber
+        self.capacity_configured = capacity_configured
+        self.members = {b.name: Member(b, CONFIG, capacity_configured(b)) for b in backends}
+        self._listeners: list[MembershipListener] = [FleetMembers(fleet)]
+
+    def subscribe(self, listener: MembershipListener, replay: bool = True) -> None:
+        """Tell `listener` of every change from now on, and (`replay`) of each instance already there as `added`;
+        no replay for a follower built with the configured backends (the metrics)."""
+        self._listeners.append(listener)
+        if replay:
+            for member in list(self.members.values()):
+                listener.added(member)
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """A copy of the current instances' base URLs."""
+        return {name: m.url for name, m in self.members.items()}
 
     # -- one instance ------------------------------------------------------------------------------------------
     def add(self, backend: Backend, source: str) -> bool:
@@ -142,33 +155,15 @@ class Membership:
             if inst.draining:
                 log.warning("instance %s rejoins", backend.name)
                 inst.draining = False
-            if member.url != backend.url:
-                member.url = self.urls[backend.name] = backend.url
-                self._check_soon(backend.name)
-            if backend.kv_capacity_tokens:
-                self.fleet.add(backend.name, backend.kv_capacity_tokens)
-            if self.catalog is not None:
-                self.catalog.configure(backend.name, backend.models)
-            self._follow_events(backend)
+            member.backend = backend
+            for listener in self._listeners:
+                listener.changed(member)
             return True
-        configured = backend.kv_capacity_tokens is not None or "kv_capacity_tokens" in self.settings.model_fields_set
-        self.members[backend.name] = Member(backend.name, backend.url, source, configured)
-        self.urls[backend.name] = backend.url
-        inst = self.fleet.add(backend.name, backend.kv_capacity_tokens)
-        inst.healthy = False  # until its first health check passes
-        if self.catalog is not None:
-            self.catalog.configure(backend.name, backend.models)
-        self.metrics.add_backend(backend.name, healthy=False)
-        if not configured:
-            self.scraper.learn_capacity(backend.name)
+        member = self.members[backend.name] = Member(backend, source, self.capacity_configured(backend))
         log.warning("instance %s joins (%s)", backend.name, source)
-        self._follow_events(backend)
-        self._check_soon(backend.name)
+        for listener in self._listeners:
+            listener.added(member)
         return True
-
-    def _follow_events(self, backend: Backend) -> None:
-        if self.kv_events is not None:
-            self.kv_events.add(backend.name, *kv_event_endpoints(self.settings, backend))
 
     def drain(self, name: str) -> bool:
         """No new requests; removed once its in-flight requests are done. False if unknown."""
@@ -184,15 +179,9 @@ class Membership:
     def remove(self, name: str) -> bool:
         if name not in self.fleet.instances and name not in self.members:
             return False
-        self.fleet.remove(name)
         self.members.pop(name, None)
-        self.urls.pop(name, None)
-        self.metrics.remove_backend(name)
-        self.scraper.forget(name)
-        if self.kv_events is not None:
-            self.kv_events.remove(name)
-        if self.catalog is not None:
-            self.catalog.fixed.discard(name)
+        for listener in self._listeners:
+            listener.removed(name)
         log.warning("instance %s removed", name)
         return True
 
@@ -201,13 +190,6 @@ class Membership:
         for inst in list(self.fleet.instances.values()):
             if inst.draining and inst.inflight == 0:
                 self.remove(inst.name)
-
-    def _check_soon(self, name: str) -> None:
-        if self.session is None:
-            return  # not serving yet: the start-up round checks everyone
-        task = asyncio.get_running_loop().create_task(self.health.check(self.session, name))
-        self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
 
     # -- a whole source ----------------------------------------------------------------------------------------
     def reconcile(self, source: str, desired: list[Backend]) -> None:
@@ -224,17 +206,32 @@ class Membership:
         out = []
         for name, inst in self.fleet.instances.items():
             member = self.members.get(name)
-            out.append({"name": name, "url": member.url if member else self.urls.get(name),
+            out.append({"name": name, "url": member.url if member else None,
                         "source": member.source if member else CONFIG, "healthy": inst.healthy,
                         "draining": inst.draining, "inflight": inst.inflight,
                         "kv_capacity_tokens": inst.kv_capacity_tokens})
         return out
 
 
-class Discovery:
-    """The config source: static backends + backends_file, expanded through DNS; its polling loops."""
+@dataclass(frozen=True)
+class DiscoverySettings:
+    backends: list[Backend]
+    backends_file: str | None
+    backends_file_interval: float
+    dns_refresh_interval: float  # 0: names are not resolved by the router
 
-    def __init__(self, membership: Membership, settings: RouterSettings, resolver: Resolver = resolve,
+    @classmethod
+    def of(cls, s: RouterSettings) -> DiscoverySettings:
+        return cls(list(s.backends), s.backends_file, s.backends_file_interval, s.dns_refresh_interval)
+
+
+class Discovery:
+    """A component, the config source: static backends + backends_file, expanded through DNS; its polling loops
+    (and the reaper of drained instances, for every source)."""
+
+    name = "discovery"
+
+    def __init__(self, membership: Membership, settings: DiscoverySettings, resolver: Resolver = resolve,
                  server_names: ServerNames | None = None) -> None:
         self.membership = membership
         self.settings = settings
@@ -251,10 +248,9 @@ class Discovery:
     def dns_on(self) -> bool:
         return self.settings.dns_refresh_interval > 0
 
-    async def start(self, session: aiohttp.ClientSession) -> None:
+    async def start(self) -> None:
         """First sync (before the start-up health round), then the loops."""
         await self.refresh(force_file=True, resolve_names=True)
-        self.membership.session = session
         self._tasks.append(asyncio.create_task(self._reaper(), name="warmroute-drain"))
         if self.settings.backends_file:
             self._tasks.append(asyncio.create_task(self._watch_file(), name="warmroute-backends-file"))

@@ -18,9 +18,11 @@ import logging
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from warmroute.core.fleet import Fleet
+from warmroute.prometheus_text import Samples, read_samples
+from warmroute.router.connections import Poller, Upstreams
+from warmroute.router.members import Member
 from warmroute.router.metrics import Metrics
 from warmroute.router.settings import RouterSettings
 
@@ -52,12 +54,9 @@ class EngineSignals:
 
 def parse_engine_metrics(text: str) -> EngineSignals:
     """The signals in a /metrics page; MalformedMetrics if a line we read is not Prometheus text."""
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
-        for family in text_string_to_metric_families(_relevant_lines(text)):
-            for s in family.samples:
-                samples.setdefault(s.name, []).append((s.labels, s.value))
-    except (ValueError, TypeError, IndexError) as exc:
+        samples = read_samples(text, _NAMES)
+    except ValueError as exc:
         raise MalformedMetrics(str(exc)) from None
 
     def values(names: tuple[str, ...]) -> list[float]:
@@ -69,20 +68,7 @@ def parse_engine_metrics(text: str) -> EngineSignals:
                          max(usage) if usage else None, _capacity(samples))
 
 
-def _relevant_lines(text: str) -> str:
-    """Only the lines of the names we read: an engine's page is mostly histograms we would parse for nothing."""
-    keep = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[2] in _NAMES:
-                keep.append(line)
-        elif line.startswith(_NAMES):
-            keep.append(line)
-    return "\n".join(keep) + "\n"
-
-
-def _capacity(samples: dict[str, list[tuple[dict[str, str], float]]]) -> int | None:
+def _capacity(samples: Samples) -> int | None:
     """KV capacity in tokens: vLLM's num_gpu_blocks x block_size labels, or SGLang's gauge."""
     for labels, _ in samples.get(VLLM_CACHE_INFO, []):
         try:
@@ -95,31 +81,44 @@ def _capacity(samples: dict[str, list[tuple[dict[str, str], float]]]) -> int | N
     return int(max(sglang)) if sglang else None
 
 
-class EngineScraper:
-    """Every `engine_metrics_interval` seconds: GET /metrics on every instance, hand the figures to the fleet."""
+@dataclass(frozen=True)
+class ScrapeSettings:
+    interval: float  # seconds between two scrapes of every instance
+    timeout: float  # of one scrape
 
-    def __init__(self, fleet: Fleet, urls: dict[str, str], settings: RouterSettings, metrics: Metrics) -> None:
-        self.fleet = fleet
-        self.urls = urls
+    @classmethod
+    def of(cls, s: RouterSettings) -> ScrapeSettings:
+        return cls(s.engine_metrics_interval, s.health_timeout)
+
+
+class EngineScraper(Poller):
+    """A component: every `interval` seconds, GET /metrics on every instance, hand the figures to the fleet.
+    Follows membership (members.py) for the instances it scrapes."""
+
+    name = "engine-metrics"
+
+    def __init__(self, fleet: Fleet, upstreams: Upstreams, settings: ScrapeSettings, metrics: Metrics) -> None:
+        super().__init__(fleet, upstreams, settings.interval)
         self.settings = settings
         self.metrics = metrics
         # Instances whose KV capacity the user did not give: the engine's own figure replaces the default.
-        self._learn_capacity = {b.name for b in settings.backends if not settings.capacity_configured(b)}
+        self._learn_capacity: set[str] = set()
         self._told: set[str] = set()  # of those, the ones whose capacity (or its absence) was logged
 
-    def learn_capacity(self, name: str) -> None:
-        """An instance joined without a configured capacity: take the one its engine reports."""
-        self._learn_capacity.add(name)
-        self._told.discard(name)
+    def added(self, member: Member) -> None:
+        """An instance without a configured capacity takes the one its engine reports."""
+        super().added(member)
+        if not member.capacity_configured:
+            self._learn_capacity.add(member.name)
+            self._told.discard(member.name)
 
-    def forget(self, name: str) -> None:
+    def removed(self, name: str) -> None:
+        super().removed(name)
         self._learn_capacity.discard(name)
         self._told.discard(name)
 
-    async def run(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            await asyncio.sleep(self.settings.engine_metrics_interval)
-            await self.scrape_all(session)
+    async def round(self) -> None:
+        await self.scrape_all(self.upstreams.session)
 
     async def scrape_all(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.scrape(session, name) for name in list(self.urls)))
@@ -149,7 +148,7 @@ class EngineScraper:
                             "kv_capacity_tokens for it", name, f"{inst.kv_capacity_tokens:,}")
 
     async def _fetch(self, session: aiohttp.ClientSession, name: str) -> EngineSignals | None:
-        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout)
         base = self.urls.get(name)
         if base is None:  # removed from the fleet (discovery) since this round began
             return None

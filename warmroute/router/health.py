@@ -12,23 +12,79 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 
 import aiohttp
+from aiohttp import web
 
 from warmroute.core.fleet import Fleet
+from warmroute.router.background import cancel_all
+from warmroute.router.connections import Poller, Upstreams
+from warmroute.router.members import Member
 from warmroute.router.metrics import Metrics
 from warmroute.router.settings import RouterSettings
 
 log = logging.getLogger("warmroute.router")
 
 
-class Health:
-    def __init__(self, fleet: Fleet, urls: dict[str, str], settings: RouterSettings, metrics: Metrics) -> None:
-        self.fleet = fleet
-        self.urls = urls
+@dataclass(frozen=True)
+class HealthSettings:
+    interval: float  # seconds between two rounds
+    timeout: float  # of one check
+    failures_before_ejection: int
+
+    @classmethod
+    def of(cls, s: RouterSettings) -> HealthSettings:
+        return cls(s.health_interval, s.health_timeout, s.failures_before_ejection)
+
+
+class Health(Poller):
+    """A component: a first round before the router serves, then one every interval; a new instance (or a new
+    address) is checked at once. Follows membership (members.py) for the addresses it checks."""
+
+    name = "health"
+
+    def __init__(self, fleet: Fleet, upstreams: Upstreams, settings: HealthSettings, metrics: Metrics) -> None:
+        super().__init__(fleet, upstreams, settings.interval)
         self.settings = settings
         self.metrics = metrics
-        self._failures = dict.fromkeys(urls, 0)
+        self._failures: dict[str, int] = {}
+        self._checks: set[asyncio.Task] = set()
+        # Set once the first round is done: an instance that becomes healthy after that joined or recovered while
+        # the fleet serves, and ramps up (slow start); those up at start do not.
+        self.serving = False
+
+    async def start(self) -> None:
+        await super().start()  # the first round
+        self.serving = True
+
+    # -- membership ------------------------------------------------------------------------------------------
+    def added(self, member: Member) -> None:
+        super().added(member)
+        self._failures.setdefault(member.name, 0)
+        self._check_soon(member.name)
+
+    def changed(self, member: Member) -> None:
+        if self.urls.get(member.name) != member.url:
+            super().changed(member)
+            self._check_soon(member.name)
+
+    def _check_soon(self, name: str) -> None:
+        if not self.running:
+            return  # not serving yet: the start-up round checks everyone
+        task = asyncio.get_running_loop().create_task(self.check(self.upstreams.session, name))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def check_now(self, name: str) -> None:
+        """Check one instance and wait for the answer (the admin API answers with its real state)."""
+        if self.running:
+            await self.check(self.upstreams.session, name)
+
+    async def stop(self) -> None:
+        await super().stop()
+        await cancel_all(self._checks)
 
     def is_healthy(self) -> bool:
         return any(i.healthy for i in self.fleet.instances.values())
@@ -49,17 +105,14 @@ class Health:
             self._eject(name, f"{why} ({self._failures[name]} consecutive failures)")
 
     # -- active: GET /health on every instance every interval -----------------------------------------------
-    async def run(self, session: aiohttp.ClientSession) -> None:
-        """Check every interval (the app runs a first round itself before it accepts requests)."""
-        while True:
-            await asyncio.sleep(self.settings.health_interval)
-            await self.check_all(session)
+    async def round(self) -> None:
+        await self.check_all(self.upstreams.session)
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.check(session, name) for name in list(self.urls)))
 
     async def check(self, session: aiohttp.ClientSession, name: str) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout)
         base = self.urls.get(name)
         if base is None:  # removed from the fleet (discovery) since this round began
             return
@@ -95,5 +148,10 @@ class Health:
             return
         if not inst.healthy:
             log.warning("instance %s is healthy again", name)
+            if self.serving:
+                self.fleet.start_ramp(name, time.monotonic())
         inst.healthy = True
         self.metrics.set_healthy(name, True)
+
+
+HEALTH = web.AppKey("health", Health)

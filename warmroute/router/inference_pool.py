@@ -9,7 +9,8 @@ router/kubernetes.py's ListWatch), and reconciles the fleet after each change (d
   - a pod that stops being ready, is being deleted or disappears is drained;
   - a change of the pool's selector or ports restarts the pods' watch with the new ones.
 
-Needs RBAC to get/list/watch inferencepools and pods in the pool's namespace (deploy/kubernetes/inference-pool/).
+Needs RBAC to get/list/watch inferencepools and pods in the pool's namespace, and to patch the pods for their
+deletion costs (kubernetes.py PodDeletionCost; deploy/kubernetes/inference-pool/rbac.yaml).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from warmroute.router.background import cancel_all
@@ -54,18 +56,23 @@ def _ready(pod: dict[str, Any]) -> bool:
 
 def instances_of_pods(pods: dict[str, dict], ports: tuple[int, ...]) -> list[Backend]:
     """One Backend per ready pod and target port."""
-    out = []
+    return [Backend(name=label, url=url) for label, url, _ in _pod_instances(pods, ports)]
+
+
+def _pod_instances(pods: dict[str, dict], ports: tuple[int, ...]) -> Iterator[tuple[str, str, str]]:
+    """(instance name, URL, pod name) per ready pod and target port."""
     for name, pod in sorted(pods.items()):
         if not _ready(pod):
             continue
         for port in ports:
             label = name if len(ports) == 1 else f"{name}-{port}"
             label = _BAD_CHARS.sub("-", label)[:63].strip("-._") or "pod"
-            out.append(Backend(name=label, url=with_host(f"http://placeholder:{port}", pod["status"]["podIP"])))
-    return out
+            yield label, with_host(f"http://placeholder:{port}", pod["status"]["podIP"]), name
 
 
 class InferencePoolDiscovery(Watcher):
+    name = "inference-pool"
+
     def __init__(self, membership: Membership, pool: str) -> None:
         super().__init__()
         self.membership = membership
@@ -130,6 +137,12 @@ class InferencePoolDiscovery(Watcher):
         if apply_event(self.pods, kind, obj):
             self._apply()
 
+    def _ports(self) -> tuple[int, ...]:
+        return self.targets[1] if self.targets is not None else ()
+
     def _apply(self) -> None:
-        ports = self.targets[1] if self.targets is not None else ()
-        self.membership.reconcile(SOURCE, instances_of_pods(self.pods, ports))
+        self.membership.reconcile(SOURCE, instances_of_pods(self.pods, self._ports()))
+
+    def instance_pods(self) -> dict[str, str]:
+        """Instance name -> its pod's name (PodDeletionCost)."""
+        return {label: pod for label, _, pod in _pod_instances(self.pods, self._ports())}

@@ -11,7 +11,8 @@ missed while disconnected is lost. After every change the set of instances is re
 
 Needs the `kubernetes-asyncio` package (pip install 'warmroute[kubernetes]'), the in-cluster service account
 (or a kubeconfig: $KUBECONFIG, ~/.kube/config), and RBAC to get/list/watch endpointslices in the Service's
-namespace (deploy/kubernetes/rbac.yaml).
+namespace (deploy/kubernetes/rbac.yaml), and to patch its pods for their deletion costs (PodDeletionCost, setting
+`pod_deletion_cost`: a ReplicaSet scaling in then removes the pod whose cache is worth least).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
+from warmroute.router.components import Periodic
 from warmroute.router.discovery import Membership, with_host
 from warmroute.router.settings import Backend
 from warmroute.router.background import cancel_all
@@ -50,7 +53,18 @@ def split_service(value: str) -> tuple[str, str]:
 
 def instances_of(slices: dict[str, dict], service: str, port: str | None, scheme: str = "http") -> list[Backend]:
     """The ready, not terminating endpoints of all slices, one Backend each."""
-    out: dict[str, Backend] = {}
+    return list({name: Backend(name=name, url=url) for name, url, _ in _endpoints(slices, service, port, scheme)}
+                .values())
+
+
+def pods_of(slices: dict[str, dict], service: str, port: str | None) -> dict[str, str]:
+    """Instance name -> the name of its pod, for the instances whose endpoint names one (targetRef)."""
+    return {name: pod for name, _, pod in _endpoints(slices, service, port) if pod is not None}
+
+
+def _endpoints(slices: dict[str, dict], service: str, port: str | None, scheme: str = "http"
+               ) -> Iterator[tuple[str, str, str | None]]:
+    """(instance name, URL, pod name or None) of every ready, not terminating endpoint address."""
     for sl in slices.values():
         number = _port_of(sl.get("ports") or [], port)
         if number is None:
@@ -59,13 +73,12 @@ def instances_of(slices: dict[str, dict], service: str, port: str | None, scheme
             cond = ep.get("conditions") or {}
             if cond.get("ready") is False or cond.get("terminating") is True:
                 continue  # per the API, an unknown `ready` counts as ready
+            ref = ep.get("targetRef") or {}
+            pod = ref.get("name") if ref.get("kind", "Pod") == "Pod" else None
             for i, address in enumerate(ep.get("addresses") or []):
-                ref = (ep.get("targetRef") or {}).get("name")
-                base = ref or f"{service}-{address}"
+                base = ref.get("name") or f"{service}-{address}"
                 name = _BAD_CHARS.sub("-", base if i == 0 else f"{base}-{i}")[:63].strip("-._") or service
-                url = with_host(f"{scheme}://placeholder:{number}", address)
-                out[name] = Backend(name=name, url=url)
-    return list(out.values())
+                yield name, with_host(f"{scheme}://placeholder:{number}", address), pod
 
 
 def _port_of(ports: list[dict], wanted: str | None) -> int | None:
@@ -76,8 +89,8 @@ def _port_of(ports: list[dict], wanted: str | None) -> int | None:
 
 
 class Watcher:
-    """A background watch of the Kubernetes API that feeds the fleet; `start` waits (a little) for its first
-    listing, so the router knows its instances before it serves."""
+    """A component: a background watch of the Kubernetes API that feeds the fleet; `start` waits (a little) for
+    its first listing, so the router knows its instances before it serves."""
 
     what = "the Kubernetes API"
 
@@ -107,6 +120,8 @@ class Watcher:
 
 
 class KubernetesDiscovery(Watcher):
+    name = "kubernetes"
+
     def __init__(self, membership: Membership, service: str, port: str | None) -> None:
         super().__init__()
         self.membership = membership
@@ -118,6 +133,10 @@ class KubernetesDiscovery(Watcher):
 
     def _apply(self) -> None:
         self.membership.reconcile(SOURCE, instances_of(self.slices, self.service, self.port))
+
+    def instance_pods(self) -> dict[str, str]:
+        """Instance name -> its pod's name (PodDeletionCost)."""
+        return pods_of(self.slices, self.service, self.port)
 
     async def _run(self) -> None:
         from kubernetes_asyncio import client
@@ -195,3 +214,89 @@ class ListWatch:
 def _describe(exc: Exception) -> str:
     status = getattr(exc, "status", None)
     return f"{type(exc).__name__} {status}" if status else type(exc).__name__
+
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+REWRITE_CHANGE = 0.05  # a pod's cost is written again once it moved by more than this share (or the order changed)
+
+
+def costs_to_write(written: dict[str, int], wanted: dict[str, int]) -> dict[str, int]:
+    """The pods whose annotation to (re)write: new ones, and those whose cost moved by more than REWRITE_CHANGE;
+    every changed one when the order of the written costs is no longer the order of the wanted ones (the order is
+    what a ReplicaSet reads). Costs move with every request: this keeps the writes to the API server few."""
+    def order(costs: dict[str, int]) -> list[str]:
+        return sorted(wanted, key=lambda p: (costs.get(p, -1), p))
+
+    if order(written) != order(wanted):
+        return {p: c for p, c in wanted.items() if written.get(p) != c}
+    return {p: c for p, c in wanted.items()
+            if p not in written or abs(c - written[p]) > REWRITE_CHANGE * max(written[p], 1)}
+
+
+class PodSource(Protocol):
+    """A discovery that knows its instances' pods (KubernetesDiscovery, InferencePoolDiscovery)."""
+
+    namespace: str
+
+    def instance_pods(self) -> dict[str, str]: ...
+
+
+class PodDeletionCost(Periodic):
+    """A component keeping the deletion-cost annotation of the fleet's pods at what each one's cache is worth
+    (`costs`: instance name -> int, router/autoscaling.py), so a ReplicaSet scaling in deletes the pod whose cache
+    is worth least: every `interval` seconds, a merge patch for each pod whose cost changed enough since it was
+    last written (costs_to_write). Starts after its discovery (which loads the API's configuration). Needs RBAC
+    to patch pods (deploy/kubernetes/rbac.yaml, deploy/kubernetes/inference-pool/rbac.yaml)."""
+
+    name = "pod-deletion-cost"
+    round_at_start = False  # nothing is worth anything before the first request
+
+    def __init__(self, discovery: PodSource, costs: Callable[[], dict[str, int]], interval: float) -> None:
+        super().__init__(interval)
+        self.discovery, self.costs = discovery, costs
+        self.written: dict[str, int] = {}  # pod -> the cost last written
+        self.failing = False  # warned about a failed patch (once until one succeeds)
+        self._api: Any = None
+
+    async def start(self) -> None:
+        from kubernetes_asyncio import client
+
+        self._api = client.ApiClient()
+        await super().start()
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._api is not None:
+            await self._api.close()
+
+    async def round(self) -> None:
+        from kubernetes_asyncio import client
+
+        await self.update(client.CoreV1Api(self._api))
+
+    def wanted(self) -> dict[str, int]:
+        """Pod -> its deletion cost now (a pod with several addresses: its most valuable instance's)."""
+        costs, out = self.costs(), {}
+        for name, pod in self.discovery.instance_pods().items():
+            if name in costs:
+                out[pod] = max(out.get(pod, 0), costs[name])
+        return out
+
+    async def update(self, v1: Any) -> None:
+        wanted = self.wanted()
+        self.written = {p: c for p, c in self.written.items() if p in wanted}  # pods gone: forgotten
+        for pod, cost in costs_to_write(self.written, wanted).items():
+            body = {"metadata": {"annotations": {DELETION_COST: str(cost)}}}
+            try:
+                resp = await v1.patch_namespaced_pod(pod, self.discovery.namespace, body, _preload_content=False,
+                                                     _content_type="application/merge-patch+json")
+                await resp.read()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # RBAC missing, pod gone, API down: try again next round
+                if not self.failing:
+                    log.warning("kubernetes: setting the deletion cost of pod %s failed (%s)", pod, _describe(exc))
+                self.failing = True
+                continue
+            self.written[pod] = cost
+            self.failing = False

@@ -20,18 +20,31 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from warmroute.core.exact_index import ExactIndex
-from warmroute.core.kv_events import AllBlocksCleared, BadMessage, EventBatch, decode_batch, decode_seq, encode_seq
+from warmroute.core.kv_events import (AllBlocksCleared, BadMessage, EventBatch, EventSource, decode_batch, decode_seq,
+                                     encode_seq, source_from_vllm)
+from warmroute.router.background import cancel_all
+from warmroute.router.connections import Upstreams
+from warmroute.router.members import Member
+from warmroute.router.settings import Backend
 
 log = logging.getLogger("warmroute.router")
 
 REPLAY_TIMEOUT_S = 2.0  # a replay that has not finished by then has failed
 IDLE_CHECK_S = 5.0  # with nothing heard for this long, the replay socket is asked whether we are still in step
 SEEN_BATCHES = 4096  # batches remembered to tell a replayed batch's duplicate from a restarted engine's
+SOURCES_PATH = "/kv_event_sources"  # vLLM's own answer to "where do you publish?"
+# A discovery answer: (HTTP status, JSON body); raises OSError, aiohttp.ClientError or TimeoutError when unanswered.
+Discover = Callable[[], Awaitable[tuple[int, Any]]]
 _STALE, _FRESH = "stale", "fresh"
 
 
@@ -73,11 +86,16 @@ class Stream:
 
 
 class KvEventSubscriber:
-    def __init__(self, name: str, endpoint: str, index: ExactIndex, metrics: KvEventMetrics,
-                 replay_endpoint: str | None = None, topic: str = "", idle_s: float = IDLE_CHECK_S) -> None:
+    def __init__(self, name: str, endpoint: str | None, index: ExactIndex, metrics: KvEventMetrics,
+                 replay_endpoint: str | None = None, topic: str = "", idle_s: float = IDLE_CHECK_S,
+                 discover: Discover | None = None, host: str = "") -> None:
+        """`discover`: ask the instance (at `host`) where it publishes first; `endpoint` and `replay_endpoint` are
+        then what to use where it cannot say (an engine without GET /kv_event_sources)."""
         import zmq.asyncio  # imported here: precise mode is optional (the `events` extra)
 
         self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay_endpoint
+        self.discover, self.host = discover, host
+        self.configured: tuple[str | None, str | None, str | None] = (endpoint, replay_endpoint, None)
         self.topic = topic.encode()
         self.index, self.metrics = index, metrics
         self.idle_s = idle_s
@@ -94,6 +112,9 @@ class KvEventSubscriber:
         return self.stream.state == _FRESH
 
     async def start(self) -> None:
+        self.launch()
+
+    def launch(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"warmroute-kv-events-{self.name}")
 
     def cancel(self) -> asyncio.Task | None:
@@ -108,14 +129,16 @@ class KvEventSubscriber:
         return task
 
     async def stop(self) -> None:
-        task = self.cancel()
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all([self.cancel()])
 
     async def _run(self) -> None:
         import zmq
 
+        if self.discover is not None:
+            await self._locate()
+        if self.endpoint is None:
+            self.ready.set()  # it publishes nowhere we can follow: the approximate model routes for it
+            return
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -125,14 +148,49 @@ class KvEventSubscriber:
                 await self._resync("subscribed")
             self.ready.set()
             while True:
-                try:
-                    frames = await asyncio.wait_for(sock.recv_multipart(), self.idle_s)
+                try:  # not wait_for: on Python 3.11 it drops a cancel that meets a finished receive
+                    async with asyncio.timeout(self.idle_s):
+                        frames = await sock.recv_multipart()
                 except TimeoutError:
                     await self._idle_check()
                     continue
                 await self.receive(frames)
         finally:
             sock.close(linger=0)
+
+    async def _locate(self) -> None:
+        """Ask the instance where it publishes until it answers (it may still be starting); an engine that has no
+        such endpoint keeps the configured ones."""
+        delay = 0.25
+        while True:
+            try:
+                status, body = await self.discover()
+            except (OSError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                status, body = 0, str(exc) or type(exc).__name__
+            if status == 200:
+                try:
+                    source, note = source_from_vllm(body, self.host)
+                except BadMessage as exc:
+                    log.warning("kv events %s: %s unreadable (%s); using %s", self.name, SOURCES_PATH, exc,
+                                self.endpoint)
+                    return
+                self._use(source, note)
+                return
+            if status in (404, 405):
+                return
+            log.debug("kv events %s: %s not answered (%s); asking again in %.1f s", self.name, SOURCES_PATH,
+                      status or body, delay)
+            await asyncio.sleep(delay)
+            delay = min(self.idle_s, delay * 2)
+
+    def _use(self, source: EventSource | None, note: str) -> None:
+        if source is None:
+            log.info("kv events %s: not following its events: %s", self.name, note)
+            self.endpoint = self.replay_endpoint = None
+            return
+        self.endpoint, self.replay_endpoint = source.endpoint, source.replay_endpoint
+        log.info("kv events %s: it publishes at %s (replay: %s)%s", self.name, source.endpoint,
+                 source.replay_endpoint or "none", f"; {note}" if note else "")
 
     # -- one message ----------------------------------------------------------------------------------------
     async def receive(self, frames: list[bytes]) -> None:
@@ -315,31 +373,65 @@ class KvEventSubscriber:
             self.index.fresh.discard(self.name)
 
 
-class KvEventSources:
-    """One subscriber per instance, following the fleet's membership (static, file, DNS, Kubernetes, admin API),
-    and the exact index's bound shared out among them."""
+# An instance's (publisher, replay) endpoints and the URL to ask where it publishes (settings.kv_event_source)
+Endpoints = Callable[[Backend], tuple[str | None, str | None, str | None]]
 
-    def __init__(self, index: ExactIndex, metrics: KvEventMetrics, topic: str, max_blocks: int) -> None:
+
+class KvEventSources:
+    """A component (precise mode): one subscriber per instance, following the fleet's membership (members.py:
+    static, file, DNS, Kubernetes, admin API), and the exact index's bound shared out among them."""
+
+    name = "kv-events"
+
+    def __init__(self, index: ExactIndex, metrics: KvEventMetrics, topic: str, max_blocks: int,
+                 endpoints: Endpoints, upstreams: Upstreams | None = None) -> None:
         self.index, self.metrics, self.topic = index, metrics, topic
         self.max_blocks = max_blocks  # over all instances
+        self.endpoints = endpoints
+        self.upstreams = upstreams  # its session asks instances where they publish
         self.subscribers: dict[str, KvEventSubscriber] = {}
         self._running = False
         self._closing: set[asyncio.Task] = set()
+        self.session: aiohttp.ClientSession | None = None  # the router's control-plane client, while it runs
 
-    def add(self, name: str, endpoint: str | None, replay_endpoint: str | None) -> None:
-        """Follow an instance's events (again, if its endpoints changed); None: it publishes none."""
+    # -- membership ------------------------------------------------------------------------------------------
+    def added(self, member: Member) -> None:
+        self.add(member.name, *self.endpoints(member.backend))
+
+    changed = added
+
+    def removed(self, name: str) -> None:
+        self.remove(name)
+
+    def add(self, name: str, endpoint: str | None, replay_endpoint: str | None, url: str | None = None) -> None:
+        """Follow an instance's events (again, if its endpoints changed). `url`: ask the instance at that URL where
+        it publishes first (vLLM's GET /kv_event_sources), the endpoints given being the fallback; without it,
+        an endpoint of None means it publishes none."""
         sub = self.subscribers.get(name)
-        if sub is not None and (sub.endpoint, sub.replay_endpoint) == (endpoint, replay_endpoint):
+        if sub is not None and sub.configured == (endpoint, replay_endpoint, url):
             return
         self.remove(name)
-        if endpoint is None:
+        if endpoint is None and url is None:
             return
-        sub = self.subscribers[name] = KvEventSubscriber(name, endpoint, self.index, self.metrics,
-                                                         replay_endpoint, self.topic)
+        discover = None if url is None else self._discover_at(url)
+        sub = self.subscribers[name] = KvEventSubscriber(name, endpoint, self.index, self.metrics, replay_endpoint,
+                                                         self.topic, discover=discover,
+                                                         host=urlsplit(url).hostname or "" if url else "")
+        sub.configured = (endpoint, replay_endpoint, url)
         self._share_bound()
-        log.info("kv events %s: subscribing to %s (replay: %s)", name, endpoint, replay_endpoint or "none")
+        log.info("kv events %s: subscribing to %s (replay: %s)", name,
+                 f"what {url}{SOURCES_PATH} names" if url else endpoint, replay_endpoint or "none")
         if self._running:
-            asyncio.get_running_loop().create_task(sub.start())
+            sub.launch()  # at once: a remove() right after must find its task to cancel
+
+    def _discover_at(self, url: str) -> Discover:
+        async def ask() -> tuple[int, Any]:
+            if self.session is None:
+                raise OSError("the router is not running")
+            async with self.session.get(url.rstrip("/") + SOURCES_PATH,
+                                        timeout=aiohttp.ClientTimeout(total=REPLAY_TIMEOUT_S)) as r:
+                return r.status, (await r.json(content_type=None) if r.status == 200 else None)
+        return ask
 
     def remove(self, name: str) -> None:
         sub = self.subscribers.pop(name, None)
@@ -353,18 +445,21 @@ class KvEventSources:
     async def start(self) -> None:
         """Start every subscriber, and give them (together) up to a replay's timeout to catch up with what their
         engines published before the router started, so a late replica's first decisions are already exact."""
+        self.session = self.upstreams.session if self.upstreams is not None and self.upstreams.started else None
         self._running = True
         for sub in self.subscribers.values():
             await sub.start()
         waits = [sub.ready.wait() for sub in self.subscribers.values()]
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*waits), REPLAY_TIMEOUT_S + 0.5)
+            async with asyncio.timeout(REPLAY_TIMEOUT_S + 0.5):  # not wait_for: it can drop a cancel (3.11)
+                await asyncio.gather(*waits)
 
     async def stop(self) -> None:
         self._running = False
         for name in list(self.subscribers):
             self.remove(name)
-        await asyncio.gather(*self._closing, return_exceptions=True)
+        await cancel_all(self._closing)
+        self.session = None
 
     def _share_bound(self) -> None:
         self.index.max_blocks = max(1, self.max_blocks // max(1, len(self.subscribers)))

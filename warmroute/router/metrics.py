@@ -13,6 +13,7 @@ dictionary build and a lock per call, too much for the per-request path. The eng
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -20,6 +21,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from warmroute.core.feedback import VERDICTS
 from warmroute.core.fleet import Fleet
 from warmroute.core.strategies import REASONS
+
+if TYPE_CHECKING:
+    from warmroute.router.members import Member
 
 NO_INSTANCE = "none"  # backend label of requests answered before any instance was chosen (400, 413, 503)
 
@@ -117,6 +121,20 @@ class Metrics:
                              "preempted, deadline: 429; no_instance: 503; client_closed) and priority", ["reason", "priority"],
                              registry=r)
         self._tenants: set[str] = set()
+        # What autoscalers act on (router/autoscaling.py), refreshed at each scrape. Each worker of several sees
+        # its own requests against the whole fleet's capacity, so the workers' ratios add up (livesum).
+        self.demand_ratio = Gauge("warmroute_fleet_demand_ratio",
+                                  "The fleet's utilisation of its genuine capacity for a model: the most used of "
+                                  "prefill (uncached prompt tokens routed per second, plus backlog, over the "
+                                  "prefill rate learnt from times to first token), concurrency (requests in "
+                                  "flight and waiting over concurrency_threshold) and KV cache (in-flight demand "
+                                  "over capacity); 1.0 is all of it", ["model"], registry=r,
+                                  multiprocess_mode="livesum")
+        self.desired_instances = Gauge("warmroute_desired_instances",
+                                       "Instances that would bring the model's demand ratio to scale_target: "
+                                       "ceil(current x ratio / scale_target), unchanged within scale_tolerance, "
+                                       "within min_instances..max_instances (the HPA formula)", ["model"],
+                                       registry=r, multiprocess_mode="livemax")
 
         self._strategy = strategy
         self._decision = {reason: self.decisions.labels(strategy, reason) for reason in REASONS}
@@ -139,6 +157,16 @@ class Metrics:
                                   self.predicted_cached_tokens.labels(name))
             self._verdicts.update({(name, v): self.feedback.labels(name, v) for v in VERDICTS})
         self._healthy[name].set(1 if healthy else 0)
+
+    # -- membership (members.py; built with the configured backends, so it is subscribed without replay) -----
+    def added(self, member: Member) -> None:
+        self.add_backend(member.name, healthy=False)  # until its first health check passes
+
+    def changed(self, member: Member) -> None:
+        pass
+
+    def removed(self, name: str) -> None:
+        self.remove_backend(name)
 
     def remove_backend(self, name: str) -> None:
         """The instance left the fleet: drop its gauges (counters stay, so rates over them remain right)."""
@@ -221,6 +249,14 @@ class Metrics:
         gauge = self._healthy.get(name)
         if gauge is not None:
             gauge.set(1 if healthy else 0)
+
+    def set_demand(self, by_model: dict[str, tuple[float, int]]) -> None:
+        """The demand ratio and desired instances per model (models no longer served drop out)."""
+        self.demand_ratio.clear()
+        self.desired_instances.clear()
+        for model, (ratio, desired) in by_model.items():
+            self.demand_ratio.labels(model).set(ratio)
+            self.desired_instances.labels(model).set(desired)
 
     # -- scrape -------------------------------------------------------------------------------------------
     def render(self, fleet: Fleet) -> tuple[bytes, str]:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 
 import aiohttp
 
 from warmroute.core.fleet import Fleet
+from warmroute.router.connections import Poller, Upstreams
+from warmroute.router.members import Member
 from warmroute.router.settings import RouterSettings
 
 log = logging.getLogger("warmroute.router")
@@ -41,18 +44,42 @@ def model_ids(entries: list) -> frozenset[str]:
     return frozenset(m["id"] for m in entries if isinstance(m, dict) and isinstance(m.get("id"), str))
 
 
-class ModelCatalog:
-    def __init__(self, fleet: Fleet, urls: dict[str, str], settings: RouterSettings,
+@dataclass(frozen=True)
+class CatalogSettings:
+    interval: float  # seconds between two reads of every instance's /v1/models
+    timeout: float  # of one read
+
+    @classmethod
+    def of(cls, s: RouterSettings) -> CatalogSettings:
+        return cls(s.models_interval, s.health_timeout)
+
+
+class ModelCatalog(Poller):
+    """A component (when `models_interval` > 0): reads every instance's /v1/models at start and every interval.
+    Follows membership (members.py): an instance's configured `models` are taken as given."""
+
+    name = "models"
+
+    def __init__(self, fleet: Fleet, upstreams: Upstreams, settings: CatalogSettings,
                  adapters: set[str] | None = None) -> None:
-        self.fleet = fleet
+        super().__init__(fleet, upstreams, settings.interval)
         # Names of LoRA adapters (vLLM lists each with its base model as `parent`): precise mode seeds an adapter
         # request's token chain with its name, as the engine's KV events name it (Router.lora_adapters).
         self.adapters = adapters if adapters is not None else set()
-        self.urls = urls  # shared with the proxy and discovery: the current members
         self.settings = settings
         self.fixed: set[str] = set()  # instances whose models are configured
-        for b in settings.backends:
-            self.configure(b.name, b.models)
+
+    def added(self, member: Member) -> None:
+        super().added(member)
+        self.configure(member.name, member.backend.models)
+
+    def changed(self, member: Member) -> None:
+        super().changed(member)
+        self.configure(member.name, member.backend.models)
+
+    def removed(self, name: str) -> None:
+        super().removed(name)
+        self.fixed.discard(name)
 
     def configure(self, name: str, models: list[str] | None) -> None:
         if models:
@@ -72,14 +99,12 @@ class ModelCatalog:
                 log.warning("instance %s now serves %s", name, ", ".join(sorted(ids)))
             self.fleet.set_models(name, ids)
 
+    async def round(self) -> None:
+        await self.refresh_all(self.upstreams.session)
+
     async def refresh_all(self, session: aiohttp.ClientSession) -> None:
         names = [n for n in self.urls if n not in self.fixed]
-        got = await asyncio.gather(*(fetch_models(session, self.urls[n], {}, self.settings.health_timeout)
+        got = await asyncio.gather(*(fetch_models(session, self.urls[n], {}, self.settings.timeout)
                                      for n in names))
         for name, entries in zip(names, got):
             self.learn(name, entries)
-
-    async def run(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            await asyncio.sleep(self.settings.models_interval)
-            await self.refresh_all(session)

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -21,10 +20,12 @@ from warmroute.core.routing_key import RoutingKey
 from warmroute.core.strategies import Decision, NoInstanceAvailable
 from warmroute.router import access_log as access
 from warmroute.router.errors import ApiError
+from warmroute.router.connections import Upstreams
 from warmroute.router.health import Health
+from warmroute.router.members import Addresses
 from warmroute.router.routing import Router, Ticket, is_routed
-from warmroute.router.settings import RouterSettings, upstream_tls
-from warmroute.router.upstream import ConnectError, ServerNames, UpstreamError, UpstreamPool, UpstreamResponse
+from warmroute.router.settings import RouterSettings
+from warmroute.router.upstream import ConnectError, UpstreamError, UpstreamResponse
 from warmroute.router.usage import UsageTap
 
 log = logging.getLogger("warmroute.router")
@@ -99,46 +100,15 @@ def _target(request: web.Request) -> str:
     return raw if raw.startswith("/") else request.rel_url.raw_path_qs  # absolute-form: keep its path
 
 
-def make_session(settings: RouterSettings, server_names: ServerNames | None = None) -> aiohttp.ClientSession:
-    """The control plane's client (health checks, engine scrapes, /v1/models); proxied requests go through
-    the leaner UpstreamPool (upstream.py). `server_names`: as UpstreamPool's."""
-    tls = upstream_tls(settings)
-    connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=0, ssl=True if tls is None else tls,
-        keepalive_timeout=4.0,  # below uvicorn's 5 s (vLLM), so we never reuse a connection it is closing
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout),
-        auto_decompress=False,  # relay the bytes as the engine sent them
-        skip_auto_headers=("User-Agent", "Accept-Encoding"),  # send only what the client sent
-        cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
-        middlewares=(_named_tls(server_names),) if server_names is not None else (),
-    )
+class Proxy(Addresses):
+    """Follows membership (members.py) for where each instance is: an address never comes from the request."""
 
-
-def _named_tls(server_names: ServerNames) -> aiohttp.ClientMiddlewareType:
-    """An https:// instance reached by the address its host name resolved to: SNI, certificate check and Host
-    header use the name (as UpstreamPool does), not the address."""
-
-    async def middleware(req: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType) -> aiohttp.ClientResponse:
-        name = server_names.get((req.url.host or "", req.url.port or 443)) if req.url.scheme == "https" else None
-        if name is not None:
-            req.server_hostname = name
-            req.headers["Host"] = name if req.url.port in (None, 443) else f"{name}:{req.url.port}"
-        return await handler(req)
-
-    return middleware
-
-
-class Proxy:
-    def __init__(self, router: Router, health: Health, urls: dict[str, str], settings: RouterSettings) -> None:
+    def __init__(self, router: Router, health: Health, upstreams: Upstreams, settings: RouterSettings) -> None:
+        super().__init__()
         self.router = router
         self.health = health
-        self.urls = urls  # instance name -> base URL; only ever from settings, never from the request
+        self.upstreams = upstreams
         self.settings = settings
-        self.session: aiohttp.ClientSession | None = None  # control plane
-        self.pool: UpstreamPool | None = None  # proxied requests
         self._forwarding: set[asyncio.Task] = set()
 
     async def forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
@@ -237,11 +207,10 @@ class Proxy:
 
         The client gets headers only once the first chunk is here, so a first-byte timeout is a clean 504.
         """
-        assert self.pool is not None
         upstream: UpstreamResponse | None = None
         deadline = asyncio.get_running_loop().time() + self.settings.first_byte_timeout
         try:
-            upstream = await self.pool.request(self.urls[name], request.method, _target(request),
+            upstream = await self.upstreams.pool.request(self.urls[name], request.method, _target(request),
                                                _filter(request.headers, _NOT_FORWARDED_UP), body, deadline)
             return upstream, await upstream.read_chunk(deadline)
         except ConnectError:

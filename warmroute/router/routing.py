@@ -21,6 +21,7 @@ from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
                                         key_for_json, key_for_raw)
 from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy
+from warmroute.router.autoscaling import FleetSignals
 from warmroute.router.errors import ApiError, bad_request, no_instance
 from warmroute.router.metrics import Metrics
 from warmroute.router.prompt_tokens import OFFLOAD_CHARS, PromptTokenizer
@@ -63,7 +64,8 @@ class Router:
         self.admission = Admission(admission_settings(
             settings, settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
             timeout_s=settings.queue_timeout, spill_headroom=settings.spill_headroom,
-            aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights), self.fleet)
+            aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights,
+            record_queued=self.strategy.records_prefixes), self.fleet)
         self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
         self.tokenizer: PromptTokenizer | None = None
         self.lora_adapters: set[str] = set()  # model names that are LoRA adapters (models.py ModelCatalog)
@@ -72,6 +74,8 @@ class Router:
             self.exact = ExactIndex(settings.index_memory_bytes // BYTES_PER_BLOCK, settings.kv_speculative_ttl)
             self.strategy.exact = self.exact
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
+        # What autoscalers read: demand per model, and what each instance's cache is worth.
+        self.signals = FleetSignals(self.fleet, self.admission, settings, settings.concurrency_threshold)
 
     # -- deciding ------------------------------------------------------------------------------------------
     def key_of(self, path: str, body: bytes, session: str | None, parsed: Any = None) -> RoutingKey:
@@ -113,8 +117,9 @@ class Router:
                 inst.healthy = True
         if key is None:
             return self._any.choose(_NO_KEY, self.fleet)
+        self.fleet.now = now = time.monotonic()  # the core reads no clock (slow start's ramps)
         if self.exact is not None:
-            self.exact.now = time.monotonic()  # the core reads no clock
+            self.exact.now = now
         return self.strategy.choose(key, self.fleet)
 
     async def key_off_loop(self, path: str, body: bytes, session: str | None) -> RoutingKey | None:
@@ -199,6 +204,7 @@ class Router:
         self.admission.dispatched(waiter)
         self.metrics.admitted(waiter.why)
         try:
+            self.fleet.now = time.monotonic()
             decision = decide_at(self.strategy, key, self.fleet, name, waiter.first)
         except NoInstanceAvailable:
             decision = self.decide(key)
@@ -269,8 +275,8 @@ class Router:
 class Ticket:
     """One request's accounting on one instance: dispatched now, first token once, finished exactly once."""
 
-    __slots__ = ("_router", "instance", "_uncached", "_prompt", "_blocks", "queued_ahead", "_sent_at", "_got_first",
-                 "_done")
+    __slots__ = ("_router", "instance", "_uncached", "_prompt", "_blocks", "queued_ahead", "_work", "_sent_at",
+                 "_got_first", "_done")
 
     def __init__(self, router: Router, decision: Decision, defer_record: bool = False) -> None:
         self._router = router
@@ -280,7 +286,12 @@ class Ticket:
         self._got_first = self._done = False
         blocks = decision.blocks if router.strategy.records_prefixes else None
         self._blocks = blocks
+        inst = router.fleet.instances.get(self.instance)
+        # The prefill the instance does before this request's first token: its own, and what is queued ahead.
+        self._work = self._uncached + (inst.queued_prefill_tokens if inst is not None else 0.0)
         self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, prompt_tokens=self._prompt)
+        if inst is not None:
+            router.signals.dispatched(inst, self._uncached, decision.blocks)
         if blocks:
             if defer_record:
                 asyncio.get_running_loop().call_soon(self._record, blocks)
@@ -304,6 +315,7 @@ class Ticket:
         self._got_first = True
         seconds = time.perf_counter() - self._sent_at
         self._router.fleet.first_token(self.instance, self._uncached, seconds)
+        self._router.signals.first_token(self.instance, self._work, seconds)
         self._router.metrics.first_byte(self.instance, seconds)
 
     def finish(self) -> None:

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -171,4 +172,9 @@ def _run_workers(settings: RouterSettings, sock: socket.socket) -> int:
 
 def _worker_main(settings: RouterSettings, sock: socket.socket, links: Links | None) -> None:
     in_worker()
-    raise SystemExit(_run_loop(settings, sock, links))
+    try:
+        code = _run_loop(settings, sock, links)
+    except UsageError as exc:  # a component that cannot start: one line, as the parent process would say it
+        print(f"warmroute serve: error: {exc}", file=sys.stderr)
+        code = 2
+    raise SystemExit(code)

@@ -26,6 +26,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from warmroute.core.admission import AdmissionSettings
+from warmroute.core.demand import DemandSettings
 from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, merge_layers, own_setting
 from warmroute.errors import UsageError
 
@@ -134,7 +135,7 @@ def parse_size(value: Any) -> Any:
     return int(float(m.group(1)) * {"B": 1, "K": KiB, "M": MiB, "G": GiB}[unit])
 
 
-class RouterSettings(BaseSettings, StrategySettings):
+class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=False)
 
     backends: Annotated[list[Backend], NoDecode] = Field(
@@ -164,6 +165,16 @@ class RouterSettings(BaseSettings, StrategySettings):
         description="[NAMESPACE/]NAME of an InferencePool (inference.networking.k8s.io/v1) whose selector and "
                     "targetPorts list the engine pods: ready pods become instances, the others are drained (needs "
                     "kubernetes-asyncio and RBAC: deploy/kubernetes/inference-pool/).")
+    pod_deletion_cost: bool = Field(
+        True, description="With kubernetes_service or inference_pool: keep the annotation "
+                          "controller.kubernetes.io/pod-deletion-cost of the fleet's pods at what each instance's "
+                          "cache is worth (the cached prefill only it holds, weighted by demand), so a ReplicaSet "
+                          "scaling in removes the one worth least (needs RBAC to patch pods: "
+                          "deploy/kubernetes/rbac.yaml, deploy/kubernetes/inference-pool/rbac.yaml).")
+    pod_deletion_cost_interval: float = Field(
+        15.0, ge=0.5, le=3600, description="Seconds between two updates of the pods' deletion costs (a pod is "
+                                           "patched only when its cost moved by over 5% or the pods' order "
+                                           "changed).")
     admin_token: SecretStr | None = Field(
         None, description="Bearer token of the admin API (/admin/instances: list, add, drain, remove). Unset: "
                           "the admin API does not exist.")
@@ -314,9 +325,15 @@ class RouterSettings(BaseSettings, StrategySettings):
         None, description="Model directory (tokenizer.json, tokenizer_config.json with the chat template) or "
                           "tokenizer.json path of the model the engines serve: precise mode tokenizes each request "
                           "as the engine will.")
+    kv_events_discover: bool = Field(
+        True, description="Ask each instance whose backend entry gives no kv_events_endpoint where it publishes "
+                          "(vLLM's GET /kv_event_sources: its endpoints, ports chosen at start-up included), "
+                          "asking again until it answers; kv_events_port and kv_events_replay_port are used where "
+                          "it has no such endpoint.")
     kv_events_port: int = Field(
         5557, ge=0, le=65535, description="Port of an instance's KV-event publisher at its URL's host, unless its "
-                                          "backend entry gives kv_events_endpoint (0: only those that do).")
+                                          "backend entry gives kv_events_endpoint or the instance says "
+                                          "(kv_events_discover); 0: only those.")
     kv_events_replay_port: int = Field(
         5558, ge=0, le=65535, description="Port of an instance's KV-event replay socket at its URL's host, unless "
                                           "its backend entry gives kv_events_replay_endpoint (0: none). Without "
@@ -461,17 +478,18 @@ def _tokenizer_problem(path: str) -> str | None:
     return None
 
 
-def kv_event_endpoints(settings: RouterSettings, backend: Backend) -> tuple[str | None, str | None]:
-    """An instance's KV-event publisher and replay endpoints: those its entry gives, else its URL's host at the
-    ports set."""
+def kv_event_source(settings: RouterSettings, backend: Backend) -> tuple[str | None, str | None, str | None]:
+    """An instance's KV-event publisher and replay endpoints, and the URL to ask where it publishes (None: don't
+    ask): those its entry gives; else, with kv_events_discover, what the instance itself says, falling back to its
+    URL's host at the ports set."""
     if backend.kv_events_endpoint is not None:
-        return backend.kv_events_endpoint, backend.kv_events_replay_endpoint
+        return backend.kv_events_endpoint, backend.kv_events_replay_endpoint, None
     host = urlsplit(backend.url).hostname or ""
     host = f"[{host}]" if ":" in host else host
     pub = f"tcp://{host}:{settings.kv_events_port}" if settings.kv_events_port else None
     replay = backend.kv_events_replay_endpoint or (f"tcp://{host}:{settings.kv_events_replay_port}"
                                                    if settings.kv_events_replay_port else None)
-    return pub, replay
+    return pub, replay, backend.url if settings.kv_events_discover else None
 
 
 def upstream_tls(settings: RouterSettings, only: str | None = None) -> ssl.SSLContext | None:
@@ -616,7 +634,10 @@ def setting_names(model: type[BaseModel] | None = None) -> list[str]:
     strategy += [n for m in OWN_SETTINGS.values() for n in m.model_fields]
     if model is StrategySettings:
         return strategy
-    own = [n for n in RouterSettings.model_fields if n not in StrategySettings.model_fields]
+    demand = list(DemandSettings.model_fields)  # next to the other settings for autoscaling
+    own = [n for n in RouterSettings.model_fields if n not in StrategySettings.model_fields and n not in demand]
+    at = own.index("pod_deletion_cost_interval") + 1
+    own = own[:at] + demand + own[at:]
     at = own.index("strategy") + 1
     return own[:at] + strategy + own[at:]
 

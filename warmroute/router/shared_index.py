@@ -158,7 +158,9 @@ class IndexUpdates:
 
 
 class SharedIndex(IndexUpdates):
-    """Between router replicas, through Redis pub/sub."""
+    """Between router replicas, through Redis pub/sub (a component)."""
+
+    name = "redis"
 
     def __init__(self, url: str, channel: str, fleet: Fleet) -> None:
         super().__init__(fleet)
@@ -254,13 +256,15 @@ class WorkerLinks(IndexUpdates):
     the workers share through Redis instead) and dashboard snapshots (`send_snapshot`, `on_snapshot`), so that
     /dashboard shows every worker's traffic whichever worker answers."""
 
+    name = "worker-links"
+
     def __init__(self, fleet: Fleet, links: list[tuple[socket.socket, socket.socket]], me: int,
-                 share_index: bool = True) -> None:
+                 share_index: bool = True, on_snapshot: Callable[[bytes], None] | None = None) -> None:
         super().__init__(fleet)
         self._inbox = links[me][0]
         self._peers = [send for i, (_, send) in enumerate(links) if i != me]
         self.share_index = share_index
-        self.on_snapshot: Callable[[bytes], None] | None = None
+        self.on_snapshot = on_snapshot
         self.dropped = 0  # datagrams a peer had no room for
 
     async def start(self) -> None:

@@ -96,6 +96,7 @@ class RequestRecord:
     output_tokens: int = 0
     tag: str = ""  # the workload's request class ("hot", "shared", "chat", ...)
     sent: float = 0.0  # when it went to its instance (later than arrival if it waited in the router)
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class SimResult:
     fleet_sizes: list[tuple[float, int, int]] = field(default_factory=list)  # (t, ready, ready + starting)
     scale_ins: list[ScaleIn] = field(default_factory=list)
     autoscale: AutoscaleSettings | None = None  # the autoscaler's settings, if one ran
+    rejected_by_tenant: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -168,11 +170,12 @@ class Simulation:
         self._inflight: dict[int, tuple[RequestRecord, WorkloadRequest, Iterator[WorkloadRequest] | None,
                                         Decision, int]] = {}  # ..., requests queued ahead
         self._seq = itertools.count()
-        self._rejected = 0
+        self._rejected: dict[str, int] = {}  # per tenant
         self._last_instance_by_prefix: dict[int, str] = {}
         adm = settings.admission_settings()
         # Not for the pooled reference (one ideal instance) nor the peer model (its router has no such queue).
         adm.enabled = adm.enabled and not pooled and self.strategy_name != "sglang_like"
+        adm.record_queued = self.strategy.records_prefixes
         self.admission = Admission(adm, self.fleet)
         self._queued = 0
         # Per scale event: its time, where each prefix seen before it last went, and where each of those first
@@ -365,10 +368,10 @@ class Simulation:
         for r in self.records:
             per_instance[r.instance] += 1
         end = max((r.done or r.arrival) for r in self.records) if self.records else 0.0
-        return SimResult(self.strategy_name, self.records, end, per_instance, hits, queries, self._rejected,
-                         self._queued, self._moved(), self.s.window_s, self._rejected_at,
-                         self._instance_seconds(end), self._sizes, self._scale_ins,
-                         self.s.autoscale if self.autoscaler is not None else None)
+        return SimResult(self.strategy_name, self.records, end, per_instance, hits, queries,
+                         sum(self._rejected.values()), self._queued, self._moved(), self.s.window_s,
+                         self._rejected_at, self._instance_seconds(end), self._sizes, self._scale_ins,
+                         self.s.autoscale if self.autoscaler is not None else None, dict(self._rejected))
 
     def _start_sessions(self, sessions: Iterator[Session], rng: random.Random,
                         budget: list[int]) -> Callable[[float], object] | None:
@@ -425,7 +428,7 @@ class Simulation:
         try:
             d = self.strategy.choose(key, self.fleet)
         except NoInstanceAvailable:
-            self._rejected += 1
+            self._count_rejected(req.tenant)
             self._rejected_at.append(now)
             return
         waiter = self.admission.waiter_for(d, now, model=key.model, tenant=req.tenant)
@@ -456,10 +459,13 @@ class Simulation:
 
     def _refuse(self, now: float, w: Waiter) -> None:
         """The router answered 429 (or 503): a closed-loop client moves on to its next session."""
-        self._rejected += 1
+        self._count_rejected(w.tenant)
         self._rejected_at.append(w.enqueued)
         if self._closed_loop is not None:
             self._begin_session(now, *self._closed_loop)
+
+    def _count_rejected(self, tenant: str) -> None:
+        self._rejected[tenant] = self._rejected.get(tenant, 0) + 1
 
     def _send(self, now: float, arrival: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
               key: RoutingKey, d: Decision) -> None:
@@ -471,7 +477,7 @@ class Simulation:
             self.demand.dispatched(self.fleet.instances[d.instance], now, d.uncached_tokens)
         if self.cache_value is not None and d.blocks:
             self.cache_value.requested(d.blocks)
-        rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag, sent=now)
+        rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag, sent=now, tenant=req.tenant)
         self.records.append(rec)
         seq = next(self._seq)
         self._inflight[seq] = (rec, req, turns, d, queued_ahead)

@@ -20,6 +20,7 @@ from warmroute.core.stages.least_loaded import LeastLoaded, LeastLoadedTies
 from warmroute.core.stages.load_guard import LoadGuard
 from warmroute.core.stages.prefix_match import DepthSource, PrefixMatch, index_depths
 from warmroute.core.stages.rendezvous_pick import RendezvousPick
+from warmroute.core.stages.slow_start import SlowStart
 from warmroute.core.stages.tie_slack import TieSlack
 
 
@@ -53,6 +54,9 @@ STAGES: dict[str, Factory] = {
     "load_guard": lambda s, h: LoadGuard(s.concurrency_threshold, s.cache_aware.balance_factor,
                                          s.cache_aware.balance_slack),
     "hot_share": lambda s, h: HotShare(s.cache_aware.hot_balance_factor, s.cache_aware.hot_balance_slack),
+    "slow_start": lambda s, h: (SlowStart(s.cache_aware.slow_start_window, s.cache_aware.slow_start_aggression,
+                                          s.cache_aware.slow_start_min_weight)
+                                if s.cache_aware.slow_start_window > 0 else None),
     "scorers": lambda s, h: [_weighted(n, w, s, h) for n, w in s.cache_aware.scorers.items()],
     "tie_slack": lambda s, h: TieSlack(),
     "least_loaded_ties": lambda s, h: (LeastLoadedTies(s.cache_aware.balance_slack)

@@ -1,8 +1,9 @@
 """cache_aware's filters, scorer and tie-breaking compiled into one pass over the instances (core/_scan.c).
 
 `compiled_path(pipeline)` returns the fast path for a pipeline of exactly these stages, in this order:
-load_guard, hot_share | estimated_ttft (weight 1) | tie_slack, least_loaded_ties (optional), then any last
-picker; for any other pipeline, or where _scan was not built, None (the pipeline runs stage by stage). The
+load_guard, slow_start (optional), hot_share | estimated_ttft (weight 1) | tie_slack, least_loaded_ties (optional),
+then any last picker; for any other pipeline, or where _scan was not built, None (the pipeline runs stage by
+stage). The scan does not model slow start: while an instance ramps, the decision runs stage by stage. The
 compiled pass takes one `ScanParams` and computes the same floating-point operations in the same order as the
 stages do, so both decide alike (tests/test_choose_equivalence.py checks it on random fleets).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from warmroute.core import rendezvous
 from warmroute.core.fleet import Instance
@@ -65,17 +66,21 @@ def compiled_path(pipeline: Pipeline) -> FastPath | None:
     from warmroute.core.stages.hot_share import HotShare
     from warmroute.core.stages.least_loaded import LeastLoadedTies
     from warmroute.core.stages.load_guard import LoadGuard
+    from warmroute.core.stages.slow_start import SlowStart
     from warmroute.core.stages.tie_slack import TieSlack
 
     f, s, p = pipeline.filters, pipeline.scorers, pipeline.pickers[:-1]
-    if (_scan is None or [type(x) for x in f] != [LoadGuard, HotShare] or [type(x) for x in s] != [EstimatedTtft]
-            or s[0].weight != 1.0 or [type(x) for x in p] not in ([TieSlack], [TieSlack, LeastLoadedTies])):
+    if (_scan is None or [type(x) for x in f] not in ([LoadGuard, HotShare], [LoadGuard, SlowStart, HotShare])
+            or [type(x) for x in s] != [EstimatedTtft] or s[0].weight != 1.0
+            or [type(x) for x in p] not in ([TieSlack], [TieSlack, LeastLoadedTies])):
         return None
-    guard, hot = f
+    guard, hot = f[0], f[-1]
     least_slack = p[1].slack if len(p) == 2 else math.inf
     scan, new = _scan.scan, tuple.__new__  # (new: a NamedTuple without the call to its __new__)
 
-    def fast(req: Request) -> Instance | list[Instance] | None:
+    def fast(req: Request) -> Instance | list[Instance] | None | Literal[False]:
+        if req.ramp_caps:  # an instance is ramping (slow_start prepared its caps): the stages decide
+            return False
         is_hot = req.hot
         return scan(req.up, new(ScanParams, (
             guard.threshold, guard.factor, guard.slack, is_hot, hot.factor,

@@ -22,13 +22,16 @@ def index_depths(blocks: Sequence[int], fleet: Fleet) -> dict[str, int]:
     return fleet.index.match_depths(blocks)
 
 
-def kv_pressure(inst: Instance) -> float:
+def kv_pressure(inst: Instance, scale: float = 1.0) -> float:
     """The KV cache the requests in flight at an instance need, over its capacity: this router's books, plus
-    other routers' requests where the engine reports them (each the size of this router's there)."""
+    other routers' requests where the engine reports them (each the size of this router's there). The books count
+    the router's tokens (about 4 bytes each), the capacity the engine's: `scale`, the factor engine feedback learns
+    between them (Fleet.cache_scale), puts both in the router's."""
     tokens = inst.inflight_prompt_tokens
     if inst.engine is not None and inst.inflight:
         tokens += foreign_requests(inst.engine) * tokens / inst.inflight
-    return tokens / inst.kv_capacity_tokens if inst.kv_capacity_tokens > 0 else 0.0
+    capacity = inst.kv_capacity_tokens * scale
+    return tokens / capacity if capacity > 0 else 0.0
 
 
 class PrefixMatch(Facts):
@@ -76,7 +79,7 @@ class PrefixMatch(Facts):
                 return self.shared_miss_weight, SHARED
             name = holders[0]
         holder = req.fleet.instances.get(name)
-        if holder is not None and kv_pressure(holder) > self.sticky_kv_limit:
+        if holder is not None and kv_pressure(holder, req.fleet.cache_scale.value) > self.sticky_kv_limit:
             return self.shared_miss_weight, SWAMPED
         return self.miss_weight, PRIVATE
 

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """A plain TCP forwarder, the reference for what any proxy costs: bytes in, bytes out, nothing parsed.
 
-    python benchmarks/tcp_forwarder.py LISTEN_PORT=UPSTREAM_PORT [...]
+    python -m warmroute.bench.tcp_forwarder LISTEN_PORT=UPSTREAM_PORT [...]
 
 Every connection accepted on 127.0.0.1:LISTEN_PORT is joined to a new connection to 127.0.0.1:UPSTREAM_PORT;
 runs on uvloop where installed (as warmroute does) until SIGTERM.
