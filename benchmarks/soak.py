@@ -9,7 +9,7 @@ clients, each with its own prompt. The router's RSS is read from /proc every few
 from the end of the warm-up (the first 20% of the run, at least 20 s) to the end. Prints one JSON line:
 requests, errors, RSS at warm-up and at the end, growth in percent (target: under 5%).
 
-tests/test_reliability_load.py uses the same harness for its 2,000-stream test.
+tests/reliability/test_reliability_load.py uses the same harness for its 2,000-stream test.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 /* Chained block hashes in C: the same values as block_hash.py's numpy construction, in one pass.
  *
  * The construction is documented in block_hash.py (which is also the reference implementation, used where
- * this extension was not built, and the oracle of tests/test_block_hash.py). Per block j of `width`
+ * this extension was not built, and the oracle of tests/core/test_block_hash.py). Per block j of `width`
  * 8-byte words:
  *     c_j = sum_l (w ^ (w >> 29)) * lane_key[l mod 8]      (mod 2^64)
  *     c_j = fmix64(c_j);  c_0 ^= seed

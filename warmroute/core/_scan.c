@@ -2,7 +2,7 @@
  *
  * scan(up, params) -> Instance | list[Instance] | None, params a stages.compiled.ScanParams: the stages
  * load_guard, hot_share, estimated_ttft, tie_slack and least_loaded_ties, computing the same values in the same
- * order of floating-point operations as they do, so both decide alike (tests/test_choose_equivalence.py).
+ * order of floating-point operations as they do, so both decide alike (tests/core/test_choose_equivalence.py).
  * Attributes are read as Python reads them, except that for an exact Instance (a dataclass with __slots__, see
  * configure) the fields are read at their slot's offset, which is what makes this pass worth compiling. An empty
  * slot, or any other object, goes through getattr and raises as Python would.

@@ -24,7 +24,7 @@ a Chain (the hashes as uint64 words; ints made only where Python reads one). A C
 hashes when first read, and only as far as read, so a cold prompt (nobody holds its first block) is hashed past
 its first block only when the router records it, after the request has been sent. `block_hashes` uses it when
 it was built; the numpy version below is the fallback and the reference the tests compare it with
-(tests/test_block_hash.py).
+(tests/core/test_block_hash.py).
 """
 
 from __future__ import annotations

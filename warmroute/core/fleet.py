@@ -59,7 +59,7 @@ def routable_python(instances: dict[str, Instance], serving: frozenset[str] | No
 
 # Compiled where a C compiler was found (core/_scan.c), because it runs on every decision: it reads the two fields
 # at their slots once stages/compiled.py has configured _scan with Instance's layout (before that, through getattr:
-# slower, same answer). The same list in the same order (tests/test_choose_equivalence.py).
+# slower, same answer). The same list in the same order (tests/core/test_choose_equivalence.py).
 try:
     if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
         raise ImportError("WARMROUTE_PURE_PYTHON=1")

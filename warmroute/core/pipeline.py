@@ -17,7 +17,7 @@ filters, scorers, pickers, in that order); the first that does gives the reason.
 
 Stages are registered by name in `warmroute.core.stages`; strategies (`warmroute.core.strategies`) are lists
 of stage names. A pipeline of exactly cache_aware's stages runs compiled where `core/_scan.c` was built
-(`stages.compiled`); tests/test_choose_equivalence.py checks both ways decide alike.
+(`stages.compiled`); tests/core/test_choose_equivalence.py checks both ways decide alike.
 """
 
 from __future__ import annotations

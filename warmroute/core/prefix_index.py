@@ -13,7 +13,7 @@ max_entries / instances).
 Two stores, the same results: `PythonPrefixIndex` (a BlockCache per instance, dicts of Python ints) and
 `CompiledPrefixIndex` (`_index.c`: open-addressing tables and LRU lists, a quarter of the memory and faster to
 record; sizes and timings in docs/tuning.md). `PrefixIndex` is the compiled one
-where the extension was built; tests/test_prefix_index.py runs both and compares them operation by operation.
+where the extension was built; tests/core/test_prefix_index.py runs both and compares them operation by operation.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class PythonPrefixIndex(_Membership):
     # Measured cost of one indexed block at its peak under churn: the OrderedDict entry in the instance's
     # cache, its share of the bitmask dict, the hash int itself, and the transient of a dict resizing while
     # full (tracemalloc peaks of 270-390 bytes per entry from 4k to 250k entries); see
-    # tests/test_prefix_index.py::test_memory_per_entry_estimate and tests/test_reliability_state.py. (220, the
+    # tests/core/test_prefix_index.py::test_memory_per_entry_estimate and tests/reliability/test_reliability_state.py. (220, the
     # steady-state figure without churn, let a full index peak at 1.4x its byte cap.)
     bytes_per_entry = 400
 
@@ -206,7 +206,7 @@ class CompiledPrefixIndex(_Membership):
     and time. Block hashes must be 64-bit ints (block_hash makes nothing else)."""
 
     # Measured peak of one entry under churn, tables' doubling included (tracemalloc sees the C allocations):
-    # tests/test_prefix_index.py::test_memory_per_entry_estimate and tests/test_reliability_state.py.
+    # tests/core/test_prefix_index.py::test_memory_per_entry_estimate and tests/reliability/test_reliability_state.py.
     bytes_per_entry = 144
 
     def __init__(self, max_entries: int) -> None:

@@ -720,7 +720,7 @@ DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def configuration_markdown() -> str:
-    """docs/configuration.md, generated from the model (tests/test_router_settings.py keeps it current)."""
+    """docs/configuration.md, generated from the model (tests/router/test_router_settings.py keeps it current)."""
     lines = [
         "# Configuration of `warmroute serve`",
         "",

@@ -5,7 +5,7 @@ load_guard, slow_start (optional), hot_share | estimated_ttft (weight 1) | tie_s
 then any last picker; for any other pipeline, or where _scan was not built, None (the pipeline runs stage by
 stage). The scan does not model slow start: while an instance ramps, the decision runs stage by stage. The
 compiled pass takes one `ScanParams` and computes the same floating-point operations in the same order as the
-stages do, so both decide alike (tests/test_choose_equivalence.py checks it on random fleets).
+stages do, so both decide alike (tests/core/test_choose_equivalence.py checks it on random fleets).
 """
 
 from __future__ import annotations

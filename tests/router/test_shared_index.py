@@ -2,7 +2,7 @@
 from each other, and a router whose Redis is down still serving. Needs `redis-server` (Debian: apt-get install
 redis-server; .ci/run installs it) and the redis package; skipped, saying which is missing, otherwise.
 Between the workers of one router (local sockets, no Redis): here in one process; as real worker processes in
-tests/test_router_process.py."""
+tests/router/test_router_process.py."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from warmroute.workloads.trace import load_trace
 from warmroute.workloads.zipf import Zipf
 
 SYNTHETIC = [name for name in WORKLOADS if name != "trace"]
-MOONCAKE = Path(__file__).parent / "data" / "mooncake_conversation_head50.jsonl"  # a real trace's head (data/README.md)
+MOONCAKE = Path(__file__).parents[1] / "data" / "mooncake_conversation_head50.jsonl"  # a real trace's head (data/README.md)
 
 
 def first(workload, n: int):

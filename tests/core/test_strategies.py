@@ -4,8 +4,9 @@ import random
 
 import pytest
 
+from fleet_helpers import SYSTEM, conversation_on_the_first_of_two, fleet, key
 from warmroute.core import rendezvous
-from warmroute.core.fleet import Fleet, FleetSettings
+from warmroute.core.fleet import Fleet
 from warmroute.core.routing_key import key_for_json
 from warmroute.core.pipeline import Request, Scorer
 from warmroute.core.stages import SCORERS
@@ -13,25 +14,10 @@ from warmroute.core.strategies import (CACHE_HIT, COLD, KV_SPILL, OVERLOAD_SPILL
                                        NoInstanceAvailable, StrategySettings, make_strategy)
 
 
-def fleet(n: int = 4, capacity: int = 200_000) -> Fleet:
-    f = Fleet(FleetSettings())
-    for i in range(n):
-        f.add(f"i{i}", capacity)
-    return f
-
-
-def key(system: str, user: str = "question", model: str = "m"):
-    return key_for_json("/v1/chat/completions", {"model": model, "messages": [
-        {"role": "system", "content": system}, {"role": "user", "content": user}]})
-
-
 def route(strategy, f: Fleet, k):
     d = strategy.choose(k, f)
     f.dispatched(d.instance, d.uncached_tokens, list(d.blocks) if strategy.records_prefixes else None)
     return d
-
-
-SYSTEM = "You are a careful assistant for the billing team. " * 60  # ~3,000 characters
 
 
 def test_prefix_follows_rendezvous_on_the_first_prefix_length_characters():
@@ -113,26 +99,13 @@ def test_cache_aware_sticks_to_a_private_prefix_but_copies_a_shared_one():
     assert d.instance == c and d.reason == OVERLOAD_SPILL and d.matched_tokens == 0
 
 
-def _conversation_on_the_first_of_two():
-    """Two instances of 10,000 KV tokens; only the first holds a conversation's prefix and has 4 requests in
-    flight there, a queue worth 4 of its prompts (between 1 and 16 x the prompt)."""
-    f = fleet(2, capacity=10_000)
-    s = make_strategy("cache_aware", StrategySettings(balance_factor=10.0))
-    a, b = sorted(f.instances)
-    k = key(SYSTEM, "q1")
-    f.index.record(a, k.blocks())
-    holder = f.instances[a]
-    holder.inflight, holder.queued_prefill_tokens = 4, 4 * k.tokens
-    return f, s, a, b, k, holder
-
-
 def test_cache_aware_lets_a_private_prefix_go_when_its_holder_is_swamped():
     """A conversation stays on the one instance holding its history despite a queue there, until the prompts in
     flight there need more than sticky_kv_limit x its KV cache: then the engine would evict the history before
     its turn, and the turn goes where it starts soonest. Other routers' requests (engine-reported) count too."""
     from warmroute.core.engine_load import EngineLoad
 
-    f, s, a, b, k, holder = _conversation_on_the_first_of_two()
+    f, s, a, b, k, holder = conversation_on_the_first_of_two()
     holder.inflight_prompt_tokens = 30_000  # 3 x its KV cache: still sticky
     assert s.choose(k, f).instance == a
     holder.inflight_prompt_tokens = 30_001
@@ -178,7 +151,7 @@ def test_cold_placement_is_the_same_for_every_replica():
 def test_hot_prompt_warms_a_few_instances_and_never_breaks_the_guard():
     """60% of traffic shares one system prompt: it ends up on several warm instances, not pinned to one, and
     no instance ever holds more than the guard allows. (Request-count balance under real service times is
-    checked in the simulator: tests/test_simulator.py.)"""
+    checked in the simulator: tests/sim/test_simulator.py.)"""
     rng = random.Random(0)
     f = fleet(4)
     settings = StrategySettings()

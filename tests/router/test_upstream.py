@@ -281,7 +281,7 @@ async def test_idle_connections_expire():
 
 def test_the_client_benchmark_runs():
     """benchmarks/upstream_client.py in a tiny configuration: both clients complete and numbers come out."""
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "upstream_client.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "upstream_client.py"
     out = subprocess.run([sys.executable, str(script), "--requests", "200", "--connections", "4", "--rounds", "2"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -38,7 +38,7 @@ from warmroute.errors import UsageError
 from warmroute.router.app import METRICS, build_app
 from warmroute.router.settings import MiB, RouterSettings, load_settings, read_config_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 K8S = DEPLOY / "kubernetes"

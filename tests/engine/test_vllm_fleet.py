@@ -1,5 +1,5 @@
 """`warmroute fleet --engine vllm` without vLLM: the plan (ports, cores, flags), the errors, the install recipe.
-The fleet against real vLLM is tested in tests/test_vllm.py."""
+The fleet against real vLLM is tested in tests/engine/test_vllm.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Security properties over real HTTP: the upstream is always a configured backend whatever the client names;
 what a client sees names instances, never their addresses; logs never hold prompt text; the admin token is
 compared in constant time and never logged. (The admin API's own 401s and its absence without a token:
-tests/test_discovery.py.)"""
+tests/router/test_discovery.py.)"""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from warmroute.core.admission import (BUSY, DEADLINE, KV, NO_INSTANCE, PREEMPTED
 from warmroute.core.strategies import (CACHE_HIT, COLD, OVERLOAD_SPILL, Decision, StrategySettings,
                                        make_strategy)
 
-from tests.test_strategies import SYSTEM, _conversation_on_the_first_of_two, fleet, key
+from fleet_helpers import SYSTEM, conversation_on_the_first_of_two, fleet, key
 
 
 def _adm(f, **kw) -> Admission:
@@ -53,7 +53,7 @@ def test_a_conversation_over_the_kv_limit_waits_for_its_own_instance():
     in flight there, with it, would need more than kv_limit x its KV cache; never when nothing is in flight
     there. Pinned to its instance for hold_keep x the mean TTFT, then any instance with room takes it once the
     aging term outweighs what it would lose there, and in any case after patience_s."""
-    f, s, a, b, k, holder = _conversation_on_the_first_of_two()
+    f, s, a, b, k, holder = conversation_on_the_first_of_two()
     adm = _adm(f, kv_limit=1.4, hold_keep=1.5)
     holder.inflight_prompt_tokens = 14_000 - k.tokens  # with it: exactly 1.4 x its KV cache
     d = s.choose(k, f)
@@ -72,7 +72,7 @@ def test_a_conversation_over_the_kv_limit_waits_for_its_own_instance():
 
 
 def test_a_pinned_waiter_goes_elsewhere_once_its_pin_runs_out():
-    f, s, a, b, k, holder = _conversation_on_the_first_of_two()
+    f, s, a, b, k, holder = conversation_on_the_first_of_two()
     adm = _adm(f, kv_limit=1.4, hold_keep=1.5, patience_s=5.0, aging_tokens_per_s=2000.0)
     holder.inflight_prompt_tokens = 14_500  # over the KV limit with it, under sticky_kv_limit
     f.mean_ttft_s = 1.0

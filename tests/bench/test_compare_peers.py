@@ -14,7 +14,7 @@ import pytest
 
 from warmroute.workloads.trace import TraceRecord
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "compare_peers.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_peers.py"
 _spec = importlib.util.spec_from_file_location("compare_peers", _PATH)
 cp = importlib.util.module_from_spec(_spec)
 sys.modules["compare_peers"] = cp  # dataclasses look their module up while the file executes

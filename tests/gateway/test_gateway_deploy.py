@@ -13,7 +13,7 @@ from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, envoy_binary
 from warmroute.router.inference_pool import GROUP, PLURAL
 from warmroute.router.settings import load_settings
 
-POOL = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "inference-pool"
+POOL = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "inference-pool"
 
 
 def objects() -> dict[str, dict]:

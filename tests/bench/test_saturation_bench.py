@@ -16,7 +16,7 @@ import pytest
 
 from warmroute.bench.trivial import start_trivial_fleet
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "saturation.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "saturation.py"
 _spec = importlib.util.spec_from_file_location("saturation", _PATH)
 sat = importlib.util.module_from_spec(_spec)
 sys.modules["saturation"] = sat  # dataclasses look their module up while the file executes

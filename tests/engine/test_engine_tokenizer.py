@@ -15,7 +15,7 @@ from tokenizer_fixture import write_test_tokenizer
 from warmroute.engine.kv_hash import NONE_HASH, block_hashes, low64
 from warmroute.engine.tokenizer import PromptTokenizer, SegmentCache, TokenizerError
 
-ENGINE_DIR = Path(__file__).resolve().parent.parent / "warmroute" / "engine"
+ENGINE_DIR = Path(__file__).resolve().parents[2] / "warmroute" / "engine"
 FORBIDDEN = ("warmroute.core", "warmroute.router")  # the router's routing key, block hash, index, cache
 
 
