@@ -85,6 +85,13 @@ async def connected(engine: Engine, sub: KvEventSubscriber, timeout: float = 10.
         await asyncio.sleep(0.02)
 
 
+async def clear_and_catch_up(engine: Engine, sub: KvEventSubscriber) -> None:
+    """The engine clears its cache (AllBlocksCleared): the subscriber is back in step, whatever it missed."""
+    engine.pub.cleared()
+    engine.pub.flush()
+    await until(lambda: sub.fresh)
+
+
 async def started(engine: Engine, index: ExactIndex, metrics, name: str = "a", idle_s: float = 5.0):
     await engine.pub.start()
     sub = KvEventSubscriber(name, engine.endpoint, index, metrics, engine.replay_endpoint, "kv", idle_s)
@@ -117,16 +124,12 @@ async def test_gap_without_replay_marks_stale_until_cleared(metrics):
     try:
         await connected(engine, sub)
         assert not sub.fresh  # it joined after batch 0 and cannot replay: stale until the cache is cleared
-        engine.pub.cleared()
-        engine.pub.flush()
-        await until(lambda: sub.fresh)
+        await clear_and_catch_up(engine, sub)
         engine.store_block(send=False)
         engine.store_block()
         await until(lambda: not sub.fresh)
         assert metric(metrics, "warmroute_kv_events_stale", backend="a") == 1
-        engine.pub.cleared()
-        engine.pub.flush()
-        await until(lambda: sub.fresh)
+        await clear_and_catch_up(engine, sub)
         assert index.size("a") == 0
     finally:
         await sub.stop()
@@ -273,9 +276,7 @@ async def test_an_unreadable_batch_even_replayed_leaves_it_stale_until_cleared(m
         assert metric(metrics, "warmroute_kv_events_bad_total", backend="a") >= 2  # live, and replayed
         await asyncio.sleep(1.0)  # its retries from batch 0 find the same unreadable batch
         assert not sub.fresh
-        engine.pub.cleared()
-        engine.pub.flush()
-        await until(lambda: sub.fresh)
+        await clear_and_catch_up(engine, sub)
         assert index.size("a") == 0
     finally:
         await sub.stop()
