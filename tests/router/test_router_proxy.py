@@ -16,7 +16,7 @@ from aiohttp import web
 
 from fake_upstream import CHAT, router_for
 from warmroute.core.routing_key import key_for_json
-from warmroute.router.app import ROUTER, UPSTREAMS
+from warmroute.router.app import HEALTH, ROUTER, UPSTREAMS
 
 # -- proxying ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body", [
@@ -422,6 +422,22 @@ async def test_failed_health_check_ejects_and_a_passing_one_restores(up_a, up_b,
             async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
                 got.add(r.headers["x-warmroute-instance"])
         assert got == {"a", "b"}
+    finally:
+        await router.stop()
+
+
+async def test_a_connect_timeout_counts_as_one_failure_and_a_refusal_ejects(up_a, up_b):
+    """An instance too busy to accept a connection in time is slow, not gone: a timeout counts toward
+    failures_before_ejection; a refused connection (nothing listening) ejects at once."""
+    router = await router_for(up_a, up_b, health_interval=3600, failures_before_ejection=2)
+    health, fleet = router.app[HEALTH], router.app[ROUTER].fleet
+    try:
+        health.connection_failed("a", "no connection to a within 2 s", timed_out=True)
+        assert fleet.instances["a"].healthy
+        health.connection_failed("a", "no connection to a within 2 s", timed_out=True)
+        assert not fleet.instances["a"].healthy  # two in a row
+        health.connection_failed("b", "cannot connect to b: refused")
+        assert not fleet.instances["b"].healthy
     finally:
         await router.stop()
 

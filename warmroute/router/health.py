@@ -1,10 +1,11 @@
 """Which instances get traffic: active health checks plus passive ejection on what the proxy sees.
 
 Rules (an ejected instance gets no new requests; only a passing health check brings it back):
-  - a proxied request that cannot open a connection (refused, connect timeout), or a health check that is
-    refused or answered with an error status: eject at once;
-  - a 5xx answer to a proxied request, a first-byte timeout, a connection dropped before the answer, or a
-    health check that times out: one failure; `failures_before_ejection` consecutive failures eject;
+  - a proxied request whose connection is refused (nothing listens there), or a health check that is refused
+    or answered with an error status: eject at once;
+  - a 5xx answer to a proxied request, a connect or first-byte timeout, a connection dropped before the answer,
+    or a health check that times out: one failure; `failures_before_ejection` consecutive failures eject (an
+    overloaded instance is slow, not gone: ejecting it at once moved its load onto the others, or left none);
   - any other answer from the instance resets its failure count.
 """
 
@@ -90,8 +91,12 @@ class Health(Poller):
         return any(i.healthy for i in self.fleet.instances.values())
 
     # -- passive: what the proxy saw -----------------------------------------------------------------------
-    def connection_failed(self, name: str) -> None:
-        self._eject(name, "connection failed")
+    def connection_failed(self, name: str, why: str = "connection refused", timed_out: bool = False) -> None:
+        """No connection could be opened to the instance: refused ejects at once, a timeout is one failure."""
+        if timed_out:
+            self.failed(name, why)
+        else:
+            self._eject(name, f"connection failed: {why}")
 
     def upstream_answered(self, name: str, status: int) -> None:
         if status >= 500:

@@ -76,6 +76,10 @@ class _Relayed(web.StreamResponse):
 class _ConnectFailed(Exception):
     """No connection could be opened: nothing was sent, so another instance may safely be tried."""
 
+    def __init__(self, error: ConnectError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
 
 class _NoAnswer(Exception):
     """The instance took the request but sent no byte of an answer (first-byte timeout, or it dropped the
@@ -142,9 +146,9 @@ class Proxy(Addresses):
             ticket = self.router.dispatch(decision, defer_record=True, key=key)
             try:
                 return await self._exchange(request, body, decision, ticket)
-            except _ConnectFailed:
+            except _ConnectFailed as exc:
                 self.router.metrics.upstream_error(decision.instance, "connect")
-                self.health.connection_failed(decision.instance)  # so the next choice avoids it
+                self.health.connection_failed(decision.instance, str(exc), exc.error.timed_out)
                 self.router.unrecord(decision)
                 if last:
                     raise ApiError(502, f"could not connect to instance {decision.instance}", "upstream_error",
@@ -213,8 +217,8 @@ class Proxy(Addresses):
             upstream = await self.upstreams.pool.request(self.urls[name], request.method, _target(request),
                                                _filter(request.headers, _NOT_FORWARDED_UP), body, deadline)
             return upstream, await upstream.read_chunk(deadline)
-        except ConnectError:
-            raise _ConnectFailed from None
+        except ConnectError as exc:
+            raise _ConnectFailed(exc) from None
         except TimeoutError:
             self._abandon(upstream)
             self.router.metrics.upstream_error(name, "timeout")

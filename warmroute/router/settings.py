@@ -296,8 +296,8 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
         True, description="Check https:// instances' certificates and host names (turn off only for testing).")
     failures_before_ejection: int = Field(
         3, ge=1, le=100,
-        description="Consecutive 5xx responses or failed health checks that eject an instance "
-                    "(a refused connection ejects at once).")
+        description="Consecutive 5xx responses, timeouts (connect, first byte, health check) or failed health "
+                    "checks that eject an instance (a refused connection ejects at once).")
     max_body_bytes: Annotated[int, Field(ge=KiB, le=GiB)] = Field(
         32 * MiB, description="Largest request body accepted (accepts 32MiB, ...); larger gets 413.")
     decision_headers: bool = Field(

@@ -38,7 +38,12 @@ ServerNames = dict[tuple[str, int], str]  # (address, port) of an https:// insta
 
 
 class ConnectError(Exception):
-    """No connection could be opened: nothing was sent."""
+    """No connection could be opened: nothing was sent. `timed_out`: it was not refused, only slow to be
+    accepted (an overloaded instance can be)."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class UpstreamError(Exception):
@@ -386,8 +391,8 @@ class UpstreamPool:
         except TimeoutError:
             if cut_by_deadline:
                 raise
-            raise ConnectError(f"no connection to {origin.host}:{origin.port} within {self.connect_timeout:g} s") \
-                from None
+            raise ConnectError(f"no connection to {origin.host}:{origin.port} within {self.connect_timeout:g} s",
+                               timed_out=True) from None
         except OSError as exc:  # refused, unreachable, DNS, TLS handshake
             raise ConnectError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from None
         self._all.add(conn)
