@@ -153,7 +153,7 @@ def test_the_demand_is_per_model_over_the_instances_serving_it():
     fleet.set_models("b1", frozenset({"m-b"}))
     for _ in range(6):  # m-b's one instance: 6 requests in flight of the 8 it may take
         fleet.dispatched("b1", 0)
-        signals.dispatched(fleet.instances["b1"], 0, None)
+        signals.dispatched(fleet.instances["b1"], 0)
     demand = signals.by_model()
     assert set(demand) == {"m-a", "m-b"}
     assert demand["m-a"].ratio == 0.0 and demand["m-a"].current == 2 and demand["m-a"].desired == 1

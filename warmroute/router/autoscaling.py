@@ -44,10 +44,12 @@ class FleetSignals:
         self.cache = CacheValue()
 
     # -- events (per request: cheap) ------------------------------------------------------------------------
-    def dispatched(self, inst: Instance, uncached_tokens: int, blocks: Sequence[int] | None) -> None:
+    def dispatched(self, inst: Instance, uncached_tokens: int) -> None:
         self.meter.dispatched(inst, time.monotonic(), uncached_tokens)
-        if blocks:
-            self.cache.requested(blocks)
+
+    def requested(self, blocks: Sequence[int]) -> None:
+        """The request's chain, once recorded (after it was sent: a cold prompt's chain is hashed only then)."""
+        self.cache.requested(blocks)
 
     def first_token(self, name: str, work_tokens: float, seconds: float) -> None:
         """`work_tokens`: the request's uncached tokens plus those queued ahead of it there when it was sent."""

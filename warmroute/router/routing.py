@@ -291,7 +291,7 @@ class Ticket:
         self._work = self._uncached + (inst.queued_prefill_tokens if inst is not None else 0.0)
         self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, prompt_tokens=self._prompt)
         if inst is not None:
-            router.signals.dispatched(inst, self._uncached, decision.blocks)
+            router.signals.dispatched(inst, self._uncached)
         if blocks:
             if defer_record:
                 asyncio.get_running_loop().call_soon(self._record, blocks)
@@ -306,6 +306,7 @@ class Ticket:
         if self._done and not self._got_first:  # failed (or cut off) before the loop came round: never arrived
             return
         router.fleet.index.record(self.instance, blocks)  # an instance removed meanwhile: a no-op
+        router.signals.requested(blocks)
         if router.shared is not None:
             router.shared.recorded(self.instance, blocks)
 
