@@ -469,6 +469,15 @@ class Admission:
             out[(w.priority, w.tenant)] = out.get((w.priority, w.tenant), 0) + 1
         return out
 
+    def waiting_for(self) -> dict[str, tuple[int, float]]:
+        """Per instance: the requests waiting for it (their first choice) and their uncached prompt tokens."""
+        out: dict[str, tuple[int, float]] = {}
+        for w in self.waiters.values():
+            if w.first is not None:
+                count, tokens = out.get(w.first, (0, 0.0))
+                out[w.first] = (count + 1, tokens + w.uncached_tokens)
+        return out
+
     def idle(self) -> bool:
         """Nothing waits and no slot is reserved: the books are back to zero."""
         return not self.waiters and not self.reserved and self.bytes == 0

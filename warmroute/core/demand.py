@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from warmroute.core.fleet import Instance
+from warmroute.core.stages.prefix_match import kv_pressure
 
 PREFILL, DECODE, KV = "prefill", "decode", "kv"
 
@@ -207,15 +208,17 @@ class DemandMeter:
         self.prefill.pop(name, None)
 
     def instance_demand(self, inst: Instance, now: float, max_inflight: float, waiting: float = 0.0,
-                        waiting_tokens: float = 0.0) -> InstanceDemand:
+                        waiting_tokens: float = 0.0, capacity_scale: float = 1.0) -> InstanceDemand:
         """One instance's figures from its books; `waiting`, `waiting_tokens`: requests (and their uncached
-        tokens) waiting for it in the router's queue."""
+        tokens) waiting for it in the router's queue; `capacity_scale`: engine feedback's factor (Fleet.cache_scale),
+        so KV demand is what routing compares with its limits (kv_pressure)."""
         routed, prefill = self._meters(inst, now)
+        capacity = inst.kv_capacity_tokens * capacity_scale
         return InstanceDemand(
             uncached_tokens_per_s=routed.rate(now), prefill_tokens_per_s=prefill.value,
             backlog_tokens=waiting_tokens, inflight=inst.inflight + waiting,
-            max_inflight=max_inflight, kv_demand_tokens=inst.inflight_prompt_tokens,
-            kv_capacity_tokens=inst.kv_capacity_tokens)
+            max_inflight=max_inflight, kv_demand_tokens=kv_pressure(inst, capacity_scale) * capacity,
+            kv_capacity_tokens=capacity)
 
     def _meters(self, inst: Instance, now: float) -> tuple[TokenRate, PrefillRate]:
         if inst.name not in self.routed:

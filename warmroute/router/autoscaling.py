@@ -63,15 +63,11 @@ class FleetSignals:
         fleet, now = self.fleet, time.monotonic()
         for gone in [n for n in self.meter.routed if n not in fleet.instances]:
             self.meter.forget(gone)
-        waiting: dict[str, list[float]] = {}
-        for w in self.admission.waiters.values():
-            if w.first is not None:
-                slot = waiting.setdefault(w.first, [0.0, 0.0])
-                slot[0] += 1
-                slot[1] += w.uncached_tokens
+        waiting = self.admission.waiting_for()
         up = fleet.routable()
-        figures = {i.name: self.meter.instance_demand(i, now, self.max_inflight, *waiting.get(i.name, (0.0, 0.0)))
-                   for i in up}
+        scale = fleet.cache_scale.value
+        figures = {i.name: self.meter.instance_demand(i, now, self.max_inflight, *waiting.get(i.name, (0, 0.0)),
+                                                      capacity_scale=scale) for i in up}
         models = sorted({m for i in up if i.models is not None for m in i.models}) or [ALL_MODELS]
         out = {}
         for model in models:

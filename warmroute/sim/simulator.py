@@ -280,15 +280,10 @@ class Simulation:
         return sum(busy) / len(busy) if busy else 0.0
 
     def _demand_ratio(self, now: float, live: list[_Instance]) -> float:
-        waiting: dict[str, int] = {}
-        tokens: dict[str, float] = {}
-        for w in self.admission.waiters.values():
-            if w.first is not None:
-                waiting[w.first] = waiting.get(w.first, 0) + 1
-                tokens[w.first] = tokens.get(w.first, 0.0) + w.uncached_tokens
-        threshold = self.s.routing.concurrency_threshold
+        waiting = self.admission.waiting_for()
+        threshold, scale = self.s.routing.concurrency_threshold, self.fleet.cache_scale.value
         demands = [self.demand.instance_demand(self.fleet.instances[i.name], now, threshold,
-                                               waiting.get(i.name, 0), tokens.get(i.name, 0.0)) for i in live]
+                                               *waiting.get(i.name, (0, 0.0)), capacity_scale=scale) for i in live]
         return fleet_demand(demands, self.s.autoscale.backlog_horizon_s).ratio
 
     def _apply(self, now: float, target: int) -> None:
