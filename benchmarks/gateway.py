@@ -15,6 +15,8 @@ accounting, and benchmarks/saturation.py's fleets and windows (imported from it)
                         reading request headers and body and the response's headers and streamed body
       envoy+epp hdrs    the same with response_body_mode NONE: the picker sees no response body (no usage
                         feedback, first token taken at the response headers), one message less per chunk
+      smg               the SGLang Model Gateway (`smg launch --policy cache_aware`, compare_peers' command line,
+                        from the peers' virtualenv, --peers-venv)
     Envoy runs with one worker thread (--concurrency 1). Each router's CPU is reported per request, the
     picker's and Envoy's separately.
 (b) Added time to first token at 64 concurrent streams (paced trivial instances, tokens 20 ms apart, 32 tokens):
@@ -54,7 +56,7 @@ from warmroute.bench.record import OUT, command_line, load_average, log, now_utc
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
 
 SECTION = "Envoy + warmroute epp (issue #20)"
-CONTENDERS = ["direct", "serve", "envoy", "envoy+epp", "envoy+epp hdrs"]
+CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+epp", "envoy+epp hdrs"]
 KV_CAPACITY = sat.KV_CAPACITY
 
 
@@ -78,6 +80,7 @@ class Running:
     stacks: dict[str, Stack]
     model: str = ""
     envoys: list[EnvoyProcess] = field(default_factory=list)
+    peers_venv: Path = cp.PEERS_VENV
 
     @property
     def routers(self) -> dict[str, tuple[Child, str]]:  # what saturation.py's windows read
@@ -137,10 +140,10 @@ async def start_stack(running: Running, label: str, listen: int, kv_capacity: in
     Envoy's admin); returns once it serves a completion."""
     engines = [hostport(u) for u in running.urls]
     stack = running.stacks[label] = Stack(label, f"http://127.0.0.1:{listen}")
-    if label == "serve":
-        argv = cp.Contender(label, "warmroute", "cache_aware").argv(listen, listen + 1, running.urls, kv_capacity,
-                                                                   Path("."))
-        stack.processes["router"] = Child.command(f"{tag}-serve", argv, logs)
+    if label in ("serve", "smg"):
+        peer = cp.Contender(label, "warmroute" if label == "serve" else "smg", "cache_aware")
+        argv = peer.argv(listen, listen + 1, running.urls, kv_capacity, running.peers_venv)
+        stack.processes["router"] = Child.command(f"{tag}-{label}", argv, logs)
     elif label == "envoy":
         stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3,
                                                       *_plain_envoy("plain", listen, engines), logs)
@@ -158,11 +161,11 @@ async def start_stack(running: Running, label: str, listen: int, kv_capacity: in
     return stack
 
 
-async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str) -> Running:
+async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str, peers_venv: Path) -> Running:
     port = free_ports(fleet.instances)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(fleet.instances)]
     children = fleet.children(port, logs, f"{tag}-instances")
-    running = Running(fleet, children, urls, {})
+    running = Running(fleet, children, urls, {}, peers_venv=peers_venv)
     next_port = port + fleet.instances
     try:
         for child, count in zip(children, fleet.counts()):
@@ -180,13 +183,13 @@ async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str) -
 
 
 def _contender(label: str) -> sat.Contender:
-    return sat.Contender(label, None if label == "direct" else "warmroute")
+    return sat.Contender(label, {"direct": None, "smg": "smg"}.get(label, "warmroute"))
 
 
 async def phase_saturation(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     fleet = sat.FleetSpec("stub")
     log(f"== (a) saturation, {fleet.describe()}")
-    running = await start(fleet, args.contenders, logs, "sat")
+    running = await start(fleet, args.contenders, logs, "sat", args.peers_venv)
 
     def line(c: sat.Contender, res: dict[str, Any]) -> str:
         cpu = res["cpu_cores"]
@@ -205,7 +208,7 @@ async def phase_latency(args: argparse.Namespace, logs: Path) -> list[dict[str, 
     fleet = sat.FleetSpec("stub", itl_ms=args.itl_ms)
     routed = [c for c in args.contenders if c != "direct"]
     log(f"== (b) added latency, {args.streams} concurrent streams, {fleet.describe()}")
-    running = await start(fleet, routed, logs, "lat")
+    running = await start(fleet, routed, logs, "lat", args.peers_venv)
 
     def line(c: sat.Contender, res: dict[str, Any]) -> str:
         s = sat.latency_summary(res["pairs"])
@@ -513,6 +516,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stream-tokens", type=int, default=32)
     p.add_argument("--itl-ms", type=float, default=20.0)
     p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    p.add_argument("--peers-venv", type=Path, default=cp.PEERS_VENV, help="the virtualenv with smg")
     p.add_argument("--picker-streams", type=int, default=3000)
     p.add_argument("--hit-rounds", type=int, default=1, help="runs of each router on the mixed workload")
     p.add_argument("--hit-duration", type=float, default=30.0, help="measured seconds of each hit-rate run")
