@@ -24,9 +24,10 @@ accounting, and benchmarks/saturation.py's fleets and windows (imported from it)
     the same moment. Added = routed percentile - direct percentile.
 
 (c) Where the picker's time goes: the same ext_proc streams (request headers, buffered body, response headers,
-    one response body chunk) from a gRPC client in another process, answered by (1) a null ext_proc service
-    (an empty answer to each message: grpcio's own cost) and (2) `warmroute epp` in front of stub instances;
-    CPU of the serving process per stream.
+    one response body chunk; or the first 3 or 2 of them) from a gRPC client in another process, answered by a
+    null ext_proc service (an empty answer to each message: grpcio's own cost) on grpcio's asyncio API and on
+    its sync API (thread pool), and by `warmroute epp` in front of stub instances; CPU of the serving process per
+    stream.
 
 Writes out/gateway.json (everything measured) and out/gateway.md: the section "Envoy + warmroute epp
 (issue #20)" of docs/benchmarks.md, to be pasted there by hand.
@@ -56,7 +57,7 @@ from warmroute.bench.record import OUT, command_line, load_average, log, now_utc
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
 
 SECTION = "Envoy + warmroute epp (issue #20)"
-CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+epp", "envoy+epp hdrs"]
+CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+epp", "envoy+epp hdrs", "envoy+epp lean", "envoy+epp duplex"]
 KV_CAPACITY = sat.KV_CAPACITY
 
 
@@ -113,11 +114,21 @@ def _plain_envoy(name: str, port: int, engines: list[tuple[str, int]]) -> tuple[
     return listener, pool
 
 
-def _response_body_none(listener: dict) -> None:
+# The picker's processing modes in each variant (over deploy/envoy/envoy.yaml's).
+VARIANTS: dict[str, dict[str, str]] = {
+    "envoy+epp": {},
+    "envoy+epp hdrs": {"response_body_mode": "NONE"},
+    "envoy+epp lean": {"response_header_mode": "SKIP", "response_body_mode": "NONE"},
+    "envoy+epp duplex": {"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
+                         "response_header_mode": "SKIP", "response_body_mode": "NONE"},
+}
+
+
+def _processing_mode(listener: dict, modes: dict[str, str]) -> None:
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     for f in hcm["http_filters"]:
         if f["name"] == "envoy.filters.http.ext_proc":
-            f["typed_config"]["processing_mode"]["response_body_mode"] = "NONE"
+            f["typed_config"]["processing_mode"].update(modes)
 
 
 async def _start_envoy(running: Running, label: str, admin: int, listener: dict, clusters: list[dict],
@@ -154,8 +165,7 @@ async def start_stack(running: Running, label: str, listen: int, kv_capacity: in
         argv += [a for i, u in enumerate(running.urls) for a in ("--backend", f"e{i}={u}")]
         stack.processes["picker"] = Child.command(f"{tag}-{_name(label)}", argv, logs)
         listener, clusters = local_listener(ORIGINAL_DST, _name(label), listen, ("127.0.0.1", grpc_port))
-        if label.endswith("hdrs"):
-            _response_body_none(listener)
+        _processing_mode(listener, VARIANTS[label])
         stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3, listener, clusters, logs)
     await next(iter(stack.processes.values())).wait_for_model(stack.url)
     return stack
@@ -242,12 +252,13 @@ def _stream_messages() -> list[Any]:
             ep.ProcessingRequest(response_body=ep.HttpBody(body=usage, end_of_stream=True))]
 
 
-def stream_client(target: str, streams: int, concurrency: int, out: Any) -> None:
-    """In a process of its own: `streams` ext_proc streams, `concurrency` at a time; puts the seconds taken."""
+def stream_client(target: str, streams: int, concurrency: int, messages: int, out: Any) -> None:
+    """In a process of its own: `streams` ext_proc streams of the first `messages` messages, `concurrency` at a
+    time; puts the seconds taken."""
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    messages = _stream_messages()
+    sent = _stream_messages()[:messages]
 
     async def run() -> float:
         async with grpc.aio.insecure_channel(target) as channel:
@@ -257,10 +268,11 @@ def stream_client(target: str, streams: int, concurrency: int, out: Any) -> None
             async def one() -> None:
                 async with gate:
                     call = stub.Process()
-                    for m in messages:
+                    for m in sent:
                         await call.write(m)
                         await call.read()
                     await call.done_writing()
+                    await call.code()  # the server's side of the stream is over too
 
             t0 = time.perf_counter()
             await asyncio.gather(*(one() for _ in range(streams)))
@@ -269,14 +281,14 @@ def stream_client(target: str, streams: int, concurrency: int, out: Any) -> None
     out.put(asyncio.run(run()))
 
 
-async def _serve_streams(target: str, streams: int) -> tuple[float, float]:
+async def _serve_streams(target: str, streams: int, messages: int) -> tuple[float, float]:
     """(server CPU seconds, wall seconds) while a client process runs `streams` streams against `target`."""
     import multiprocessing
     import resource
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    client = ctx.Process(target=stream_client, args=(target, streams, 32, out))
+    client = ctx.Process(target=stream_client, args=(target, streams, 32, messages, out))
     before = resource.getrusage(resource.RUSAGE_SELF)
     client.start()
     while client.is_alive():
@@ -285,47 +297,77 @@ async def _serve_streams(target: str, streams: int) -> tuple[float, float]:
     return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), out.get()
 
 
-async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
+# Messages per stream in (c): with the response body, response headers only, the request only.
+STREAM_SHAPES = {4: "req hdrs, body, resp hdrs, resp body", 3: "req hdrs, body, resp hdrs", 2: "req hdrs, body"}
+SERVICES = ["null, asyncio API", "null, sync API (thread pool)", "warmroute epp"]
+
+
+def _null_services() -> tuple[Any, Any]:
+    """(asyncio servicer, sync servicer) answering each message with an empty ProcessingResponse."""
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    class AsyncNull(ep_grpc.ExternalProcessorServicer):
+        async def Process(self, requests: Any, context: Any) -> None:
+            while await context.read() is not grpc.aio.EOF:
+                await context.write(ep.ProcessingResponse())
+
+    class SyncNull(ep_grpc.ExternalProcessorServicer):
+        def Process(self, requests: Any, context: Any) -> Iterator[Any]:
+            for _ in requests:
+                yield ep.ProcessingResponse()
+
+    return AsyncNull(), SyncNull()
+
+
+async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from concurrent import futures
+
+    import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
     from warmroute.gateway.server import start_picker
     from warmroute.router.settings import load_settings
 
-    class Null(ep_grpc.ExternalProcessorServicer):
-        async def Process(self, requests: Any, context: Any) -> None:
-            while await context.read() is not grpc.aio.EOF:
-                await context.write(ep.ProcessingResponse())
-
     log(f"== (c) picker CPU per ext_proc stream, {args.picker_streams} streams per window")
     fleet = sat.FleetSpec("stub")
     port = free_ports(fleet.instances)
+    async_null, sync_null = _null_services()
     with tempfile.TemporaryDirectory(prefix="warmroute-gateway-bench-") as tmp:
         children = fleet.children(port, Path(tmp), "picker-instances")
         try:
             for child, count in zip(children, fleet.counts()):
                 await child.wait_for_log("listening on", count, timeout_s=60)
             null = grpc.aio.server()
-            ep_grpc.add_ExternalProcessorServicer_to_server(Null(), null)
+            ep_grpc.add_ExternalProcessorServicer_to_server(async_null, null)
             null_port = null.add_insecure_port("127.0.0.1:0")
             await null.start()
+            threads = grpc.server(futures.ThreadPoolExecutor(max_workers=40))  # one thread per open stream
+            ep_grpc.add_ExternalProcessorServicer_to_server(sync_null, threads)
+            sync_port = threads.add_insecure_port("127.0.0.1:0")
+            threads.start()
             picker = await start_picker(load_settings({
                 "backends": [f"e{i}=http://127.0.0.1:{port + i}" for i in range(fleet.instances)], "port": 0,
                 "epp_port": 0, "kv_capacity_tokens": KV_CAPACITY, "health_interval": 3600, "log_level": "warning"},
                 env={}))
+            ports = dict(zip(SERVICES, (null_port, sync_port, picker.grpc_port)))
             out = []
             try:
                 for r in range(args.rounds):
-                    for label, grpc_port in (("null ext_proc service", null_port), ("warmroute epp", picker.grpc_port)):
-                        cpu, wall = await _serve_streams(f"127.0.0.1:{grpc_port}", args.picker_streams)
-                        out.append({"contender": label, "round": r, "cpu_us": 1e6 * cpu / args.picker_streams,
-                                    "streams_per_s": args.picker_streams / wall})
-                        log(f"   round {r} {label:<22} {out[-1]['cpu_us']:>6.0f} µs CPU per stream, "
-                                f"{out[-1]['streams_per_s']:,.0f} streams/s")
+                    for messages in STREAM_SHAPES:
+                        for label in (SERVICES if r % 2 == 0 else SERVICES[::-1]):
+                            cpu, wall = await _serve_streams(f"127.0.0.1:{ports[label]}", args.picker_streams,
+                                                             messages)
+                            out.append({"contender": label, "messages": messages, "round": r,
+                                        "cpu_us": 1e6 * cpu / args.picker_streams,
+                                        "streams_per_s": args.picker_streams / wall})
+                            log(f"   round {r} {label:<30} {messages} messages {out[-1]['cpu_us']:>6.0f} µs CPU "
+                                f"per stream, {out[-1]['streams_per_s']:,.0f} streams/s")
             finally:
                 await picker.stop()
                 await null.stop(0)
+                threads.stop(0)
         finally:
             for c in children:
                 c.stop()
@@ -440,11 +482,12 @@ SECTIONS = {
          "added p50 per round"], "lrrrrrl"),
     "picker": (
         "(c) Where the picker's time goes",
-        "The same ext_proc stream (request headers, buffered body of a chat completion, response headers, one "
-        "response body chunk with the usage: 4 messages each way) from a gRPC client in another process, 32 at a "
-        "time, answered by a null ext_proc service (grpcio's own cost) and by `warmroute epp` (4 stub instances); "
-        "CPU of the serving process per stream, median of the rounds.",
-        ["service", "CPU per stream (rounds)", "streams/s"], "lrr"),
+        "The same ext_proc streams (request headers, buffered body of a chat completion, response headers, one "
+        "response body chunk with the usage; or their first 3 or 2 messages) from a gRPC client in another "
+        "process, 32 at a time, answered by a null ext_proc service (an empty answer to each message: grpcio's "
+        "own cost) on grpcio's asyncio API and on its sync API (a thread per stream), and by `warmroute epp` (4 "
+        "stub instances); CPU of the serving process per stream, median of the rounds.",
+        ["service", "messages each way", "CPU per stream (rounds)", "streams/s"], "llrr"),
     "hits": (
         "(d) Hit rate on the mixed workload",
         "benchmarks/compare_peers.py's `mixed` plan (45% shared system prompts, 25% RAG, 25% multi-turn chats, 5% "
@@ -465,8 +508,9 @@ def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[
     tables = {
         "saturation": [_saturation_cells(r) for r in sat_rows],
         "latency": [_latency_cells(r) for r in lat_rows],
-        "picker": [_picker_cells(label, mine)
-                   for label, mine in _by_contender(picker, ("null ext_proc service", "warmroute epp"))],
+        "picker": [_picker_cells(label, messages, [w for w in mine if w.get("messages", 4) == messages])
+                   for messages in STREAM_SHAPES for label, mine in _by_contender(picker, SERVICES)
+                   if any(w.get("messages", 4) == messages for w in mine)],
         "hits": [_hit_cells(label, mine) for label, mine in _by_contender(hits, HIT_CONTENDERS)],
     }
     for name, rows in tables.items():
@@ -490,9 +534,9 @@ def _latency_cells(r: dict[str, Any]) -> list[str]:
             f"{r['router_p50']} / {r['router_p99']} ms", f"**{r['added_p50']} / {r['added_p99']} ms**", rounds]
 
 
-def _picker_cells(label: str, mine: list[dict[str, Any]]) -> list[str]:
+def _picker_cells(label: str, messages: int, mine: list[dict[str, Any]]) -> list[str]:
     rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
-    return [label, f"{_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds})",
+    return [label, f"{messages}: {STREAM_SHAPES[messages]}", f"{_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds})",
             f"{_median([w['streams_per_s'] for w in mine]):,.0f}"]
 
 
