@@ -199,6 +199,36 @@ async def test_the_picker_counts_answers_and_reads_the_engines_cached_tokens(gat
     assert _total(samples, "warmroute_decisions_total", reason="cache_hit") == 2
 
 
+async def test_without_engine_feedback_the_picker_skips_the_response_body(gateway, engines, client, monkeypatch):
+    """No feedback to take from it: the picker's mode_override stops Envoy sending the response body, and the
+    books still close when the response ends."""
+    from warmroute.gateway.picker import Exchange
+
+    chunks = []
+    read = Exchange._response_body
+    monkeypatch.setattr(Exchange, "_response_body", lambda self, body: chunks.append(body) or read(self, body))
+    running = await _picker(gateway, engines, engine_feedback=False)
+    try:
+        url = gateway.url(gateway.odst)
+        for question, stream in ((0, False), (1, True)):
+            _, _, usage = await _ask(client, url, _chat(11, question, stream=stream, max_tokens=8))
+            assert usage["prompt_tokens"] > 0  # the client got the whole answer
+        await wait_for(lambda: not any(_books(running).values()))
+        assert chunks == []
+        samples = await _metrics(running, client)
+        assert _total(samples, "warmroute_requests_total", status="200") == 2
+        assert _total(samples, "warmroute_engine_cached_tokens_total") == 0
+    finally:
+        await running.stop()
+    running = await _picker(gateway, engines)  # with feedback (the default), the body is read
+    try:
+        await _ask(client, gateway.url(gateway.odst), _chat(11, 2, stream=True, max_tokens=8))
+        await wait_for(lambda: not any(_books(running).values()))
+        assert chunks
+    finally:
+        await running.stop()
+
+
 async def test_requests_spill_past_the_concurrency_threshold(gateway, engines, client):
     running = await _picker(gateway, engines, strategy="prefix", concurrency_threshold=1)
     try:
