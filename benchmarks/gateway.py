@@ -54,6 +54,7 @@ from warmroute.bench.formats import markdown_table, pct  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
 from warmroute.bench.rawload import hostport  # noqa: E402
 from warmroute.bench.record import OUT, command_line, load_average, log, now_utc, tree_state, write_outputs  # noqa: E402
+from warmroute.bench.stats import percentile, to_ms  # noqa: E402
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
 
 SECTION = "Envoy + warmroute epp (issue #20)"
@@ -254,11 +255,12 @@ def _stream_messages() -> list[Any]:
 
 def stream_client(target: str, streams: int, concurrency: int, messages: int, out: Any) -> None:
     """In a process of its own: `streams` ext_proc streams of the first `messages` messages, `concurrency` at a
-    time; puts the seconds taken."""
+    time; puts (the seconds taken, each stream's seconds from its first message to its last answer)."""
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
     sent = _stream_messages()[:messages]
+    took: list[float] = []
 
     async def run() -> float:
         async with grpc.aio.insecure_channel(target) as channel:
@@ -268,9 +270,11 @@ def stream_client(target: str, streams: int, concurrency: int, messages: int, ou
             async def one() -> None:
                 async with gate:
                     call = stub.Process()
+                    t0 = time.perf_counter()
                     for m in sent:
                         await call.write(m)
                         await call.read()
+                    took.append(time.perf_counter() - t0)
                     await call.done_writing()
                     await call.code()  # the server's side of the stream is over too
 
@@ -278,28 +282,32 @@ def stream_client(target: str, streams: int, concurrency: int, messages: int, ou
             await asyncio.gather(*(one() for _ in range(streams)))
             return time.perf_counter() - t0
 
-    out.put(asyncio.run(run()))
+    out.put((asyncio.run(run()), took))
 
 
-async def _serve_streams(target: str, streams: int, messages: int) -> tuple[float, float]:
-    """(server CPU seconds, wall seconds) while a client process runs `streams` streams against `target`."""
+async def _serve_streams(target: str, streams: int, messages: int,
+                         concurrency: int = 32) -> tuple[float, float, list[float]]:
+    """(server CPU seconds, wall seconds, each stream's seconds) while a client process runs `streams` streams
+    against `target`."""
     import multiprocessing
     import resource
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    client = ctx.Process(target=stream_client, args=(target, streams, 32, messages, out))
+    client = ctx.Process(target=stream_client, args=(target, streams, concurrency, messages, out))
     before = resource.getrusage(resource.RUSAGE_SELF)
     client.start()
     while client.is_alive():
         await asyncio.sleep(0.02)
     after = resource.getrusage(resource.RUSAGE_SELF)
-    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), out.get()
+    wall, took = out.get()
+    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), wall, took
 
 
 # Messages per stream in (c): with the response body, response headers only, the request only.
 STREAM_SHAPES = {4: "req hdrs, body, resp hdrs, resp body", 3: "req hdrs, body, resp hdrs", 2: "req hdrs, body"}
 SERVICES = ["null, asyncio API", "null, sync API (thread pool)", "warmroute epp"]
+LONE_STREAMS = 300  # streams one at a time: how long a stream's messages take when nothing else is in flight
 
 
 def _null_services() -> tuple[Any, Any]:
@@ -357,13 +365,17 @@ async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for r in range(args.rounds):
                     for messages in STREAM_SHAPES:
                         for label in (SERVICES if r % 2 == 0 else SERVICES[::-1]):
-                            cpu, wall = await _serve_streams(f"127.0.0.1:{ports[label]}", args.picker_streams,
-                                                             messages)
+                            target = f"127.0.0.1:{ports[label]}"
+                            cpu, wall, _ = await _serve_streams(target, args.picker_streams, messages)
+                            _, _, alone = await _serve_streams(target, LONE_STREAMS, messages, concurrency=1)
                             out.append({"contender": label, "messages": messages, "round": r,
                                         "cpu_us": 1e6 * cpu / args.picker_streams,
-                                        "streams_per_s": args.picker_streams / wall})
+                                        "streams_per_s": args.picker_streams / wall,
+                                        "alone_ms": {"p50": to_ms(percentile(sorted(alone), 50)),
+                                                     "p99": to_ms(percentile(sorted(alone), 99))}})
                             log(f"   round {r} {label:<30} {messages} messages {out[-1]['cpu_us']:>6.0f} µs CPU "
-                                f"per stream, {out[-1]['streams_per_s']:,.0f} streams/s")
+                                f"per stream, {out[-1]['streams_per_s']:,.0f} streams/s; one at a time "
+                                f"{out[-1]['alone_ms']['p50']} ms p50")
             finally:
                 await picker.stop()
                 await null.stop(0)
@@ -486,8 +498,11 @@ SECTIONS = {
         "response body chunk with the usage; or their first 3 or 2 messages) from a gRPC client in another "
         "process, 32 at a time, answered by a null ext_proc service (an empty answer to each message: grpcio's "
         "own cost) on grpcio's asyncio API and on its sync API (a thread per stream), and by `warmroute epp` (4 "
-        "stub instances); CPU of the serving process per stream, median of the rounds.",
-        ["service", "messages each way", "CPU per stream (rounds)", "streams/s"], "llrr"),
+        "stub instances); CPU of the serving process per stream, median of the rounds. One at a time: the p50 "
+        f"time from a stream's first message to its last answer, {LONE_STREAMS} streams one after another (the "
+        "latency the service adds on an idle path).",
+        ["service", "messages each way", "CPU per stream (rounds)", "one at a time p50 (rounds)", "streams/s"],
+        "llrrr"),
     "hits": (
         "(d) Hit rate on the mixed workload",
         "benchmarks/compare_peers.py's `mixed` plan (45% shared system prompts, 25% RAG, 25% multi-turn chats, 5% "
@@ -536,7 +551,9 @@ def _latency_cells(r: dict[str, Any]) -> list[str]:
 
 def _picker_cells(label: str, messages: int, mine: list[dict[str, Any]]) -> list[str]:
     rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
+    alone = ", ".join(f"{w['alone_ms']['p50']}" for w in mine)
     return [label, f"{messages}: {STREAM_SHAPES[messages]}", f"{_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds})",
+            f"{_median([w['alone_ms']['p50'] for w in mine])} ms ({alone})",
             f"{_median([w['streams_per_s'] for w in mine]):,.0f}"]
 
 
