@@ -15,6 +15,10 @@ accounting, and benchmarks/saturation.py's fleets and windows (imported from it)
                         reading request headers and body and the response's headers and streamed body
       envoy+epp hdrs    the same with response_body_mode NONE: the picker sees no response body (no usage
                         feedback, first token taken at the response headers), one message less per chunk
+      envoy+epp lean    request headers and body only (response side SKIP/NONE: 2 messages; the books close when
+                        Envoy ends the stream with the HTTP stream, but no status, first token or feedback)
+      envoy+epp duplex  lean with the request body FULL_DUPLEX_STREAMED: Envoy sends headers and body without
+                        waiting for the headers' answer (one round trip before the upstream request)
       smg               the SGLang Model Gateway (`smg launch --policy cache_aware`, compare_peers' command line,
                         from the peers' virtualenv, --peers-venv)
     Envoy runs with one worker thread (--concurrency 1). Each router's CPU is reported per request, the
