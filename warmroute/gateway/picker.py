@@ -148,6 +148,7 @@ class Exchange:
         self.session: str | None = None
         self.request_mode = _Mode.BUFFERED
         self.response_mode = _Mode.NONE
+        self.body_skipped = False  # the picker asked Envoy not to send the response body (mode_override)
         self.subset: list[str] | None = None
         self.chunks: list[bytes] = []
         self.size = 0
@@ -301,8 +302,8 @@ class Exchange:
         override = None
         if self.response_mode in _SKIPPABLE and not self._usage_wanted(decision):
             override = _NO_RESPONSE_BODY  # nothing to learn from it: Envoy stops sending its chunks (fewer messages)
-            self.response_mode = _Mode.NONE
-        if message.response_headers.end_of_stream or self.response_mode == _Mode.NONE:
+            self.body_skipped = True
+        if message.response_headers.end_of_stream or self.response_mode == _Mode.NONE or self.body_skipped:
             self.ticket.first_byte()  # nothing more will be seen of it: its first byte is now
         if message.response_headers.end_of_stream:
             self._complete()
@@ -349,6 +350,7 @@ class Exchange:
             self.ticket = self.decision = None
 
     def _response_body(self, body: ep.HttpBody) -> ep.ProcessingResponse:
+        self.body_skipped = False  # sent after all (the gateway does not allow mode_override): read to its end
         if self.ticket is not None:
             self.ticket.first_byte()
             if self.tap is not None and body.body:
@@ -377,7 +379,7 @@ class Exchange:
         """The stream is over: an answer not seen to its end was cut off (or its body was not sent to the picker)."""
         if self.done or self.ticket is None or self.decision is None:
             return
-        if self.status and self.response_mode == _Mode.NONE:
+        if self.status and (self.response_mode == _Mode.NONE or self.body_skipped):
             self._complete()
             return
         self.done = True
