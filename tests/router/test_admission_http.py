@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 
 import aiohttp
-import pytest
 
 from client_helpers import wait_for
 from warmroute.engine.model import EngineConfig
