@@ -15,6 +15,8 @@ accounting, and benchmarks/saturation.py's fleets and windows (imported from it)
                         reading request headers and body and the response's headers and streamed body
       envoy+epp hdrs    the same with response_body_mode NONE: the picker sees no response body (no usage
                         feedback, first token taken at the response headers), one message less per chunk
+      envoy+null hdrs   hdrs' processing modes with benchmarks/null_picker.py as the picker (grpcio, no routing
+                        code: round robin): the floor of a Python grpcio picker
       envoy+epp lean    request headers and body only (response side SKIP/NONE: 2 messages; the books close when
                         Envoy ends the stream with the HTTP stream, but no status, first token or feedback)
       envoy+epp duplex  lean with the request body FULL_DUPLEX_STREAMED: Envoy sends headers and body without
@@ -62,7 +64,8 @@ from warmroute.bench.stats import percentile, to_ms  # noqa: E402
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
 
 SECTION = "Envoy + warmroute epp (issue #20)"
-CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+epp", "envoy+epp hdrs", "envoy+epp lean", "envoy+epp duplex"]
+CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+null hdrs", "envoy+epp", "envoy+epp hdrs", "envoy+epp lean",
+              "envoy+epp duplex"]
 KV_CAPACITY = sat.KV_CAPACITY
 
 
@@ -122,6 +125,7 @@ def _plain_envoy(name: str, port: int, engines: list[tuple[str, int]]) -> tuple[
 # The picker's processing modes in each variant (over deploy/envoy/envoy.yaml's).
 VARIANTS: dict[str, dict[str, str]] = {
     "envoy+epp": {},
+    "envoy+null hdrs": {"response_body_mode": "NONE"},
     "envoy+epp hdrs": {"response_body_mode": "NONE"},
     "envoy+epp lean": {"response_header_mode": "SKIP", "response_body_mode": "NONE"},
     "envoy+epp duplex": {"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
@@ -168,6 +172,9 @@ async def start_stack(running: Running, label: str, listen: int, kv_capacity: in
         argv = [sys.executable, "-m", "warmroute", "epp", "--port", str(control), "--epp-port", str(grpc_port),
                 "--strategy", "cache_aware", "--kv-capacity-tokens", str(kv_capacity), "--log-level", "warning"]
         argv += [a for i, u in enumerate(running.urls) for a in ("--backend", f"e{i}={u}")]
+        if label.startswith("envoy+null"):
+            argv = [sys.executable, str(Path(__file__).with_name("null_picker.py")), str(grpc_port),
+                    *(f"{h}:{p}" for h, p in engines)]
         stack.processes["picker"] = Child.command(f"{tag}-{_name(label)}", argv, logs)
         listener, clusters = local_listener(ORIGINAL_DST, _name(label), listen, ("127.0.0.1", grpc_port))
         _processing_mode(listener, VARIANTS[label])
