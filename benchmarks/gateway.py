@@ -17,6 +17,8 @@ accounting, and benchmarks/saturation.py's fleets and windows (imported from it)
                         feedback, first token taken at the response headers), one message less per chunk
       envoy+null hdrs   hdrs' processing modes with benchmarks/null_picker.py as the picker (grpcio, no routing
                         code: round robin): the floor of a Python grpcio picker
+      envoy+null obs    the null picker on the request side, and the response headers and body sent to it by a
+                        second ext_proc filter in observability_mode (Envoy does not wait for its answers)
       envoy+epp lean    request headers and body only (response side SKIP/NONE: 2 messages; the books close when
                         Envoy ends the stream with the HTTP stream, but no status, first token or feedback)
       envoy+epp duplex  lean with the request body FULL_DUPLEX_STREAMED: Envoy sends headers and body without
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import sys
 import tempfile
@@ -64,7 +67,7 @@ from warmroute.bench.stats import percentile, to_ms  # noqa: E402
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
 
 SECTION = "Envoy + warmroute epp (issue #20)"
-CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+null hdrs", "envoy+epp", "envoy+epp hdrs", "envoy+epp lean",
+CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+null hdrs", "envoy+null obs", "envoy+epp", "envoy+epp hdrs", "envoy+epp lean",
               "envoy+epp duplex"]
 KV_CAPACITY = sat.KV_CAPACITY
 
@@ -126,6 +129,7 @@ def _plain_envoy(name: str, port: int, engines: list[tuple[str, int]]) -> tuple[
 VARIANTS: dict[str, dict[str, str]] = {
     "envoy+epp": {},
     "envoy+null hdrs": {"response_body_mode": "NONE"},
+    "envoy+null obs": {"response_header_mode": "SKIP", "response_body_mode": "NONE"},
     "envoy+epp hdrs": {"response_body_mode": "NONE"},
     "envoy+epp lean": {"response_header_mode": "SKIP", "response_body_mode": "NONE"},
     "envoy+epp duplex": {"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
@@ -133,11 +137,25 @@ VARIANTS: dict[str, dict[str, str]] = {
 }
 
 
-def _processing_mode(listener: dict, modes: dict[str, str]) -> None:
+# The response side in a second ext_proc filter that Envoy does not wait for (observability_mode).
+OBSERVED = {"envoy+null obs"}
+_OBSERVER_MODES = {"request_header_mode": "SKIP", "request_body_mode": "NONE", "response_header_mode": "SEND",
+                   "response_body_mode": "STREAMED"}
+
+
+def _processing_mode(listener: dict, modes: dict[str, str], observer: bool = False) -> None:
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    for f in hcm["http_filters"]:
+    filters = hcm["http_filters"]
+    for at, f in enumerate(filters):
         if f["name"] == "envoy.filters.http.ext_proc":
             f["typed_config"]["processing_mode"].update(modes)
+            if observer:
+                second = copy.deepcopy(f)
+                second["name"] = "envoy.filters.http.ext_proc.observer"
+                second["typed_config"]["observability_mode"] = True
+                second["typed_config"]["processing_mode"] = dict(_OBSERVER_MODES)
+                filters.insert(at + 1, second)
+            return
 
 
 async def _start_envoy(running: Running, label: str, admin: int, listener: dict, clusters: list[dict],
@@ -177,7 +195,7 @@ async def start_stack(running: Running, label: str, listen: int, kv_capacity: in
                     *(f"{h}:{p}" for h, p in engines)]
         stack.processes["picker"] = Child.command(f"{tag}-{_name(label)}", argv, logs)
         listener, clusters = local_listener(ORIGINAL_DST, _name(label), listen, ("127.0.0.1", grpc_port))
-        _processing_mode(listener, VARIANTS[label])
+        _processing_mode(listener, VARIANTS[label], observer=label in OBSERVED)
         stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3, listener, clusters, logs)
     await next(iter(stack.processes.values())).wait_for_model(stack.url)
     return stack

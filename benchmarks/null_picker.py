@@ -47,7 +47,8 @@ class NullPicker(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
         while (message := await context.read()) is not grpc.aio.EOF:
-            await context.write(self.answer(message))
+            if not message.observability_mode:  # observed messages get no answer
+                await context.write(self.answer(message))
 
 
 async def serve(port: int, engines: list[str]) -> None:
