@@ -145,7 +145,7 @@ def render_messages(messages: Any, tools: Any = None, strict: bool = False) -> s
         # What the OpenAI API itself rejects, never forwarded: no content (a tool-calling assistant may leave it null).
         if strict and content is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
             raise KeyError_(f"messages[{i}].content is required")
-        out += ("<|", role, "|>\n", content_text(content))
+        out += ("<|", role, "|>\n", content if type(content) is str else content_text(content))
         if m.get("tool_calls"):
             out.append(json.dumps(m["tool_calls"], sort_keys=True, separators=(",", ":")))
         out.append("\n")
