@@ -13,8 +13,9 @@
  * int is made only where Python code reads one.
  *
  * A str is hashed as its UTF-8 bytes; an ASCII str's characters are those bytes, read in place (a 32 KB prompt
- * is not copied to be hashed). A Chain of a bytes object or a str is lazy: it keeps the bytes and computes its hashes when they are first read, and
- * only as far as they are read (the hashes are chained, so h_k needs blocks 0..k and nothing after). Its length
+ * is not copied to be hashed). A Chain of a bytes object or a str is lazy: it keeps them and computes its
+ * hashes when they are first read, and only as far as they are read (the hashes are chained, so h_k needs
+ * blocks 0..k and nothing after). Its length
  * is known at once. The router reads a cold prompt's first hash only (nobody holds its first block, so nothing
  * deeper can match) and records the whole chain after the request has left; the hashing is then off the
  * request's path. Every read (item, slice, ==, buffer, list, pickle) sees the same values as an eager chain.
@@ -360,7 +361,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"block_hashes", block_hashes, METH_VARARGS,
-     "block_hashes(data, seed=0, block_bytes=default) -> Chain: block_hash.block_hashes, in C (lazy for bytes and str)."},
+     "block_hashes(data, seed=0, block_bytes=default) -> Chain: block_hash.block_hashes, in C (lazy for bytes and "
+     "str)."},
     {"configure", configure, METH_VARARGS, "configure(lane_keys, p_inv, default_block_bytes): block_hash.py's constants."},
     {NULL, NULL, 0, NULL},
 };
