@@ -373,7 +373,9 @@ PyMODINIT_FUNC PyInit__blockhash(void) {
     if (PyType_Ready(&ChainType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Chain", (PyObject *)&ChainType) < 0) {
+    /* block_hash.py's API: 2 hashes a str (a build without it is not used) */
+    if (PyModule_AddObjectRef(m, "Chain", (PyObject *)&ChainType) < 0
+            || PyModule_AddIntConstant(m, "API", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

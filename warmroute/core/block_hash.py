@@ -37,6 +37,7 @@ import numpy as np
 import xxhash
 
 BLOCK_BYTES_DEFAULT = 64
+API = 2  # the _blockhash interface this module calls (2: it hashes a str as its UTF-8 bytes)
 
 _M64 = (1 << 64) - 1
 _P = 0x100000001B3 * 2 + 1 | 1  # odd, so invertible mod 2^64
@@ -115,6 +116,9 @@ try:
     if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
         raise ImportError("WARMROUTE_PURE_PYTHON=1")
     from warmroute.core import _blockhash
+
+    if getattr(_blockhash, "API", 1) != API:  # an older build cannot hash a str: numpy until it is rebuilt
+        raise ImportError(f"warmroute.core._blockhash is of another version (API {getattr(_blockhash, 'API', 1)})")
 except ImportError:  # not compiled here (no C compiler at install time): numpy it is
     _blockhash = None
     block_hashes = numpy_block_hashes
