@@ -80,7 +80,7 @@ class Core:
 
     def blocks(self, key: RoutingKey, block_bytes: int = 64) -> list[int]:
         # RoutingKey caches its block hashes per block size; seeding that cache makes the strategy use them.
-        got = key._blocks[block_bytes] = self.hashes(key.data, key.seed, block_bytes)
+        got = key._blocks[block_bytes] = self.hashes(key.source, key.seed, block_bytes)
         return got
 
 
