@@ -54,7 +54,8 @@ SHED_REASONS = (QUEUE_FULL, PREEMPTED, DEADLINE, NO_INSTANCE)
 IMMEDIATE = "immediate"
 BUSY = "busy"  # its instance was at the ConcurrencyThreshold
 KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
-WAIT_REASONS = (BUSY, KV)
+SHARE = "share"  # its tenant held its share of its instance's slots (tenant_slot_share) while others were active
+WAIT_REASONS = (BUSY, KV, SHARE)
 UNBOUNDED = 1 << 30
 MAX_TENANTS_TRACKED = 10_000  # the strategy's threshold while admission owns the real one
 
@@ -92,6 +93,13 @@ class AdmissionSettings:
     # by the instances serving tenants ahead of theirs: the fleet's total stays under the sum of thresholds).
     fair_lend: float = 0.5
     tenant_weights: dict[str, float] = field(default_factory=dict)  # 1.0 for tenants not listed
+    # While other tenants are active (requests in flight or waiting), a tenant may hold at most this many times
+    # its weighted share of an instance's slots there (0: no cap). The engine serves what it holds first come
+    # first served, so a burst holding every slot makes each other tenant's request wait behind all of it.
+    tenant_slot_share: float = 0.0
+    # Past that cap it may still go while fewer than this many requests there wait for their first token: the
+    # engine is kept busy, but its queue stays short for the other tenants' requests.
+    tenant_pending: int = 0
     # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
     # books do when a request is sent (the shells set it to the strategy's records_prefixes).
     record_queued: bool = True
@@ -159,6 +167,9 @@ class Admission:
         self.reserved: dict[str, int] = {}  # slots given to assigned waiters not yet dispatched, per instance
         self._served: dict[str, float] = {}  # per tenant: requests admitted from the queue / weight (virtual time)
         self._waiting: dict[str, int] = {}  # per tenant: requests waiting
+        self._held: dict[str, dict[str, int]] = {}  # per tenant, per instance: requests in flight or assigned
+        self._active: dict[str, int] = {}  # per tenant with any: requests held or waiting
+        self._active_weight = 0.0  # their tenants' weights added up
         self._seq = itertools.count()
 
     # -- room ----------------------------------------------------------------------------------------------
@@ -171,14 +182,61 @@ class Admission:
         (unless nothing is in flight there: an idle instance takes anything)."""
         return self.fleet_spare() > 0 and self._fits(inst, kv_tokens, strict_kv)
 
-    def _fits(self, inst: Instance, kv_tokens: int, strict_kv: bool, lent: int = 0) -> bool:
-        """has_room at one instance, `lent` slots past its threshold."""
+    def _fits(self, inst: Instance, kv_tokens: int, strict_kv: bool, lent: int = 0, tenant: str | None = None) -> bool:
+        """has_room at one instance, `lent` slots past its threshold, for `tenant` (None: anyone) within its cap."""
         if not (inst.healthy and not inst.draining) or self.spare(inst) + lent <= 0:
+            return False
+        if tenant is not None and not self.within_cap(tenant, inst):
             return False
         if not strict_kv or not inst.inflight or inst.kv_capacity_tokens <= 0:
             return True
         scale = self.fleet.cache_scale.value
         return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.kv_limit
+
+    def within_cap(self, tenant: str, inst: Instance) -> bool:
+        """Whether `tenant` may take one more slot at instance `name`: no cap is set, no other tenant is active,
+        or it holds fewer there than tenant_slot_share x its weighted share of the threshold (at least 1)."""
+        share = self.settings.tenant_slot_share
+        active = self._active
+        if share <= 0 or len(active) - (tenant in active) < 1:
+            return True
+        weight = self.settings.tenant_weights.get(tenant, 1.0)
+        total = self._active_weight + (0.0 if tenant in active else weight)
+        cap = max(1, math.ceil(share * self.settings.concurrency_threshold * weight / total))
+        if self._held.get(tenant, {}).get(inst.name, 0) < cap:
+            return True
+        return inst.pending + self.reserved.get(inst.name, 0) < self.settings.tenant_pending
+
+    def started(self, tenant: str, name: str) -> None:
+        """The shell sent a request of `tenant` to instance `name` (with or without waiting here)."""
+        self._hold(tenant, name, +1)
+
+    def ended(self, tenant: str, name: str) -> None:
+        """That request is done (answered, failed or cut off): its slot no longer counts against its tenant."""
+        self._hold(tenant, name, -1)
+
+    def _hold(self, tenant: str, name: str, n: int) -> None:
+        held = self._held.setdefault(tenant, {})
+        left = held.get(name, 0) + n
+        if left > 0:
+            held[name] = left
+        else:
+            held.pop(name, None)
+            if not held:
+                del self._held[tenant]
+        self._activity(tenant, n)
+
+    def _activity(self, tenant: str, n: int) -> None:
+        """`n` more requests held or waiting for `tenant`; keeps the active tenants' weights added up."""
+        left = self._active.get(tenant, 0) + n
+        if left > 0:
+            if tenant not in self._active:
+                self._active_weight += self.settings.tenant_weights.get(tenant, 1.0)
+            self._active[tenant] = left
+        elif tenant in self._active:
+            del self._active[tenant]
+            self._active_weight = self._active_weight - self.settings.tenant_weights.get(tenant, 1.0) \
+                if self._active else 0.0
 
     def fleet_spare(self) -> int:
         """Free slots over the routable instances: fewer than theirs added up while an instance serves past its
@@ -194,11 +252,13 @@ class Admission:
         """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
         s = self.settings
         inst = self.fleet.instances.get(decision.instance)
-        if not s.enabled or inst is None or self.has_room(inst, decision.kv_tokens):
+        capped = inst is not None and not self.within_cap(tenant, inst)
+        if not s.enabled or inst is None or (not capped and self.has_room(inst, decision.kv_tokens)):
             if s.enabled and self.waiters:
                 self._charge(tenant)  # its share of capacity, while others wait for theirs
             return None
-        why = KV if inst.routable and self.spare(inst) > 0 and self.fleet_spare() > 0 else BUSY
+        room = inst.routable and self.spare(inst) > 0 and self.fleet_spare() > 0
+        why = SHARE if capped and room else KV if room else BUSY
         depths = self._depths(decision)
         waiter = Waiter(seq=next(self._seq), priority=priority, tenant=tenant, size_bytes=size_bytes,
                         enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens,
@@ -232,6 +292,7 @@ class Admission:
         self._activate(waiter.tenant)
         self.waiters[waiter.seq] = waiter
         self._waiting[waiter.tenant] = self._waiting.get(waiter.tenant, 0) + 1
+        self._activity(waiter.tenant, +1)
         self.bytes += waiter.size_bytes
         self._queue_prefill(waiter, +1)
         self._pending(waiter, record=True)
@@ -288,6 +349,7 @@ class Admission:
         """The shell sent (or gave up on) an assigned waiter: its reserved slot is now a request in flight."""
         name, waiter.instance = waiter.instance, None
         if name is not None:
+            self._hold(waiter.tenant, name, -1)  # the shell's `started` counts it from now on
             n = self.reserved.get(name, 0) - 1
             if n > 0:
                 self.reserved[name] = n
@@ -301,6 +363,7 @@ class Admission:
             self._waiting[waiter.tenant] = left
         else:
             del self._waiting[waiter.tenant]
+        self._activity(waiter.tenant, -1)
         self.bytes -= waiter.size_bytes
         self._queue_prefill(waiter, -1)
         self._pending(waiter, record=False)
@@ -343,6 +406,7 @@ class Admission:
         self._remove(w)
         w.instance = name
         self.reserved[name] = self.reserved.get(name, 0) + 1
+        self._hold(w.tenant, name, +1)
         self._charge(w.tenant)
 
     def _charge(self, tenant: str) -> None:
@@ -406,7 +470,7 @@ class Admission:
         """Whether the instance `w` waits for may take it on a lent slot (fair_lend x the threshold past it)."""
         inst = self.fleet.instances.get(w.pin or "")
         lend = math.ceil(self.settings.fair_lend * self.settings.concurrency_threshold)
-        return inst is not None and self._fits(inst, w.kv_tokens, now < w.strict_until, lend)
+        return inst is not None and self._fits(inst, w.kv_tokens, now < w.strict_until, lend, w.tenant)
 
     @staticmethod
     def gain(w: Waiter, name: str) -> int:
@@ -431,7 +495,7 @@ class Admission:
             if w.model not in serving_cache:
                 serving = self.fleet.serving(w.model) if w.model is not None else None
                 serving_cache[w.model] = serving is None or inst.name in serving
-            if not serving_cache[w.model] or not self._fits(inst, w.kv_tokens, now < w.strict_until):
+            if not serving_cache[w.model] or not self._fits(inst, w.kv_tokens, now < w.strict_until, 0, w.tenant):
                 continue
             local = w.pin is None or w.pin == inst.name or self._may_leave(w, inst.name, free, now)
             by_priority.setdefault(w.priority, ([], []))[0 if local else 1].append(w)
@@ -480,4 +544,4 @@ class Admission:
 
     def idle(self) -> bool:
         """Nothing waits and no slot is reserved: the books are back to zero."""
-        return not self.waiters and not self.reserved and self.bytes == 0
+        return not self.waiters and not self.reserved and self.bytes == 0 and not self._active

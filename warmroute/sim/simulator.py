@@ -472,6 +472,7 @@ class Simulation:
             self.demand.dispatched(self.fleet.instances[d.instance], now, d.uncached_tokens)
         if self.cache_value is not None and d.blocks:
             self.cache_value.requested(d.blocks)
+        self.admission.started(req.tenant, d.instance)
         rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag, sent=now, tenant=req.tenant)
         self.records.append(rec)
         seq = next(self._seq)
@@ -524,6 +525,7 @@ class Simulation:
         for seq in result.finished:  # type: ignore[attr-defined]
             rec, req, turns, d, _ = self._inflight.pop(seq)
             rec.done = now
+            self.admission.ended(rec.tenant, inst.name)
             blocks = d.blocks if self.strategy.records_prefixes else None
             self.fleet.finished(inst.name, d.uncached_tokens, blocks=blocks, prompt_tokens=d.kv_tokens)
             nxt = next(turns, None) if turns is not None else None
