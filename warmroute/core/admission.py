@@ -26,7 +26,10 @@ least of its predicted cached match there (its match there less its deepest anyw
 tie the earliest virtual finish time (a burst queues behind itself). Fairness holds fleet-wide, not only among
 the requests waiting for one instance: a tenant behind its share gets the freed slot, lent to the instance
 its request waits for (cache kept; that instance may go `fair_lend` x the threshold past it, and the fleet's
-total stays under the sum of the thresholds). The queue is bounded in requests and bytes (a full queue
+total stays under the sum of the thresholds). Optionally (`tenant_slot_share`), while other tenants are active a
+tenant holds at most its share of an instance's slots, past which it waits here unless that engine's queue is
+short (`tenant_pending`): engines serve first come first served, so one tenant's backlog in them would delay every
+other tenant's requests however fair the order here. The queue is bounded in requests and bytes (a full queue
 refuses its lowest priority first) and every waiter has a deadline; the shell answers those with 429. All of
 it is pure: the router (asyncio) and the simulator (virtual time) drive the same object with their own clocks.
 """
@@ -54,7 +57,7 @@ SHED_REASONS = (QUEUE_FULL, PREEMPTED, DEADLINE, NO_INSTANCE)
 IMMEDIATE = "immediate"
 BUSY = "busy"  # its instance was at the ConcurrencyThreshold
 KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
-SHARE = "share"  # its tenant held its share of its instance's slots (tenant_slot_share) while others were active
+SHARE = "share"  # its tenant held its cap of its instance's slots (tenant_slot_share) while others were active
 WAIT_REASONS = (BUSY, KV, SHARE)
 UNBOUNDED = 1 << 30
 MAX_TENANTS_TRACKED = 10_000  # the strategy's threshold while admission owns the real one
@@ -94,11 +97,12 @@ class AdmissionSettings:
     fair_lend: float = 0.5
     tenant_weights: dict[str, float] = field(default_factory=dict)  # 1.0 for tenants not listed
     # While other tenants are active (requests in flight or waiting), a tenant may hold at most this many times
-    # its weighted share of an instance's slots there (0: no cap). The engine serves what it holds first come
-    # first served, so a burst holding every slot makes each other tenant's request wait behind all of it.
+    # its weighted share of an instance's threshold there, at least 1 slot (0: no cap). The engine serves what
+    # it holds first come first served, so one tenant's backlog in its slots delays every other tenant's
+    # requests there; kept in the router, it waits its turn by fair share instead.
     tenant_slot_share: float = 0.0
-    # Past that cap it may still go while fewer than this many requests there wait for their first token: the
-    # engine is kept busy, but its queue stays short for the other tenants' requests.
+    # Past its cap a tenant may still send there while fewer than this many requests there await their first
+    # token: the engine stays busy with its work, and the other tenants' requests find a short queue.
     tenant_pending: int = 0
     # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
     # books do when a request is sent (the shells set it to the strategy's records_prefixes).
@@ -182,7 +186,8 @@ class Admission:
         (unless nothing is in flight there: an idle instance takes anything)."""
         return self.fleet_spare() > 0 and self._fits(inst, kv_tokens, strict_kv)
 
-    def _fits(self, inst: Instance, kv_tokens: int, strict_kv: bool, lent: int = 0, tenant: str | None = None) -> bool:
+    def _fits(self, inst: Instance, kv_tokens: int, strict_kv: bool, lent: int = 0,
+              tenant: str | None = None) -> bool:
         """has_room at one instance, `lent` slots past its threshold, for `tenant` (None: anyone) within its cap."""
         if not (inst.healthy and not inst.draining) or self.spare(inst) + lent <= 0:
             return False
@@ -194,8 +199,10 @@ class Admission:
         return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.kv_limit
 
     def within_cap(self, tenant: str, inst: Instance) -> bool:
-        """Whether `tenant` may take one more slot at instance `name`: no cap is set, no other tenant is active,
-        or it holds fewer there than tenant_slot_share x its weighted share of the threshold (at least 1)."""
+        """Whether `tenant` may take one more slot at `inst`: no cap is set (tenant_slot_share), no other tenant is
+        active, it holds fewer there than its cap (tenant_slot_share x its weight's share, among the active
+        tenants, of the threshold; at least 1), or fewer than tenant_pending requests there await their first
+        token (slots and books counted per tenant by `started`, `ended` and the queue's own assignments)."""
         share = self.settings.tenant_slot_share
         active = self._active
         if share <= 0 or len(active) - (tenant in active) < 1:
@@ -252,7 +259,7 @@ class Admission:
         """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
         s = self.settings
         inst = self.fleet.instances.get(decision.instance)
-        capped = inst is not None and not self.within_cap(tenant, inst)
+        capped = s.enabled and inst is not None and not self.within_cap(tenant, inst)
         if not s.enabled or inst is None or (not capped and self.has_room(inst, decision.kv_tokens)):
             if s.enabled and self.waiters:
                 self._charge(tenant)  # its share of capacity, while others wait for theirs
@@ -544,4 +551,9 @@ class Admission:
 
     def idle(self) -> bool:
         """Nothing waits and no slot is reserved: the books are back to zero."""
-        return not self.waiters and not self.reserved and self.bytes == 0 and not self._active
+        return not self.waiters and not self.reserved and self.bytes == 0
+
+    @property
+    def active_tenants(self) -> dict[str, int]:
+        """Per tenant with any: its requests in flight (`started`, not yet `ended`), assigned or waiting."""
+        return self._active

@@ -322,6 +322,9 @@ class Ticket:
         self._router.fleet.first_token(self.instance, self._uncached, seconds)
         self._router.signals.first_token(self.instance, self._work, seconds)
         self._router.metrics.first_byte(self.instance, seconds)
+        adm = self._router.admission
+        if adm.settings.tenant_pending and adm.waiters:  # a shorter engine queue: a capped tenant may go
+            self._router.pump()
 
     def finish(self) -> None:
         if self._done:

@@ -534,7 +534,10 @@ class Simulation:
             elif self._closed_loop is not None:
                 self._begin_session(now, *self._closed_loop)
         self._start_step(now, inst)
-        if result.finished and (self.admission.waiters or self.admission.reserved):  # type: ignore[attr-defined]
+        freed = bool(result.finished)  # type: ignore[attr-defined]
+        if self.admission.settings.tenant_pending:  # a first token shortens the engine's queue: a capped tenant may go
+            freed = freed or bool(result.first_tokens)  # type: ignore[attr-defined]
+        if freed and (self.admission.waiters or self.admission.reserved):
             self._pump(now)
 
 
