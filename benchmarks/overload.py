@@ -253,9 +253,26 @@ def jain(xs: list[float]) -> float | None:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else None
 
 
+FAIR = ("a", "b", "c")  # the fair tenants (the noisy one: "noisy")
+
+
 def tenant_rates(cap: float, share: float, noisy: bool) -> dict[str, float]:
     """Three fair tenants at `share` of the capacity each, and the noisy one at 5x that."""
-    return {"a": cap * share, "b": cap * share, "c": cap * share, **({"noisy": 5 * cap * share} if noisy else {})}
+    return {**{t: cap * share for t in FAIR}, **({"noisy": 5 * cap * share} if noisy else {})}
+
+
+def tail_split(recs: list[tuple[str, float, float | None, float]], warmup: float, who: tuple[str, ...]) -> dict:
+    """Where `who`'s slowest requests (TTFT at or above their p99) spent it: waiting in the router, then after
+    it (sending, the engine's queue and prefill), in ms, from (tenant, start s, TTFT s or None, queued s)."""
+    mine = [(t, q) for who_, start, t, q in recs if who_ in who and start >= warmup and t is not None]
+    p99 = percentile([t for t, _ in mine], 99)
+    tail = [(t, q) for t, q in mine if p99 is not None and t >= p99]
+    if not tail:
+        return {}
+    return {"tail_n": len(tail), "tail_queued_ms": round(1000 * sum(q for _, q in tail) / len(tail)),
+            "tail_after_ms": round(1000 * sum(t - q for t, q in tail) / len(tail)),
+            "queued_p50_ms": to_ms(percentile([q for _, q in mine], 50), 0),
+            "after_p50_ms": to_ms(percentile([t - q for t, q in mine], 50), 0)}
 
 
 def tenant_stats(args: argparse.Namespace, rates: dict[str, float],
@@ -285,7 +302,8 @@ async def tenants(args: argparse.Namespace, contender: Contender, cap: float, no
     for r in recs:
         if r.error == "http_429" and r.start_s >= args.warmup:
             refused[r.tenant] = refused.get(r.tenant, 0) + 1
-    return tenant_stats(args, rates, done, refused)
+    split = [(r.tenant, r.start_s, r.ttft_s if r.ok else None, r.queued_s or 0.0) for r in recs]
+    return {**tenant_stats(args, rates, done, refused), "fair_tail": tail_split(split, args.warmup, FAIR)}
 
 
 def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: float) -> dict:
@@ -301,7 +319,10 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
     res = sim.run()
     done = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None)
             for x in res.records if x.arrival < args.duration]
-    return {"hit_rate": round(res.hit_rate, 4), **tenant_stats(args, rates, done, res.rejected_by_tenant)}
+    split = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None,
+              x.sent - x.arrival) for x in res.records if x.arrival < args.duration]
+    return {"hit_rate": round(res.hit_rate, 4), **tenant_stats(args, rates, done, res.rejected_by_tenant),
+            "fair_tail": tail_split(split, args.warmup, FAIR)}
 
 
 def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -> SimSettings:
