@@ -240,9 +240,9 @@ async def surge(args: argparse.Namespace, contender: Contender, cap: float) -> d
 
 
 def tenant_flags(args: argparse.Namespace) -> list[str]:
-    """`warmroute serve` flags for the tenant cap (--tenant-slot-share, --tenant-pending), where given."""
+    """`warmroute serve` flags for the tenant cap (--tenant-queue-share, --tenant-pending), where given."""
     flags = []
-    for name in ("tenant_slot_share", "tenant_pending"):
+    for name in ("tenant_queue_share", "tenant_pending"):
         value = getattr(args, name)
         if value is not None:
             flags += ["--" + name.replace("_", "-"), f"{value:g}"]
@@ -313,7 +313,7 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
     streams = tuple(TenantStream(t, mixed(args.seed + i), r) for i, (t, r) in enumerate(rates.items()))
     workload = Tenants(streams=streams, duration_s=args.duration)
     sim = Simulation(sim_settings(args, admission), workload, "cache_aware")
-    for name in ("fair_lend", "tenant_slot_share", "tenant_pending"):
+    for name in ("fair_lend", "tenant_queue_share", "tenant_pending"):
         if getattr(args, name) is not None:
             setattr(sim.admission.settings, name, getattr(args, name))
     res = sim.run()
@@ -364,8 +364,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fair-share", type=float, default=0.25,
                    help="tenants: each fair tenant's rate, as a share of the capacity (the noisy one: 5x that)")
     p.add_argument("--fair-lend", type=float, help="sim-tenants: the admission queue's fair_lend (default: its own)")
-    p.add_argument("--tenant-slot-share", type=float,
-                   help="warmroute's --tenant-slot-share (flow contenders and the simulator; default: its own)")
+    p.add_argument("--tenant-queue-share", type=float,
+                   help="warmroute's --tenant-queue-share (flow contenders and the simulator; default: its own)")
     p.add_argument("--tenant-pending", type=int,
                    help="warmroute's --tenant-pending (flow contenders and the simulator; default: its own)")
     p.add_argument("--baseline-code", type=Path, nargs="+", default=[], metavar="DIR",

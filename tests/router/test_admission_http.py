@@ -177,17 +177,19 @@ async def test_priority_and_tenant_come_from_headers_and_a_bad_priority_is_a_400
         await fleet.close()
 
 
-async def test_a_tenant_past_its_slot_share_waits_in_the_router_while_another_is_served():
-    """tenant_slot_share 0.5 on one instance taking 8: while tenant quiet has a request in flight, tenant noisy
-    holds at most 2 slots (0.5 x 8 / 2 tenants); its other requests wait in the router though the instance has
-    room (admissions how="share"), all are answered, and the books return to zero."""
-    fleet, router = await _stack(count=1, concurrency_threshold=8, tenant_slot_share=0.5)
+async def test_a_tenant_past_its_queue_share_waits_in_the_router_while_another_is_served():
+    """tenant_queue_share 0.5 on one instance taking 8 (engines at quarter speed): while tenant quiet has a
+    request in flight, tenant noisy has at most 2 (0.5 x 8 / 2 tenants) awaiting their first token there; its
+    other requests wait in the router though the instance has room (admissions how="share") and go as those
+    get their first tokens; all are answered, and the books return to zero."""
+    fleet, router = await _stack(count=1, time_scale=4.0, concurrency_threshold=8, tenant_queue_share=0.5)
     try:
         async with aiohttp.ClientSession() as client:
-            quiet = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=400), {"x-tenant": "quiet"}))
+            quiet = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=100),
+                                                {"x-tenant": "quiet"}))
             await wait_for(lambda: router.app[ROUTER].fleet.instances["e0"].inflight == 1)
-            noisy = [asyncio.ensure_future(_post(client, router.url, _chat(0, q, max_tokens=40), {"x-tenant": "noisy"}))
-                     for q in range(1, 7)]
+            noisy = [asyncio.ensure_future(_post(client, router.url, _chat(q, q), {"x-tenant": "noisy"}))
+                     for q in range(1, 7)]  # each its own document: a cold prompt, a long prefill
             await wait_for(lambda: len(router.app[ROUTER].admission.waiters) == 4)
             assert router.app[ROUTER].fleet.instances["e0"].inflight == 3  # quiet's and noisy's 2
             answers = await asyncio.wait_for(asyncio.gather(*noisy), 60)

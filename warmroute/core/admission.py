@@ -26,12 +26,13 @@ least of its predicted cached match there (its match there less its deepest anyw
 tie the earliest virtual finish time (a burst queues behind itself). Fairness holds fleet-wide, not only among
 the requests waiting for one instance: a tenant behind its share gets the freed slot, lent to the instance
 its request waits for (cache kept; that instance may go `fair_lend` x the threshold past it, and the fleet's
-total stays under the sum of the thresholds). Optionally (`tenant_slot_share`), while other tenants are active a
-tenant holds at most its share of an instance's slots, past which it waits here unless that engine's queue is
-short (`tenant_pending`): engines serve first come first served, so one tenant's backlog in them would delay every
-other tenant's requests however fair the order here. The queue is bounded in requests and bytes (a full queue
-refuses its lowest priority first) and every waiter has a deadline; the shell answers those with 429. All of
-it is pure: the router (asyncio) and the simulator (virtual time) drive the same object with their own clocks.
+total stays under the sum of the thresholds). Optionally (`tenant_queue_share`), while other tenants are active a
+tenant has at most its share of the requests awaiting their first token at an instance; past it, its requests
+wait here (unless that engine's queue is shorter than `tenant_pending`): engines prefill first come first served,
+so one tenant's backlog in them would delay every other tenant's first tokens however fair the order here. The
+queue is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
+deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator (virtual
+time) drive the same object with their own clocks.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ SHED_REASONS = (QUEUE_FULL, PREEMPTED, DEADLINE, NO_INSTANCE)
 IMMEDIATE = "immediate"
 BUSY = "busy"  # its instance was at the ConcurrencyThreshold
 KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
-SHARE = "share"  # its tenant held its cap of its instance's slots (tenant_slot_share) while others were active
+SHARE = "share"  # its tenant had its share of its instance's queue (tenant_queue_share) while others were active
 WAIT_REASONS = (BUSY, KV, SHARE)
 UNBOUNDED = 1 << 30
 MAX_TENANTS_TRACKED = 10_000  # the strategy's threshold while admission owns the real one
@@ -96,13 +97,13 @@ class AdmissionSettings:
     # by the instances serving tenants ahead of theirs: the fleet's total stays under the sum of thresholds).
     fair_lend: float = 0.5
     tenant_weights: dict[str, float] = field(default_factory=dict)  # 1.0 for tenants not listed
-    # While other tenants are active (requests in flight or waiting), a tenant may hold at most this many times
-    # its weighted share of an instance's threshold there, at least 1 slot (0: no cap). The engine serves what
-    # it holds first come first served, so one tenant's backlog in its slots delays every other tenant's
-    # requests there; kept in the router, it waits its turn by fair share instead.
-    tenant_slot_share: float = 0.0
+    # While other tenants are active (requests in flight or waiting), a tenant may have at most this many times
+    # its weighted share of an instance's threshold awaiting their first token there, at least 1 (0: no cap).
+    # The engine prefills what it holds first come first served, so one tenant's backlog in its queue delays
+    # every other tenant's first tokens there; kept in the router, it waits its turn by fair share instead.
+    tenant_queue_share: float = 0.0
     # Past its cap a tenant may still send there while fewer than this many requests there await their first
-    # token: the engine stays busy with its work, and the other tenants' requests find a short queue.
+    # token (0: never): the engine is not left idle for want of its work.
     tenant_pending: int = 0
     # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
     # books do when a request is sent (the shells set it to the strategy's records_prefixes).
@@ -171,8 +172,8 @@ class Admission:
         self.reserved: dict[str, int] = {}  # slots given to assigned waiters not yet dispatched, per instance
         self._served: dict[str, float] = {}  # per tenant: requests admitted from the queue / weight (virtual time)
         self._waiting: dict[str, int] = {}  # per tenant: requests waiting
-        self._held: dict[str, dict[str, int]] = {}  # per tenant, per instance: requests in flight or assigned
-        self._active: dict[str, int] = {}  # per tenant with any: requests held or waiting
+        self._held: dict[str, dict[str, int]] = {}  # per tenant, per instance: assigned or awaiting a first token
+        self._active: dict[str, int] = {}  # per tenant with any: requests in flight, assigned or waiting
         self._active_weight = 0.0  # their tenants' weights added up
         self._seq = itertools.count()
 
@@ -199,11 +200,11 @@ class Admission:
         return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.kv_limit
 
     def within_cap(self, tenant: str, inst: Instance) -> bool:
-        """Whether `tenant` may take one more slot at `inst`: no cap is set (tenant_slot_share), no other tenant is
-        active, it holds fewer there than its cap (tenant_slot_share x its weight's share, among the active
-        tenants, of the threshold; at least 1), or fewer than tenant_pending requests there await their first
-        token (slots and books counted per tenant by `started`, `ended` and the queue's own assignments)."""
-        share = self.settings.tenant_slot_share
+        """Whether `tenant` may send one more request to `inst`: no cap is set (tenant_queue_share), no other
+        tenant is active, fewer of its requests there await their first token than its cap (tenant_queue_share x
+        its weight's share, among the active tenants, of the threshold; at least 1), or fewer than tenant_pending
+        of anyone's do (counted per tenant by `started`, `first_token`, `ended` and the queue's assignments)."""
+        share = self.settings.tenant_queue_share
         active = self._active
         if share <= 0 or len(active) - (tenant in active) < 1:
             return True
@@ -217,10 +218,17 @@ class Admission:
     def started(self, tenant: str, name: str) -> None:
         """The shell sent a request of `tenant` to instance `name` (with or without waiting here)."""
         self._hold(tenant, name, +1)
+        self._activity(tenant, +1)
 
-    def ended(self, tenant: str, name: str) -> None:
-        """That request is done (answered, failed or cut off): its slot no longer counts against its tenant."""
+    def first_token(self, tenant: str, name: str) -> None:
+        """Its first token came: it no longer queues ahead of other requests there (its tenant stays active)."""
         self._hold(tenant, name, -1)
+
+    def ended(self, tenant: str, name: str, got_first_token: bool) -> None:
+        """That request is done (answered, failed or cut off)."""
+        if not got_first_token:
+            self._hold(tenant, name, -1)
+        self._activity(tenant, -1)
 
     def _hold(self, tenant: str, name: str, n: int) -> None:
         held = self._held.setdefault(tenant, {})
@@ -231,7 +239,6 @@ class Admission:
             held.pop(name, None)
             if not held:
                 del self._held[tenant]
-        self._activity(tenant, n)
 
     def _activity(self, tenant: str, n: int) -> None:
         """`n` more requests held or waiting for `tenant`; keeps the active tenants' weights added up."""
@@ -357,6 +364,7 @@ class Admission:
         name, waiter.instance = waiter.instance, None
         if name is not None:
             self._hold(waiter.tenant, name, -1)  # the shell's `started` counts it from now on
+            self._activity(waiter.tenant, -1)
             n = self.reserved.get(name, 0) - 1
             if n > 0:
                 self.reserved[name] = n
@@ -414,6 +422,7 @@ class Admission:
         w.instance = name
         self.reserved[name] = self.reserved.get(name, 0) + 1
         self._hold(w.tenant, name, +1)
+        self._activity(w.tenant, +1)
         self._charge(w.tenant)
 
     def _charge(self, tenant: str) -> None:

@@ -225,18 +225,18 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
         description="Prompt tokens a waiting request is willing to lose per second waited to go to another "
                     "instance than its own (away from it, it loses at least its whole prompt); 0: never (only "
                     "an idle instance takes it, or a free slot anywhere once its own is down).")
-    tenant_slot_share: float = Field(
-        AdmissionSettings.tenant_slot_share, ge=0.0, le=64.0,
-        description="While other tenants have requests in flight or waiting, a tenant may hold at most this many "
-                    "times its weighted share of an instance's concurrency_threshold there (at least 1 slot); "
-                    "past it, its requests wait in the router (or go while fewer than tenant_pending requests "
-                    "there await their first token). Engines serve what they hold first come first served, so "
-                    "one tenant's burst in every slot delays every other tenant's requests. 0: no cap.")
+    tenant_queue_share: float = Field(
+        AdmissionSettings.tenant_queue_share, ge=0.0, le=64.0,
+        description="While other tenants have requests in flight or waiting, a tenant may have at most this many "
+                    "times its weighted share of concurrency_threshold awaiting their first token at an instance "
+                    "(at least 1); past it, its requests wait in the router (see tenant_pending). Engines prefill "
+                    "first come first served, so one tenant's burst queued in them delays every other tenant's "
+                    "first tokens. 0: no cap. Costs throughput where the engines would batch the burst.")
     tenant_pending: int = Field(
         AdmissionSettings.tenant_pending, ge=0, le=1_000_000,
-        description="A tenant past its tenant_slot_share cap at an instance may still send there while fewer "
-                    "than this many requests there await their first token: the engine stays busy with it, "
-                    "and the other tenants' requests find a short queue. 0: never past the cap.")
+        description="A tenant past its tenant_queue_share cap at an instance may still send there while fewer "
+                    "than this many requests there await their first token, so that the engine is not left "
+                    "idle for want of its work. 0: never past the cap.")
     priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$",
                                  description="Request header carrying a request's priority (an integer, "
                                              "-1000..1000; higher first, lower refused first).")
