@@ -108,18 +108,6 @@ def _part_digest(part: dict) -> str:
     return f"<{part.get('type')}:{xxhash.xxh3_128_hexdigest(raw.encode('utf-8', 'surrogatepass'))}>"
 
 
-def check_message(m: Any, i: int) -> None:
-    """What the OpenAI API itself rejects, so that it is never forwarded: a message without a role, or without
-    content (an assistant message that calls tools may leave it null)."""
-    if not isinstance(m, dict):
-        raise KeyError_(f"messages[{i}] must be an object")
-    role = m.get("role")
-    if not isinstance(role, str):
-        raise KeyError_(f"messages[{i}].role is required and must be a string")
-    if m.get("content") is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
-        raise KeyError_(f"messages[{i}].content is required")
-
-
 def render_messages(messages: Any, tools: Any = None, strict: bool = False) -> str:
     """A chat conversation as the text the engine will prefill: tools, then each role and its text. `strict`:
     also reject what the OpenAI API rejects (an empty list, a message without role or content)."""
@@ -131,14 +119,17 @@ def render_messages(messages: Any, tools: Any = None, strict: bool = False) -> s
     if tools:
         out.append("<|tools|>\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "\n")
     for i, m in enumerate(messages):
-        if strict:
-            check_message(m, i)
-        elif not isinstance(m, dict):
+        if not isinstance(m, dict):
             raise KeyError_(f"messages[{i}] must be an object")
-        role = m.get("role", "user")
+        role = m.get("role") if strict else m.get("role", "user")
         if not isinstance(role, str):
-            raise KeyError_(f"messages[{i}].role must be a string")
-        out += ("<|", role, "|>\n", content_text(m.get("content")))
+            raise KeyError_(f"messages[{i}].role is required and must be a string" if strict
+                            else f"messages[{i}].role must be a string")
+        content = m.get("content")
+        # What the OpenAI API itself rejects, never forwarded: no content (a tool-calling assistant may leave it null).
+        if strict and content is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
+            raise KeyError_(f"messages[{i}].content is required")
+        out += ("<|", role, "|>\n", content_text(content))
         if m.get("tool_calls"):
             out.append(json.dumps(m["tool_calls"], sort_keys=True, separators=(",", ":")))
         out.append("\n")
@@ -204,6 +195,11 @@ def _as_function(tool: Any) -> Any:
     return {"type": "function", "function": fn}
 
 
+# Seeds by (model, cache salt, adapter), each hashed once: the same few triples come with every request. Bounded,
+# since request bodies choose them.
+_SEEDS: dict[tuple[str, str, str], int] = {}
+
+
 def _seed(body: dict) -> tuple[int, str | None]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -211,7 +207,13 @@ def _seed(body: dict) -> tuple[int, str | None]:
     model = model or ""
     salt = body.get("cache_salt")
     lora = body.get("lora_adapter") or body.get("adapter")
-    return seed_of(model, salt if isinstance(salt, str) else "", lora if isinstance(lora, str) else ""), model or None
+    parts = (model, salt if isinstance(salt, str) else "", lora if isinstance(lora, str) else "")
+    seed = _SEEDS.get(parts)
+    if seed is None:
+        if len(_SEEDS) >= 1024:
+            _SEEDS.clear()
+        seed = _SEEDS[parts] = seed_of(*parts)
+    return seed, model or None
 
 
 def key_for_json(path: str, body: Any, session: str | None = None) -> RoutingKey:
