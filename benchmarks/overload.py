@@ -67,7 +67,8 @@ class Contender:
     peer: bool = False
     code: Path | None = None  # run the router from this checkout (--baseline-code: before / after a change)
 
-    def argv(self, port: int, urls: list[str], venv: Path, slo: float | None, threshold: int | None) -> list[str]:
+    def argv(self, port: int, urls: list[str], venv: Path, slo: float | None, threshold: int | None,
+             flags: list[str]) -> list[str]:
         if self.peer:
             return [str(venv / "bin" / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1), "--policy", "cache_aware",
@@ -77,6 +78,8 @@ class Contender:
             args += ["--queue-timeout", f"{slo:g}"]
         if threshold is not None:
             args += ["--concurrency-threshold", str(threshold)]
+        if self.code is None and "--no-admission" not in self.extra:
+            args += flags  # this checkout's tenant cap settings (a baseline checkout may not know them)
         for i, url in enumerate(urls):
             args += ["--backend", f"engine-{i}={url}"]
         return args
@@ -92,6 +95,7 @@ class Stack:
     def __init__(self, contender: Contender, args: argparse.Namespace, slo: float | None = None) -> None:
         self.contender, self.logs, self.venv, self.slo = contender, args.logs, args.peers_venv, slo
         self.threshold, self.time_scale = args.threshold, args.time_scale
+        self.flags = tenant_flags(args)
 
     async def __aenter__(self) -> Stack:
         port = free_ports(INSTANCES)
@@ -104,7 +108,7 @@ class Stack:
             self.children.append(engines)
             await engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
             rport = free_ports(2, port + INSTANCES)
-            argv = self.contender.argv(rport, self.urls, self.venv, self.slo, self.threshold)
+            argv = self.contender.argv(rport, self.urls, self.venv, self.slo, self.threshold, self.flags)
             if self.contender.code is not None:  # the same command from another checkout's code (PYTHONSAFEPATH:
                 # `python -m` would put the working directory, this checkout, first on the path)
                 argv = ["env", f"PYTHONPATH={self.contender.code}", "PYTHONSAFEPATH=1", *argv]
@@ -235,13 +239,40 @@ async def surge(args: argparse.Namespace, contender: Contender, cap: float) -> d
             "recovery_s": recovery_s(recs, high, high + low, args.slo)}
 
 
+def tenant_flags(args: argparse.Namespace) -> list[str]:
+    """`warmroute serve` flags for the tenant cap (--tenant-queue-share, --tenant-pending), where given."""
+    flags = []
+    for name in ("tenant_queue_share", "tenant_pending"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), f"{value:g}"]
+    return flags
+
+
 def jain(xs: list[float]) -> float | None:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else None
 
 
+FAIR = ("a", "b", "c")  # the fair tenants (the noisy one: "noisy")
+
+
 def tenant_rates(cap: float, share: float, noisy: bool) -> dict[str, float]:
     """Three fair tenants at `share` of the capacity each, and the noisy one at 5x that."""
-    return {"a": cap * share, "b": cap * share, "c": cap * share, **({"noisy": 5 * cap * share} if noisy else {})}
+    return {**{t: cap * share for t in FAIR}, **({"noisy": 5 * cap * share} if noisy else {})}
+
+
+def tail_split(recs: list[tuple[str, float, float | None, float]], warmup: float, who: tuple[str, ...]) -> dict:
+    """Where `who`'s slowest requests (TTFT at or above their p99) spent it: waiting in the router, then after
+    it (sending, the engine's queue and prefill), in ms, from (tenant, start s, TTFT s or None, queued s)."""
+    mine = [(t, q) for who_, start, t, q in recs if who_ in who and start >= warmup and t is not None]
+    p99 = percentile([t for t, _ in mine], 99)
+    tail = [(t, q) for t, q in mine if p99 is not None and t >= p99]
+    if not tail:
+        return {}
+    return {"tail_n": len(tail), "tail_queued_ms": round(1000 * sum(q for _, q in tail) / len(tail)),
+            "tail_after_ms": round(1000 * sum(t - q for t, q in tail) / len(tail)),
+            "queued_p50_ms": to_ms(percentile([q for _, q in mine], 50), 0),
+            "after_p50_ms": to_ms(percentile([t - q for t, q in mine], 50), 0)}
 
 
 def tenant_stats(args: argparse.Namespace, rates: dict[str, float],
@@ -271,7 +302,8 @@ async def tenants(args: argparse.Namespace, contender: Contender, cap: float, no
     for r in recs:
         if r.error == "http_429" and r.start_s >= args.warmup:
             refused[r.tenant] = refused.get(r.tenant, 0) + 1
-    return tenant_stats(args, rates, done, refused)
+    split = [(r.tenant, r.start_s, r.ttft_s if r.ok else None, r.queued_s or 0.0) for r in recs]
+    return {**tenant_stats(args, rates, done, refused), "fair_tail": tail_split(split, args.warmup, FAIR)}
 
 
 def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: float) -> dict:
@@ -281,12 +313,16 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
     streams = tuple(TenantStream(t, mixed(args.seed + i), r) for i, (t, r) in enumerate(rates.items()))
     workload = Tenants(streams=streams, duration_s=args.duration)
     sim = Simulation(sim_settings(args, admission), workload, "cache_aware")
-    if args.fair_lend is not None:
-        sim.admission.settings.fair_lend = args.fair_lend
+    for name in ("fair_lend", "tenant_queue_share", "tenant_pending"):
+        if getattr(args, name) is not None:
+            setattr(sim.admission.settings, name, getattr(args, name))
     res = sim.run()
     done = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None)
             for x in res.records if x.arrival < args.duration]
-    return {"hit_rate": round(res.hit_rate, 4), **tenant_stats(args, rates, done, res.rejected_by_tenant)}
+    split = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None,
+              x.sent - x.arrival) for x in res.records if x.arrival < args.duration]
+    return {"hit_rate": round(res.hit_rate, 4), **tenant_stats(args, rates, done, res.rejected_by_tenant),
+            "fair_tail": tail_split(split, args.warmup, FAIR)}
 
 
 def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -> SimSettings:
@@ -328,6 +364,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fair-share", type=float, default=0.25,
                    help="tenants: each fair tenant's rate, as a share of the capacity (the noisy one: 5x that)")
     p.add_argument("--fair-lend", type=float, help="sim-tenants: the admission queue's fair_lend (default: its own)")
+    p.add_argument("--tenant-queue-share", type=float,
+                   help="warmroute's --tenant-queue-share (flow contenders and the simulator; default: its own)")
+    p.add_argument("--tenant-pending", type=int,
+                   help="warmroute's --tenant-pending (flow contenders and the simulator; default: its own)")
     p.add_argument("--baseline-code", type=Path, nargs="+", default=[], metavar="DIR",
                    help="add a contender `flow@DIR` per DIR: flow with the router from that checkout (before a "
                         "change)")

@@ -310,3 +310,9 @@ async def test_requests_still_running_after_the_drain_are_unfinished_errors(fake
     result = await run_bench(url, make_workload("shared", **SMALL),
                              BenchSettings(concurrency=2, duration_s=0.3, warmup_s=0, drain_s=0.2))
     assert result.errors == {"unfinished": 2} and not result.ok
+
+
+def test_the_wait_in_the_router_is_read_from_the_reason_header():
+    from warmroute.bench.client import _queued
+    assert _queued("cache_hit; match=precise; queued=0.153s") == 0.153
+    assert _queued("cold") is None and _queued("cold; queued=soon") is None

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from warmroute.core.admission import (BUSY, DEADLINE, KV, NO_INSTANCE, PREEMPTED, UNBOUNDED, Admission,
+from warmroute.core.admission import (BUSY, DEADLINE, KV, NO_INSTANCE, PREEMPTED, SHARE, UNBOUNDED, Admission,
                                       AdmissionSettings, QueueFull, decide_at, strategy_threshold)
 from warmroute.core.strategies import (CACHE_HIT, COLD, OVERLOAD_SPILL, Decision, StrategySettings,
                                        make_strategy)
@@ -452,3 +452,78 @@ def test_the_lending_property_test_lends():
     if not LENT:
         pytest.skip("run with the property test before it")
     assert any(LENT)
+
+
+def test_a_tenant_past_its_queue_share_waits_while_another_tenant_is_active():
+    """tenant_queue_share 1 with two active tenants: each may have half the instance's threshold (4 of 8) awaiting
+    their first token there; past it a tenant's request waits (why SHARE) though the instance has room, while the
+    other tenant's still go at once, and it goes once one of its own has had its first token (requests past it,
+    decoding, do not count). Alone, a tenant has no cap; with tenant_pending 1 it may go past its cap while no
+    request there awaits its first token."""
+    f = fleet(1)
+    (a,) = f.instances
+    inst = f.instances[a]
+    adm = _adm(f, concurrency_threshold=8, tenant_queue_share=1.0)
+    for _ in range(6):  # alone: no cap
+        assert _waiter(adm, a, tenant="noisy") is None
+        adm.started("noisy", a)
+    for _ in range(2):
+        adm.ended("noisy", a, got_first_token=False)
+    adm.started("quiet", a)  # another tenant is active: noisy has 4 awaiting their first token, its cap
+    inst.inflight = 5
+    w = _waiter(adm, a, tenant="noisy")
+    assert w is not None and w.why == SHARE
+    assert _waiter(adm, a, tenant="quiet") is None  # under its cap, room at the instance: at once
+    adm.offer(w)
+    assert adm.pump(0.1) == ([], [])  # the instance has room, but not for noisy
+    adm.first_token("noisy", a)  # one of its requests is decoding now: under its cap again
+    assert adm.pump(0.2) == ([w], []) and w.instance == a
+    adm.dispatched(w)
+    adm.started("noisy", a)
+    adm.settings.tenant_pending = 1
+    inst.pending = 1  # one request there awaits its first token: noisy waits past its cap
+    assert _waiter(adm, a, tenant="noisy") is not None
+    inst.pending = 0  # the engine's queue is empty: it may go
+    assert _waiter(adm, a, tenant="noisy") is None
+
+
+def test_queue_shares_follow_the_weights_of_the_active_tenants():
+    """Cap = tenant_queue_share x threshold x weight / the active tenants' weights, at least 1 request."""
+    f = fleet(1)
+    (a,) = f.instances
+    adm = _adm(f, concurrency_threshold=12, tenant_queue_share=1.0, tenant_weights={"big": 2.0})
+    for t in ("small", "other"):
+        adm.started(t, a)
+    held = 0
+    while _waiter(adm, a, tenant="big") is None:  # its weight 2 of 4: 6 of 12
+        adm.started("big", a)
+        held += 1
+    assert held == 6
+    adm.settings.tenant_queue_share = 0.01  # a tiny share still lets each tenant have one
+    assert _waiter(adm, a, tenant="new") is None
+
+
+def test_the_books_of_tenants_requests_return_to_zero():
+    """Started, first token and ended per request, assigned and cancelled in the queue: no tenant is left active
+    once all is done, and the cap counts nothing left over."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=4, tenant_queue_share=0.5)
+    adm.started("x", a)
+    adm.started("y", b)
+    assert adm.active_tenants == {"x": 1, "y": 1}
+    w = _waiter(adm, a, tenant="x")  # x has its 1 (0.5 x 4 / 2) awaiting a first token at a: it waits
+    assert w is not None
+    adm.offer(w)
+    adm.first_token("x", a)
+    (got,), _ = adm.pump(0.1)
+    assert got is w
+    adm.cancel(w)  # assigned, then the client left
+    assert adm.idle() and adm.active_tenants == {"x": 1, "y": 1}
+    adm.ended("x", a, got_first_token=True)
+    adm.ended("y", b, got_first_token=False)
+    assert not adm.active_tenants
+    for _ in range(2):  # x again, with y active: its cap of 1 at a is free again
+        adm.started("y", b)
+        assert _waiter(adm, a, tenant="x") is None
+        adm.ended("y", b, got_first_token=False)

@@ -56,8 +56,9 @@ async def _post(client: aiohttp.ClientSession, url: str, body: dict, headers: di
 def _books_are_zero(router) -> bool:
     r = router.app[ROUTER]
     queued = [s.value for m in r.metrics.queue_waiting.collect() for s in m.samples]
-    return (r.admission.idle() and all(i.inflight == 0 and i.inflight_prompt_tokens == 0
-                                       for i in r.fleet.instances.values()) and not any(queued))
+    return (r.admission.idle() and not r.admission.active_tenants
+            and all(i.inflight == 0 and i.inflight_prompt_tokens == 0 for i in r.fleet.instances.values())
+            and not any(queued))
 
 
 def _metric(router, name: str, **labels) -> float:
@@ -149,3 +150,23 @@ async def test_priority_and_tenant_come_from_headers_and_a_bad_priority_is_a_400
         done, _ = await asyncio.wait([low, high], return_when=asyncio.FIRST_COMPLETED)
         assert done == {high}  # the higher priority went first though it came later
         assert (await low)[0] == 200
+
+
+async def test_a_tenant_past_its_queue_share_waits_in_the_router_while_another_is_served():
+    """tenant_queue_share 0.5 on one instance taking 8 (engines at quarter speed): while tenant quiet has a
+    request in flight, tenant noisy has at most 2 (0.5 x 8 / 2 tenants) awaiting their first token there; its
+    other requests wait in the router though the instance has room (admissions how="share") and go as those
+    get their first tokens; all are answered, and the books return to zero."""
+    async with _stack(count=1, time_scale=4.0, concurrency_threshold=8, tenant_queue_share=0.5) as (
+            fleet, router, client):
+        quiet = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=100), {"x-tenant": "quiet"}))
+        await wait_for(lambda: router.app[ROUTER].fleet.instances["e0"].inflight == 1)
+        noisy = [asyncio.ensure_future(_post(client, router.url, _chat(q, q), {"x-tenant": "noisy"}))
+                 for q in range(1, 7)]  # each its own document: a cold prompt, a long prefill
+        await wait_for(lambda: len(router.app[ROUTER].admission.waiters) == 4)
+        assert router.app[ROUTER].fleet.instances["e0"].inflight == 3  # quiet's and noisy's 2
+        answers = await asyncio.wait_for(asyncio.gather(*noisy), 60)
+        assert all(status == 200 for status, _, _ in answers)
+        assert sum("; queued=" in h["x-warmroute-reason"] for _, h, _ in answers) == 4
+        assert _metric(router, "warmroute_admissions_total", how="share") == 4
+        assert (await quiet)[0] == 200

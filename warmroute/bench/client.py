@@ -15,6 +15,7 @@ from warmroute.workloads import WorkloadRequest
 INSTANCE_HEADER = "x-warmroute-instance"
 TENANT_HEADER = "x-tenant"  # the router's default tenant_header
 PREDICTED_HEADER = "x-warmroute-predicted-hit"
+REASON_HEADER = "x-warmroute-reason"  # "cache_hit; queued=0.153s" when it waited in the router
 
 
 def streaming_body(req: WorkloadRequest, model: str | None) -> dict[str, Any]:
@@ -36,6 +37,7 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: WorkloadReque
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             rec.instance = resp.headers.get(INSTANCE_HEADER)
             rec.predicted_hit = _ratio(resp.headers.get(PREDICTED_HEADER))
+            rec.queued_s = _queued(resp.headers.get(REASON_HEADER, ""))
             if resp.status != 200:
                 await resp.read()
                 rec.error = f"http_{resp.status}"
@@ -50,6 +52,18 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: WorkloadReque
     except aiohttp.ClientError as exc:
         rec.error = exc.__class__.__name__
     return rec
+
+
+def _queued(reason: str) -> float | None:
+    """The seconds a request waited in the router, from its x-warmroute-reason ("...; queued=0.153s")."""
+    for part in reason.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == "queued" and value.endswith("s"):
+            try:
+                return float(value[:-1])
+            except ValueError:
+                return None
+    return None
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, start: float) -> None:

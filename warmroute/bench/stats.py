@@ -22,6 +22,7 @@ class RequestRecord:
     error: str | None = None  # kind of failure ("http_503", "timeout", "connect", ...), None if it succeeded
     tenant: str = ""  # the workload request's tenant (sent as x-tenant)
     predicted_hit: float | None = None  # x-warmroute-predicted-hit: share of the prompt the router predicted cached
+    queued_s: float | None = None  # seconds it waited in the router (x-warmroute-reason's queued=), if it did
 
     @property
     def ok(self) -> bool:

@@ -26,9 +26,13 @@ least of its predicted cached match there (its match there less its deepest anyw
 tie the earliest virtual finish time (a burst queues behind itself). Fairness holds fleet-wide, not only among
 the requests waiting for one instance: a tenant behind its share gets the freed slot, lent to the instance
 its request waits for (cache kept; that instance may go `fair_lend` x the threshold past it, and the fleet's
-total stays under the sum of the thresholds). The queue is bounded in requests and bytes (a full queue
-refuses its lowest priority first) and every waiter has a deadline; the shell answers those with 429. All of
-it is pure: the router (asyncio) and the simulator (virtual time) drive the same object with their own clocks.
+total stays under the sum of the thresholds). Optionally (`tenant_queue_share`), while other tenants are active a
+tenant has at most its share of the requests awaiting their first token at an instance; past it, its requests
+wait here (unless that engine's queue is shorter than `tenant_pending`): engines prefill first come first served,
+so one tenant's backlog in them would delay every other tenant's first tokens however fair the order here. The
+queue is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
+deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator (virtual
+time) drive the same object with their own clocks.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ SHED_REASONS = (QUEUE_FULL, PREEMPTED, DEADLINE, NO_INSTANCE)
 IMMEDIATE = "immediate"
 BUSY = "busy"  # its instance was at the ConcurrencyThreshold
 KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
-WAIT_REASONS = (BUSY, KV)
+SHARE = "share"  # its tenant had its share of its instance's queue (tenant_queue_share) while others were active
+WAIT_REASONS = (BUSY, KV, SHARE)
 UNBOUNDED = 1 << 30
 MAX_TENANTS_TRACKED = 10_000  # the strategy's threshold while admission owns the real one
 
@@ -92,6 +97,14 @@ class AdmissionSettings:
     # by the instances serving tenants ahead of theirs: the fleet's total stays under the sum of thresholds).
     fair_lend: float = 0.5
     tenant_weights: dict[str, float] = field(default_factory=dict)  # 1.0 for tenants not listed
+    # While other tenants are active (requests in flight or waiting), a tenant may have at most this many times
+    # its weighted share of an instance's threshold awaiting their first token there, at least 1 (0: no cap).
+    # The engine prefills what it holds first come first served, so one tenant's backlog in its queue delays
+    # every other tenant's first tokens there; kept in the router, it waits its turn by fair share instead.
+    tenant_queue_share: float = 0.0
+    # Past its cap a tenant may still send there while fewer than this many requests there await their first
+    # token (0: never): the engine is not left idle for want of its work.
+    tenant_pending: int = 0
     # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
     # books do when a request is sent (the shells set it to the strategy's records_prefixes).
     record_queued: bool = True
@@ -159,6 +172,9 @@ class Admission:
         self.reserved: dict[str, int] = {}  # slots given to assigned waiters not yet dispatched, per instance
         self._served: dict[str, float] = {}  # per tenant: requests admitted from the queue / weight (virtual time)
         self._waiting: dict[str, int] = {}  # per tenant: requests waiting
+        self._held: dict[str, dict[str, int]] = {}  # per tenant, per instance: assigned or awaiting a first token
+        self._active: dict[str, int] = {}  # per tenant with any: requests in flight, assigned or waiting
+        self._active_weight = 0.0  # their tenants' weights added up
         self._seq = itertools.count()
 
     # -- room ----------------------------------------------------------------------------------------------
@@ -171,14 +187,70 @@ class Admission:
         (unless nothing is in flight there: an idle instance takes anything)."""
         return self.fleet_spare() > 0 and self._fits(inst, kv_tokens, strict_kv)
 
-    def _fits(self, inst: Instance, kv_tokens: int, strict_kv: bool, lent: int = 0) -> bool:
-        """has_room at one instance, `lent` slots past its threshold."""
+    def _fits(self, inst: Instance, kv_tokens: int, strict_kv: bool, lent: int = 0,
+              tenant: str | None = None) -> bool:
+        """has_room at one instance, `lent` slots past its threshold, for `tenant` (None: anyone) within its cap."""
         if not (inst.healthy and not inst.draining) or self.spare(inst) + lent <= 0:
+            return False
+        if tenant is not None and not self.within_cap(tenant, inst):
             return False
         if not strict_kv or not inst.inflight or inst.kv_capacity_tokens <= 0:
             return True
         scale = self.fleet.cache_scale.value
         return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.kv_limit
+
+    def within_cap(self, tenant: str, inst: Instance) -> bool:
+        """Whether `tenant` may send one more request to `inst`: no cap is set (tenant_queue_share), no other
+        tenant is active, fewer of its requests there await their first token than its cap (tenant_queue_share x
+        its weight's share, among the active tenants, of the threshold; at least 1), or fewer than tenant_pending
+        of anyone's do (counted per tenant by `started`, `first_token`, `ended` and the queue's assignments)."""
+        share = self.settings.tenant_queue_share
+        active = self._active
+        if share <= 0 or len(active) - (tenant in active) < 1:
+            return True
+        weight = self.settings.tenant_weights.get(tenant, 1.0)
+        total = self._active_weight + (0.0 if tenant in active else weight)
+        cap = max(1, math.ceil(share * self.settings.concurrency_threshold * weight / total))
+        if self._held.get(tenant, {}).get(inst.name, 0) < cap:
+            return True
+        return inst.pending + self.reserved.get(inst.name, 0) < self.settings.tenant_pending
+
+    def started(self, tenant: str, name: str) -> None:
+        """The shell sent a request of `tenant` to instance `name` (with or without waiting here)."""
+        self._hold(tenant, name, +1)
+        self._activity(tenant, +1)
+
+    def first_token(self, tenant: str, name: str) -> None:
+        """Its first token came: it no longer queues ahead of other requests there (its tenant stays active)."""
+        self._hold(tenant, name, -1)
+
+    def ended(self, tenant: str, name: str, got_first_token: bool) -> None:
+        """That request is done (answered, failed or cut off)."""
+        if not got_first_token:
+            self._hold(tenant, name, -1)
+        self._activity(tenant, -1)
+
+    def _hold(self, tenant: str, name: str, n: int) -> None:
+        held = self._held.setdefault(tenant, {})
+        left = held.get(name, 0) + n
+        if left > 0:
+            held[name] = left
+        else:
+            held.pop(name, None)
+            if not held:
+                del self._held[tenant]
+
+    def _activity(self, tenant: str, n: int) -> None:
+        """`n` more requests held or waiting for `tenant`; keeps the active tenants' weights added up."""
+        left = self._active.get(tenant, 0) + n
+        if left > 0:
+            if tenant not in self._active:
+                self._active_weight += self.settings.tenant_weights.get(tenant, 1.0)
+            self._active[tenant] = left
+        elif tenant in self._active:
+            del self._active[tenant]
+            self._active_weight = self._active_weight - self.settings.tenant_weights.get(tenant, 1.0) \
+                if self._active else 0.0
 
     def fleet_spare(self) -> int:
         """Free slots over the routable instances: fewer than theirs added up while an instance serves past its
@@ -194,11 +266,13 @@ class Admission:
         """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
         s = self.settings
         inst = self.fleet.instances.get(decision.instance)
-        if not s.enabled or inst is None or self.has_room(inst, decision.kv_tokens):
+        capped = s.enabled and inst is not None and not self.within_cap(tenant, inst)
+        if not s.enabled or inst is None or (not capped and self.has_room(inst, decision.kv_tokens)):
             if s.enabled and self.waiters:
                 self._charge(tenant)  # its share of capacity, while others wait for theirs
             return None
-        why = KV if inst.routable and self.spare(inst) > 0 and self.fleet_spare() > 0 else BUSY
+        room = inst.routable and self.spare(inst) > 0 and self.fleet_spare() > 0
+        why = SHARE if capped and room else KV if room else BUSY
         depths = self._depths(decision)
         waiter = Waiter(seq=next(self._seq), priority=priority, tenant=tenant, size_bytes=size_bytes,
                         enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens,
@@ -232,6 +306,7 @@ class Admission:
         self._activate(waiter.tenant)
         self.waiters[waiter.seq] = waiter
         self._waiting[waiter.tenant] = self._waiting.get(waiter.tenant, 0) + 1
+        self._activity(waiter.tenant, +1)
         self.bytes += waiter.size_bytes
         self._queue_prefill(waiter, +1)
         self._pending(waiter, record=True)
@@ -288,6 +363,8 @@ class Admission:
         """The shell sent (or gave up on) an assigned waiter: its reserved slot is now a request in flight."""
         name, waiter.instance = waiter.instance, None
         if name is not None:
+            self._hold(waiter.tenant, name, -1)  # the shell's `started` counts it from now on
+            self._activity(waiter.tenant, -1)
             n = self.reserved.get(name, 0) - 1
             if n > 0:
                 self.reserved[name] = n
@@ -301,6 +378,7 @@ class Admission:
             self._waiting[waiter.tenant] = left
         else:
             del self._waiting[waiter.tenant]
+        self._activity(waiter.tenant, -1)
         self.bytes -= waiter.size_bytes
         self._queue_prefill(waiter, -1)
         self._pending(waiter, record=False)
@@ -343,6 +421,8 @@ class Admission:
         self._remove(w)
         w.instance = name
         self.reserved[name] = self.reserved.get(name, 0) + 1
+        self._hold(w.tenant, name, +1)
+        self._activity(w.tenant, +1)
         self._charge(w.tenant)
 
     def _charge(self, tenant: str) -> None:
@@ -406,7 +486,7 @@ class Admission:
         """Whether the instance `w` waits for may take it on a lent slot (fair_lend x the threshold past it)."""
         inst = self.fleet.instances.get(w.pin or "")
         lend = math.ceil(self.settings.fair_lend * self.settings.concurrency_threshold)
-        return inst is not None and self._fits(inst, w.kv_tokens, now < w.strict_until, lend)
+        return inst is not None and self._fits(inst, w.kv_tokens, now < w.strict_until, lend, w.tenant)
 
     @staticmethod
     def gain(w: Waiter, name: str) -> int:
@@ -431,7 +511,7 @@ class Admission:
             if w.model not in serving_cache:
                 serving = self.fleet.serving(w.model) if w.model is not None else None
                 serving_cache[w.model] = serving is None or inst.name in serving
-            if not serving_cache[w.model] or not self._fits(inst, w.kv_tokens, now < w.strict_until):
+            if not serving_cache[w.model] or not self._fits(inst, w.kv_tokens, now < w.strict_until, 0, w.tenant):
                 continue
             local = w.pin is None or w.pin == inst.name or self._may_leave(w, inst.name, free, now)
             by_priority.setdefault(w.priority, ([], []))[0 if local else 1].append(w)
@@ -481,3 +561,8 @@ class Admission:
     def idle(self) -> bool:
         """Nothing waits and no slot is reserved: the books are back to zero."""
         return not self.waiters and not self.reserved and self.bytes == 0
+
+    @property
+    def active_tenants(self) -> dict[str, int]:
+        """Per tenant with any: its requests in flight (`started`, not yet `ended`), assigned or waiting."""
+        return self._active

@@ -90,6 +90,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     key = await router.key_off_loop(request.path, body, session)
     parsed = await router.tokenize_ahead(request.path, body) if key is None and router.tokenizer is not None else None
     key, decision = router.route(request.path, body, session, key, parsed)
+    tenant = ""
     if key is not None and router.admission.settings.enabled:  # no room at its instance: wait in the router
         tenant = tenant_of(request.headers, key, settings)
         priority = priority_of(request.headers, tenant, key, settings)
@@ -97,7 +98,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
         if waited:
             request[access.WAITED] = waited
     app[ACTIVITY].note(key, decision)
-    return await app[PROXY].forward(request, body, key, decision)
+    return await app[PROXY].forward(request, body, key, decision, tenant)
 
 
 def _check_content_headers(request: web.Request) -> None:

@@ -115,7 +115,8 @@ class Metrics:
                                     ["priority", "tenant", "outcome"], buckets=_WAIT_BUCKETS, registry=r)
         self.admissions = Counter("warmroute_admissions",
                                   "Requests admitted, by how: immediate, or after waiting in the router because "
-                                  "their instance was busy (at concurrency_threshold) or kv (over hold_kv_limit)",
+                                  "their instance was busy (at concurrency_threshold), kv (over hold_kv_limit) or "
+                                  "share (its tenant at its tenant_queue_share there)",
                                   ["how"], registry=r)
         self.sheds = Counter("warmroute_sheds", "Requests that left the router's queue unserved, by reason (queue_full, "
                              "preempted, deadline: 429; no_instance: 503; client_closed) and priority", ["reason", "priority"],

@@ -116,13 +116,13 @@ class Proxy(Addresses):
         self._forwarding: set[asyncio.Task] = set()
 
     async def forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
-                      decision: Decision) -> web.StreamResponse:
+                      decision: Decision, tenant: str = "") -> web.StreamResponse:
         """Forward one request and relay its answer (see `_forward`), tracked until it is done."""
         task = asyncio.current_task()
         assert task is not None
         self._forwarding.add(task)  # so a shutdown deadline can cut what is still running
         try:
-            return await self._forward(request, body, key, decision)
+            return await self._forward(request, body, key, decision, tenant)
         finally:
             self._forwarding.discard(task)
 
@@ -134,7 +134,7 @@ class Proxy(Addresses):
         return len(tasks)
 
     async def _forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
-                       decision: Decision) -> web.StreamResponse:
+                       decision: Decision, tenant: str = "") -> web.StreamResponse:
         """Send to the decision's instance; if it fails before any byte reached the client, once more to the next
         choice (never the same instance twice in a row) as the `retry` setting allows: connect (no connection
         could be opened), no_answer (also: no first byte within first_byte_timeout, or the connection dropped
@@ -143,7 +143,7 @@ class Proxy(Addresses):
         for attempt in (0, 1):
             last = attempt == 1 or policy == "off"
             request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
-            ticket = self.router.dispatch(decision, defer_record=True, key=key)
+            ticket = self.router.dispatch(decision, defer_record=True, key=key, tenant=tenant)
             try:
                 return await self._exchange(request, body, decision, ticket)
             except _ConnectFailed as exc:

@@ -65,6 +65,7 @@ class Router:
             settings, settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
             timeout_s=settings.queue_timeout, spill_headroom=settings.spill_headroom,
             aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights,
+            tenant_queue_share=settings.tenant_queue_share, tenant_pending=settings.tenant_pending,
             record_queued=self.strategy.records_prefixes), self.fleet)
         self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
         self.tokenizer: PromptTokenizer | None = None
@@ -237,7 +238,8 @@ class Router:
                          max(1.0, self.fleet.mean_ttft_s))
 
     # -- the books -----------------------------------------------------------------------------------------
-    def dispatch(self, decision: Decision, defer_record: bool = False, key: RoutingKey | None = None) -> Ticket:
+    def dispatch(self, decision: Decision, defer_record: bool = False, key: RoutingKey | None = None,
+                 tenant: str = "") -> Ticket:
         """The request is being sent: its books now; its chain into the index now, or (`defer_record`, from a
         running event loop) on the loop's next turn, once the request is on its way to the instance: a long
         prompt's chain is thousands of blocks (1-2 ms for a cold 64k-token prompt), time the request need not
@@ -247,7 +249,7 @@ class Router:
             blocks = self.exact.instances.get(decision.instance)
             if blocks is not None and blocks.block_size:
                 self.exact.speculate(decision.instance, key.token_blocks(blocks.block_size), time.monotonic())
-        return Ticket(self, decision, defer_record)
+        return Ticket(self, decision, defer_record, tenant)
 
     def engine_usage(self, decision: Decision, usage: EngineUsage, queued_ahead: int = 0) -> None:
         """The engine said how much of this request's prompt it had cached: count it, correct the index.
@@ -276,10 +278,11 @@ class Ticket:
     """One request's accounting on one instance: dispatched now, first token once, finished exactly once."""
 
     __slots__ = ("_router", "instance", "_uncached", "_prompt", "_blocks", "queued_ahead", "_work", "_sent_at",
-                 "_got_first", "_done")
+                 "_got_first", "_done", "_tenant")
 
-    def __init__(self, router: Router, decision: Decision, defer_record: bool = False) -> None:
+    def __init__(self, router: Router, decision: Decision, defer_record: bool = False, tenant: str = "") -> None:
         self._router = router
+        self._tenant = tenant
         self.instance = decision.instance
         self._uncached = decision.uncached_tokens
         self._prompt = decision.kv_tokens  # the KV cache it needs there (kv_pressure)
@@ -292,6 +295,7 @@ class Ticket:
         self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, prompt_tokens=self._prompt)
         if inst is not None:
             router.signals.dispatched(inst, self._uncached)
+        router.admission.started(tenant, self.instance)  # its tenant's share of the instance's queue
         if blocks:
             if defer_record:
                 asyncio.get_running_loop().call_soon(self._record, blocks)
@@ -318,6 +322,10 @@ class Ticket:
         self._router.fleet.first_token(self.instance, self._uncached, seconds)
         self._router.signals.first_token(self.instance, self._work, seconds)
         self._router.metrics.first_byte(self.instance, seconds)
+        adm = self._router.admission
+        adm.first_token(self._tenant, self.instance)
+        if adm.settings.tenant_queue_share and adm.waiters:  # a shorter engine queue: a capped tenant may go
+            self._router.pump()
 
     def finish(self) -> None:
         if self._done:
@@ -325,6 +333,7 @@ class Ticket:
         self._done = True
         router = self._router
         router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks, self._prompt)
+        router.admission.ended(self._tenant, self.instance, self._got_first)
         router.pump()  # room was made: a waiting request may go
         if self._got_first and self._blocks and router.shared is not None:
             # The refresh at finish (core/fleet.py) too: otherwise the other replicas / workers age this chain

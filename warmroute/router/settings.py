@@ -213,6 +213,15 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     """Prompt tokens a waiting request is willing to lose per second waited to go to another instance than its own (away
     from it, it loses at least its whole prompt); 0: never (only an idle instance takes it, or a free slot anywhere once
     its own is down)."""
+    tenant_queue_share: float = Field(AdmissionSettings.tenant_queue_share, ge=0.0, le=64.0)
+    """While other tenants have requests in flight or waiting, a tenant may have at most this many times its weighted
+    share of concurrency_threshold awaiting their first token at an instance (at least 1); past it, its requests wait
+    in the router (see tenant_pending). Engines prefill first come first served, so one tenant's burst queued in them
+    delays every other tenant's first tokens. 0: no cap. Costs throughput where the engines would batch the burst."""
+    tenant_pending: int = Field(AdmissionSettings.tenant_pending, ge=0, le=1_000_000)
+    """A tenant past its tenant_queue_share cap at an instance may still send there while fewer than this many
+    requests there await their first token, so that the engine is not left idle for want of its work. 0: never past
+    the cap."""
     priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$")
     """Request header carrying a request's priority (an integer, -1000..1000; higher first, lower refused first)."""
     tenant_header: str = Field("x-tenant", pattern=r"^[A-Za-z0-9-]{1,64}$")
