@@ -88,6 +88,9 @@ class FleetDemand:
         """The demand ratio (`warmroute_fleet_demand_ratio`): the most-used dimension."""
         return max(self.prefill, self.decode, self.kv)
 
+    def dimensions(self) -> dict[str, float]:
+        return {PREFILL: self.prefill, DECODE: self.decode, KV: self.kv}
+
     @property
     def bottleneck(self) -> str:
         return max(((self.prefill, PREFILL), (self.decode, DECODE), (self.kv, KV)))[1]
@@ -191,6 +194,7 @@ class DemandMeter:
 
     def __init__(self, tau_s: float = 30.0, prefill_window: float = 64.0) -> None:
         self.tau_s, self.prefill_window = tau_s, prefill_window
+        self.started: float | None = None  # the first event's time: every instance's rate counts from it
         self.routed: dict[str, TokenRate] = {}
         self.prefill: dict[str, PrefillRate] = {}
 
@@ -222,6 +226,9 @@ class DemandMeter:
 
     def _meters(self, inst: Instance, now: float) -> tuple[TokenRate, PrefillRate]:
         if inst.name not in self.routed:
-            self.routed[inst.name] = TokenRate(self.tau_s, start=now)
+            # From the meter's start, not the instance's: a new instance's first cold prompts over its first
+            # seconds would read as a surge, though they are traffic the others no longer take.
+            self.started = now if self.started is None else self.started
+            self.routed[inst.name] = TokenRate(self.tau_s, start=self.started)
             self.prefill[inst.name] = PrefillRate(inst.prefill_tokens_per_s, self.prefill_window)
         return self.routed[inst.name], self.prefill[inst.name]

@@ -208,7 +208,7 @@ async def dashboard_state(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
-    request.app[METRICS].set_demand({m: (d.ratio, d.desired) for m, d in router.signals.by_model().items()})
+    request.app[METRICS].set_demand({m: (d.demand, d.desired) for m, d in router.signals.by_model().items()})
     body, content_type = request.app[METRICS].render(router.fleet)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = content_type

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from warmroute.core.demand import FleetDemand
 from warmroute.core.feedback import VERDICTS
 from warmroute.core.fleet import Fleet
 from warmroute.core.strategies import REASONS
@@ -130,6 +131,15 @@ class Metrics:
                                   "flight and waiting over concurrency_threshold) and KV cache (in-flight demand "
                                   "over capacity); 1.0 is all of it", ["model"], registry=r,
                                   multiprocess_mode="livesum")
+        # Per dimension, so that several replicas' parts add up before the highest is taken: the sum of the
+        # replicas' maxima overstates the fleet's when they are bound by different dimensions.
+        self.fleet_utilization = Gauge("warmroute_fleet_utilization",
+                                       "This router's part of the fleet's utilisation of one dimension of its "
+                                       "capacity for a model (prefill, decode: concurrency, kv): the demand of "
+                                       "the requests it routed over the whole fleet's capacity. Summed over "
+                                       "router replicas it is the fleet's; the highest dimension of that sum is "
+                                       "the demand ratio an autoscaler of several replicas acts on",
+                                       ["model", "dimension"], registry=r, multiprocess_mode="livesum")
         self.desired_instances = Gauge("warmroute_desired_instances",
                                        "Instances that would bring the model's demand ratio to scale_target: "
                                        "ceil(current x ratio / scale_target), unchanged within scale_tolerance, "
@@ -250,12 +260,15 @@ class Metrics:
         if gauge is not None:
             gauge.set(1 if healthy else 0)
 
-    def set_demand(self, by_model: dict[str, tuple[float, int]]) -> None:
-        """The demand ratio and desired instances per model (models no longer served drop out)."""
+    def set_demand(self, by_model: dict[str, tuple[FleetDemand, int]]) -> None:
+        """The demand ratio, its dimensions and desired instances per model (models no longer served drop out)."""
         self.demand_ratio.clear()
+        self.fleet_utilization.clear()
         self.desired_instances.clear()
-        for model, (ratio, desired) in by_model.items():
-            self.demand_ratio.labels(model).set(ratio)
+        for model, (demand, desired) in by_model.items():
+            self.demand_ratio.labels(model).set(demand.ratio)
+            for dimension, value in demand.dimensions().items():
+                self.fleet_utilization.labels(model, dimension).set(value)
             self.desired_instances.labels(model).set(desired)
 
     # -- scrape -------------------------------------------------------------------------------------------
