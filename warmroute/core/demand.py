@@ -49,9 +49,10 @@ class DemandSettings(BaseModel):
                     "more than the rate it managed to take.")
 
     demand_window_s: float = Field(
-        60.0, gt=0.0, le=3600.0,
+        30.0, gt=0.0, le=3600.0,
         description="Seconds over which the tokens routed to each instance are averaged into a rate (an "
-                    "exponential average): long enough that one long prompt is not a surge.")
+                    "exponential average): long enough that one long prompt is not a surge, short enough not to "
+                    "lag a ramp (the autoscaler's own delays come on top).")
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> DemandSettings:
@@ -162,9 +163,9 @@ class PrefillRate:
 class TokenRate:
     """A rate per second of something counted at given times (tokens routed to an instance), fading with a time
     constant: an exponentially weighted sum over `tau_s`. Times come from the caller (virtual or wall clock);
-    `start` is when counting began (an instance's arrival), so a young meter's rate is over the time it has seen."""
-
-    MIN_SPAN_S = 1.0  # a meter asked right after it started divides by at least this
+    `start` is when counting began. Until a full `tau_s` has passed, the rate is what was counted over `tau_s`:
+    a young meter errs low, never high, because an autoscaler scales up on one high reading and down only after
+    a window of low ones (a few long prompts in a meter's first seconds would read as a surge)."""
 
     def __init__(self, tau_s: float = 30.0, start: float = 0.0) -> None:
         self.tau_s = tau_s
@@ -179,7 +180,7 @@ class TokenRate:
     def rate(self, now: float) -> float:
         self._decay(now)
         # The decayed sum of a steady rate r is r x tau_s x (1 - e^(-elapsed / tau_s)): divide by that.
-        elapsed = max(now - self._start, self.MIN_SPAN_S)
+        elapsed = max(now - self._start, self.tau_s)
         return self._sum / (self.tau_s * -math.expm1(-elapsed / self.tau_s))
 
     def _decay(self, now: float) -> None:
