@@ -83,6 +83,11 @@ class FleetSignals:
             out[model] = ModelDemand(demand, desired_for(len(serving), demand.ratio, self.demand), len(serving))
         return out
 
+    def desired_for(self, current: int, ratio: float) -> int:
+        """The HPA formula on a ratio measured elsewhere (the workers' summed dimensions) with this router's target
+        and bounds."""
+        return desired_for(current, ratio, self.demand)
+
     def cache_values(self) -> dict[str, float]:
         """Per instance, the prefill tokens per request that would be recomputed if it went."""
         fleet = self.fleet

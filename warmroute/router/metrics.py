@@ -13,9 +13,11 @@ dictionary build and a lock per call, too much for the per-request path. The eng
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from warmroute.core.demand import FleetDemand
@@ -147,6 +149,7 @@ class Metrics:
                                        registry=r, multiprocess_mode="livemax")
 
         self._strategy = strategy
+        self._desired_of: Callable[[str, float], int | None] | None = None  # set_demand's
         self._decision = {reason: self.decisions.labels(strategy, reason) for reason in REASONS}
         self._inflight: dict = {}
         self._ttfb: dict = {}
@@ -260,8 +263,12 @@ class Metrics:
         if gauge is not None:
             gauge.set(1 if healthy else 0)
 
-    def set_demand(self, by_model: dict[str, tuple[FleetDemand, int]]) -> None:
-        """The demand ratio, its dimensions and desired instances per model (models no longer served drop out)."""
+    def set_demand(self, by_model: dict[str, tuple[FleetDemand, int]],
+                   desired_of: Callable[[str, float], int | None] | None = None) -> None:
+        """The demand ratio, its dimensions and desired instances per model (models no longer served drop out).
+        `desired_of(model, ratio)`: the desired instances for a ratio measured over all the workers (None: the
+        model is not served here), for the merged scrape of a worker of several."""
+        self._desired_of = desired_of
         self.demand_ratio.clear()
         self.fleet_utilization.clear()
         self.desired_instances.clear()
@@ -279,12 +286,38 @@ class Metrics:
         self.capacity_scale.set(fleet.cache_scale.value)
         if _SHARED_DIR in os.environ and values.ValueClass is not values.MutexValue:  # a worker of several
             merged = CollectorRegistry()
-            multiprocess.MultiProcessCollector(merged)
+            merged.register(WorkersMerged(self._desired_of))
             return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 _SHARED_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for it
+
+
+class WorkersMerged:
+    """The workers' metrics merged (prometheus_client's multiprocess files), but for the desired instances: each
+    worker's own counts only the requests it routed, so they are worked out again from the demand dimensions
+    summed over the workers (livesum), as an autoscaler summing router replicas would."""
+
+    def __init__(self, desired_of: Callable[[str, float], int | None] | None) -> None:
+        self.desired_of = desired_of
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(multiprocess.MultiProcessCollector(None).collect())
+        ratios: dict[str, float] = {}  # model -> the highest of its summed dimensions
+        for family in families:
+            if family.name == "warmroute_fleet_utilization":
+                for sample in family.samples:
+                    model = sample.labels["model"]
+                    ratios[model] = max(ratios.get(model, 0.0), sample.value)
+        for family in families:
+            if family.name == "warmroute_desired_instances" and self.desired_of is not None:
+                desired = GaugeMetricFamily(family.name, family.documentation, labels=["model"])
+                for model, ratio in sorted(ratios.items()):
+                    if (n := self.desired_of(model, ratio)) is not None:
+                        desired.add_metric([model], n)
+                family = desired
+            yield family
 
 
 def share_between_workers(directory: str) -> None:
