@@ -150,14 +150,18 @@ def main() -> None:
                         help="replay the trace from this many seconds in (the trace has no seed: its segments "
                              "are the independent samples; the shape uses ~1,230 s of it)")
     parser.add_argument("--scale-in-only", action="store_true", help="only the scale-in policies, steady load")
+    parser.add_argument("--no-scale-in", action="store_true", help="only the autoscaled sweeps")
+    parser.add_argument("--scale-in-moments", default=",".join(f"{t:g}" for t in STEADY_SCALE_INS),
+                        help="seconds into the steady run at which the scale-in policies are compared")
     args = parser.parse_args()
     sweeps = {DEMAND: [float(t) for t in args.demand_targets.split(",")],
               UTILIZATION: [float(t) for t in args.utilization_targets.split(",")]}
     for name in args.workloads.split(","):
         c, started = case(name, args.trace, args.seed, args.trace_start), time.perf_counter()
         print(f"== {name}: {c.label}", flush=True)
+        moments = tuple(float(t) for t in args.scale_in_moments.split(","))
         if args.scale_in_only:
-            scale_in_comparison(c)
+            scale_in_comparison(c, moments)
             continue
         runs = {signal: [run(c, signal, t, CACHE_AWARE) for t in targets] for signal, targets in sweeps.items()}
         points = {signal: operating_point(sweep) for signal, sweep in runs.items()}
@@ -177,7 +181,8 @@ def main() -> None:
             print(f"hit rate lost in the minute after a scale-in (demand {best_demand.target:.2f}): cache_aware "
                   f"{best_demand.hit_rate_lost:+.2%}, arbitrary {arbitrary.hit_rate_lost:+.2%}, newest "
                   f"{fmt_loss(others[1])}")
-        scale_in_comparison(c)
+        if not args.no_scale_in:
+            scale_in_comparison(c, moments)
         print(f"({time.perf_counter() - started:.0f} s)\n", flush=True)
 
 
