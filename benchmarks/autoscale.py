@@ -151,6 +151,8 @@ def main() -> None:
                              "are the independent samples; the shape uses ~1,230 s of it)")
     parser.add_argument("--scale-in-only", action="store_true", help="only the scale-in policies, steady load")
     parser.add_argument("--no-scale-in", action="store_true", help="only the autoscaled sweeps")
+    parser.add_argument("--slow-start-window", type=float, default=None,
+                        help="the router's slow_start_window for new instances (default: the router's, 30 s; 0: off)")
     parser.add_argument("--scale-in-moments", default=",".join(f"{t:g}" for t in STEADY_SCALE_INS),
                         help="seconds into the steady run at which the scale-in policies are compared")
     args = parser.parse_args()
@@ -158,6 +160,8 @@ def main() -> None:
               UTILIZATION: [float(t) for t in args.utilization_targets.split(",")]}
     for name in args.workloads.split(","):
         c, started = case(name, args.trace, args.seed, args.trace_start), time.perf_counter()
+        if args.slow_start_window is not None:
+            c.settings = c.settings.changed("slow_start_window", args.slow_start_window)
         print(f"== {name}: {c.label}", flush=True)
         moments = tuple(float(t) for t in args.scale_in_moments.split(","))
         if args.scale_in_only:
