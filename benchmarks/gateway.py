@@ -15,6 +15,16 @@ accounting, and benchmarks/saturation.py's fleets and windows (imported from it)
                         reading request headers and body and the response's headers and streamed body
       envoy+epp hdrs    the same with response_body_mode NONE: the picker sees no response body (no usage
                         feedback, first token taken at the response headers), one message less per chunk
+      envoy+null hdrs   hdrs' processing modes with benchmarks/null_picker.py as the picker (grpcio, no routing
+                        code: round robin): the floor of a Python grpcio picker
+      envoy+null obs    the null picker on the request side, and the response headers and body sent to it by a
+                        second ext_proc filter in observability_mode (Envoy does not wait for its answers)
+      envoy+epp lean    request headers and body only (response side SKIP/NONE: 2 messages; the books close when
+                        Envoy ends the stream with the HTTP stream, but no status, first token or feedback)
+      envoy+epp duplex  lean with the request body FULL_DUPLEX_STREAMED: Envoy sends headers and body without
+                        waiting for the headers' answer (one round trip before the upstream request)
+      smg               the SGLang Model Gateway (`smg launch --policy cache_aware`, compare_peers' command line,
+                        from the peers' virtualenv, --peers-venv)
     Envoy runs with one worker thread (--concurrency 1). Each router's CPU is reported per request, the
     picker's and Envoy's separately.
 (b) Added time to first token at 64 concurrent streams (paced trivial instances, tokens 20 ms apart, 32 tokens):
@@ -22,9 +32,10 @@ accounting, and benchmarks/saturation.py's fleets and windows (imported from it)
     the same moment. Added = routed percentile - direct percentile.
 
 (c) Where the picker's time goes: the same ext_proc streams (request headers, buffered body, response headers,
-    one response body chunk) from a gRPC client in another process, answered by (1) a null ext_proc service
-    (an empty answer to each message: grpcio's own cost) and (2) `warmroute epp` in front of stub instances;
-    CPU of the serving process per stream.
+    one response body chunk; or the first 3 or 2 of them) from a gRPC client in another process, answered by a
+    null ext_proc service (an empty answer to each message: grpcio's own cost) on grpcio's asyncio API and on
+    its sync API (thread pool), and by `warmroute epp` in front of stub instances; CPU of the serving process per
+    stream.
 
 Writes out/gateway.json (everything measured) and out/gateway.md: the section "Envoy + warmroute epp
 (issue #20)" of docs/benchmarks.md, to be pasted there by hand.
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import sys
 import tempfile
@@ -51,10 +63,12 @@ from warmroute.bench.formats import markdown_table, pct  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
 from warmroute.bench.rawload import hostport  # noqa: E402
 from warmroute.bench.record import OUT, command_line, load_average, log, now_utc, tree_state, write_outputs  # noqa: E402
+from warmroute.bench.stats import percentile, to_ms  # noqa: E402
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
 
 SECTION = "Envoy + warmroute epp (issue #20)"
-CONTENDERS = ["direct", "serve", "envoy", "envoy+epp", "envoy+epp hdrs"]
+CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+null hdrs", "envoy+null obs", "envoy+epp", "envoy+epp hdrs", "envoy+epp lean",
+              "envoy+epp duplex"]
 KV_CAPACITY = sat.KV_CAPACITY
 
 
@@ -78,6 +92,7 @@ class Running:
     stacks: dict[str, Stack]
     model: str = ""
     envoys: list[EnvoyProcess] = field(default_factory=list)
+    peers_venv: Path = cp.PEERS_VENV
 
     @property
     def routers(self) -> dict[str, tuple[Child, str]]:  # what saturation.py's windows read
@@ -110,11 +125,37 @@ def _plain_envoy(name: str, port: int, engines: list[tuple[str, int]]) -> tuple[
     return listener, pool
 
 
-def _response_body_none(listener: dict) -> None:
+# The picker's processing modes in each variant (over deploy/envoy/envoy.yaml's).
+VARIANTS: dict[str, dict[str, str]] = {
+    "envoy+epp": {},
+    "envoy+null hdrs": {"response_body_mode": "NONE"},
+    "envoy+null obs": {"response_header_mode": "SKIP", "response_body_mode": "NONE"},
+    "envoy+epp hdrs": {"response_body_mode": "NONE"},
+    "envoy+epp lean": {"response_header_mode": "SKIP", "response_body_mode": "NONE"},
+    "envoy+epp duplex": {"request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
+                         "response_header_mode": "SKIP", "response_body_mode": "NONE"},
+}
+
+
+# The response side in a second ext_proc filter that Envoy does not wait for (observability_mode).
+OBSERVED = {"envoy+null obs"}
+_OBSERVER_MODES = {"request_header_mode": "SKIP", "request_body_mode": "NONE", "response_header_mode": "SEND",
+                   "response_body_mode": "STREAMED"}
+
+
+def _processing_mode(listener: dict, modes: dict[str, str], observer: bool = False) -> None:
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    for f in hcm["http_filters"]:
+    filters = hcm["http_filters"]
+    for at, f in enumerate(filters):
         if f["name"] == "envoy.filters.http.ext_proc":
-            f["typed_config"]["processing_mode"]["response_body_mode"] = "NONE"
+            f["typed_config"]["processing_mode"].update(modes)
+            if observer:
+                second = copy.deepcopy(f)
+                second["name"] = "envoy.filters.http.ext_proc.observer"
+                second["typed_config"]["observability_mode"] = True
+                second["typed_config"]["processing_mode"] = dict(_OBSERVER_MODES)
+                filters.insert(at + 1, second)
+            return
 
 
 async def _start_envoy(running: Running, label: str, admin: int, listener: dict, clusters: list[dict],
@@ -137,10 +178,10 @@ async def start_stack(running: Running, label: str, listen: int, kv_capacity: in
     Envoy's admin); returns once it serves a completion."""
     engines = [hostport(u) for u in running.urls]
     stack = running.stacks[label] = Stack(label, f"http://127.0.0.1:{listen}")
-    if label == "serve":
-        argv = cp.Contender(label, "warmroute", "cache_aware").argv(listen, listen + 1, running.urls, kv_capacity,
-                                                                   Path("."))
-        stack.processes["router"] = Child.command(f"{tag}-serve", argv, logs)
+    if label in ("serve", "smg"):
+        peer = cp.Contender(label, "warmroute" if label == "serve" else "smg", "cache_aware")
+        argv = peer.argv(listen, listen + 1, running.urls, kv_capacity, running.peers_venv)
+        stack.processes["router"] = Child.command(f"{tag}-{label}", argv, logs)
     elif label == "envoy":
         stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3,
                                                       *_plain_envoy("plain", listen, engines), logs)
@@ -149,20 +190,22 @@ async def start_stack(running: Running, label: str, listen: int, kv_capacity: in
         argv = [sys.executable, "-m", "warmroute", "epp", "--port", str(control), "--epp-port", str(grpc_port),
                 "--strategy", "cache_aware", "--kv-capacity-tokens", str(kv_capacity), "--log-level", "warning"]
         argv += [a for i, u in enumerate(running.urls) for a in ("--backend", f"e{i}={u}")]
+        if label.startswith("envoy+null"):
+            argv = [sys.executable, str(Path(__file__).with_name("null_picker.py")), str(grpc_port),
+                    *(f"{h}:{p}" for h, p in engines)]
         stack.processes["picker"] = Child.command(f"{tag}-{_name(label)}", argv, logs)
         listener, clusters = local_listener(ORIGINAL_DST, _name(label), listen, ("127.0.0.1", grpc_port))
-        if label.endswith("hdrs"):
-            _response_body_none(listener)
+        _processing_mode(listener, VARIANTS[label], observer=label in OBSERVED)
         stack.processes["envoy"] = await _start_envoy(running, f"{tag}-{label}", listen + 3, listener, clusters, logs)
     await next(iter(stack.processes.values())).wait_for_model(stack.url)
     return stack
 
 
-async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str) -> Running:
+async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str, peers_venv: Path) -> Running:
     port = free_ports(fleet.instances)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(fleet.instances)]
     children = fleet.children(port, logs, f"{tag}-instances")
-    running = Running(fleet, children, urls, {})
+    running = Running(fleet, children, urls, {}, peers_venv=peers_venv)
     next_port = port + fleet.instances
     try:
         for child, count in zip(children, fleet.counts()):
@@ -180,13 +223,13 @@ async def start(fleet: sat.FleetSpec, labels: list[str], logs: Path, tag: str) -
 
 
 def _contender(label: str) -> sat.Contender:
-    return sat.Contender(label, None if label == "direct" else "warmroute")
+    return sat.Contender(label, {"direct": None, "smg": "smg"}.get(label, "warmroute"))
 
 
 async def phase_saturation(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     fleet = sat.FleetSpec("stub")
     log(f"== (a) saturation, {fleet.describe()}")
-    running = await start(fleet, args.contenders, logs, "sat")
+    running = await start(fleet, args.contenders, logs, "sat", args.peers_venv)
 
     def line(c: sat.Contender, res: dict[str, Any]) -> str:
         cpu = res["cpu_cores"]
@@ -205,7 +248,7 @@ async def phase_latency(args: argparse.Namespace, logs: Path) -> list[dict[str, 
     fleet = sat.FleetSpec("stub", itl_ms=args.itl_ms)
     routed = [c for c in args.contenders if c != "direct"]
     log(f"== (b) added latency, {args.streams} concurrent streams, {fleet.describe()}")
-    running = await start(fleet, routed, logs, "lat")
+    running = await start(fleet, routed, logs, "lat", args.peers_venv)
 
     def line(c: sat.Contender, res: dict[str, Any]) -> str:
         s = sat.latency_summary(res["pairs"])
@@ -239,12 +282,14 @@ def _stream_messages() -> list[Any]:
             ep.ProcessingRequest(response_body=ep.HttpBody(body=usage, end_of_stream=True))]
 
 
-def stream_client(target: str, streams: int, concurrency: int, out: Any) -> None:
-    """In a process of its own: `streams` ext_proc streams, `concurrency` at a time; puts the seconds taken."""
+def stream_client(target: str, streams: int, concurrency: int, messages: int, out: Any) -> None:
+    """In a process of its own: `streams` ext_proc streams of the first `messages` messages, `concurrency` at a
+    time; puts (the seconds taken, each stream's seconds from its first message to its last answer)."""
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    messages = _stream_messages()
+    sent = _stream_messages()[:messages]
+    took: list[float] = []
 
     async def run() -> float:
         async with grpc.aio.insecure_channel(target) as channel:
@@ -254,75 +299,116 @@ def stream_client(target: str, streams: int, concurrency: int, out: Any) -> None
             async def one() -> None:
                 async with gate:
                     call = stub.Process()
-                    for m in messages:
+                    t0 = time.perf_counter()
+                    for m in sent:
                         await call.write(m)
                         await call.read()
+                    took.append(time.perf_counter() - t0)
                     await call.done_writing()
+                    await call.code()  # the server's side of the stream is over too
 
             t0 = time.perf_counter()
             await asyncio.gather(*(one() for _ in range(streams)))
             return time.perf_counter() - t0
 
-    out.put(asyncio.run(run()))
+    out.put((asyncio.run(run()), took))
 
 
-async def _serve_streams(target: str, streams: int) -> tuple[float, float]:
-    """(server CPU seconds, wall seconds) while a client process runs `streams` streams against `target`."""
+async def _serve_streams(target: str, streams: int, messages: int,
+                         concurrency: int = 32) -> tuple[float, float, list[float]]:
+    """(server CPU seconds, wall seconds, each stream's seconds) while a client process runs `streams` streams
+    against `target`."""
     import multiprocessing
     import resource
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    client = ctx.Process(target=stream_client, args=(target, streams, 32, out))
+    client = ctx.Process(target=stream_client, args=(target, streams, concurrency, messages, out))
     before = resource.getrusage(resource.RUSAGE_SELF)
     client.start()
     while client.is_alive():
         await asyncio.sleep(0.02)
     after = resource.getrusage(resource.RUSAGE_SELF)
-    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), out.get()
+    wall, took = out.get()
+    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), wall, took
+
+
+# Messages per stream in (c): with the response body, response headers only, the request only.
+STREAM_SHAPES = {4: "req hdrs, body, resp hdrs, resp body", 3: "req hdrs, body, resp hdrs", 2: "req hdrs, body"}
+SERVICES = ["null, asyncio API", "null, sync API (thread pool)", "warmroute epp"]
+LONE_STREAMS = 300  # streams one at a time: how long a stream's messages take when nothing else is in flight
+
+
+def _null_services() -> tuple[Any, Any]:
+    """(asyncio servicer, sync servicer) answering each message with an empty ProcessingResponse."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    class AsyncNull(ep_grpc.ExternalProcessorServicer):
+        async def Process(self, requests: Any, context: Any) -> None:
+            while await context.read() is not grpc.aio.EOF:
+                await context.write(ep.ProcessingResponse())
+
+    class SyncNull(ep_grpc.ExternalProcessorServicer):
+        def Process(self, requests: Any, context: Any) -> Iterator[Any]:
+            for _ in requests:
+                yield ep.ProcessingResponse()
+
+    return AsyncNull(), SyncNull()
 
 
 async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from concurrent import futures
+
     import grpc
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
     from warmroute.gateway.server import start_picker
     from warmroute.router.settings import load_settings
 
-    class Null(ep_grpc.ExternalProcessorServicer):
-        async def Process(self, requests: Any, context: Any) -> None:
-            while await context.read() is not grpc.aio.EOF:
-                await context.write(ep.ProcessingResponse())
-
     log(f"== (c) picker CPU per ext_proc stream, {args.picker_streams} streams per window")
     fleet = sat.FleetSpec("stub")
     port = free_ports(fleet.instances)
+    async_null, sync_null = _null_services()
     with tempfile.TemporaryDirectory(prefix="warmroute-gateway-bench-") as tmp:
         children = fleet.children(port, Path(tmp), "picker-instances")
         try:
             for child, count in zip(children, fleet.counts()):
                 await child.wait_for_log("listening on", count, timeout_s=60)
             null = grpc.aio.server()
-            ep_grpc.add_ExternalProcessorServicer_to_server(Null(), null)
+            ep_grpc.add_ExternalProcessorServicer_to_server(async_null, null)
             null_port = null.add_insecure_port("127.0.0.1:0")
             await null.start()
+            threads = grpc.server(futures.ThreadPoolExecutor(max_workers=40))  # one thread per open stream
+            ep_grpc.add_ExternalProcessorServicer_to_server(sync_null, threads)
+            sync_port = threads.add_insecure_port("127.0.0.1:0")
+            threads.start()
             picker = await start_picker(load_settings({
                 "backends": [f"e{i}=http://127.0.0.1:{port + i}" for i in range(fleet.instances)], "port": 0,
                 "epp_port": 0, "kv_capacity_tokens": KV_CAPACITY, "health_interval": 3600, "log_level": "warning"},
                 env={}))
+            ports = dict(zip(SERVICES, (null_port, sync_port, picker.grpc_port)))
             out = []
             try:
                 for r in range(args.rounds):
-                    for label, grpc_port in (("null ext_proc service", null_port), ("warmroute epp", picker.grpc_port)):
-                        cpu, wall = await _serve_streams(f"127.0.0.1:{grpc_port}", args.picker_streams)
-                        out.append({"contender": label, "round": r, "cpu_us": 1e6 * cpu / args.picker_streams,
-                                    "streams_per_s": args.picker_streams / wall})
-                        log(f"   round {r} {label:<22} {out[-1]['cpu_us']:>6.0f} µs CPU per stream, "
-                                f"{out[-1]['streams_per_s']:,.0f} streams/s")
+                    for messages in STREAM_SHAPES:
+                        for label in (SERVICES if r % 2 == 0 else SERVICES[::-1]):
+                            target = f"127.0.0.1:{ports[label]}"
+                            cpu, wall, _ = await _serve_streams(target, args.picker_streams, messages)
+                            _, _, alone = await _serve_streams(target, LONE_STREAMS, messages, concurrency=1)
+                            out.append({"contender": label, "messages": messages, "round": r,
+                                        "cpu_us": 1e6 * cpu / args.picker_streams,
+                                        "streams_per_s": args.picker_streams / wall,
+                                        "alone_ms": {"p50": to_ms(percentile(sorted(alone), 50)),
+                                                     "p99": to_ms(percentile(sorted(alone), 99))}})
+                            log(f"   round {r} {label:<30} {messages} messages {out[-1]['cpu_us']:>6.0f} µs CPU "
+                                f"per stream, {out[-1]['streams_per_s']:,.0f} streams/s; one at a time "
+                                f"{out[-1]['alone_ms']['p50']} ms p50")
             finally:
                 await picker.stop()
                 await null.stop(0)
+                threads.stop(0)
         finally:
             for c in children:
                 c.stop()
@@ -437,11 +523,15 @@ SECTIONS = {
          "added p50 per round"], "lrrrrrl"),
     "picker": (
         "(c) Where the picker's time goes",
-        "The same ext_proc stream (request headers, buffered body of a chat completion, response headers, one "
-        "response body chunk with the usage: 4 messages each way) from a gRPC client in another process, 32 at a "
-        "time, answered by a null ext_proc service (grpcio's own cost) and by `warmroute epp` (4 stub instances); "
-        "CPU of the serving process per stream, median of the rounds.",
-        ["service", "CPU per stream (rounds)", "streams/s"], "lrr"),
+        "The same ext_proc streams (request headers, buffered body of a chat completion, response headers, one "
+        "response body chunk with the usage; or their first 3 or 2 messages) from a gRPC client in another "
+        "process, 32 at a time, answered by a null ext_proc service (an empty answer to each message: grpcio's "
+        "own cost) on grpcio's asyncio API and on its sync API (a thread per stream), and by `warmroute epp` (4 "
+        "stub instances); CPU of the serving process per stream, median of the rounds. One at a time: the p50 "
+        f"time from a stream's first message to its last answer, {LONE_STREAMS} streams one after another (the "
+        "latency the service adds on an idle path).",
+        ["service", "messages each way", "CPU per stream (rounds)", "one at a time p50 (rounds)", "streams/s"],
+        "llrrr"),
     "hits": (
         "(d) Hit rate on the mixed workload",
         "benchmarks/compare_peers.py's `mixed` plan (45% shared system prompts, 25% RAG, 25% multi-turn chats, 5% "
@@ -462,8 +552,9 @@ def render(meta: dict[str, Any], sat_rows: list[dict[str, Any]], lat_rows: list[
     tables = {
         "saturation": [_saturation_cells(r) for r in sat_rows],
         "latency": [_latency_cells(r) for r in lat_rows],
-        "picker": [_picker_cells(label, mine)
-                   for label, mine in _by_contender(picker, ("null ext_proc service", "warmroute epp"))],
+        "picker": [_picker_cells(label, messages, [w for w in mine if w.get("messages", 4) == messages])
+                   for messages in STREAM_SHAPES for label, mine in _by_contender(picker, SERVICES)
+                   if any(w.get("messages", 4) == messages for w in mine)],
         "hits": [_hit_cells(label, mine) for label, mine in _by_contender(hits, HIT_CONTENDERS)],
     }
     for name, rows in tables.items():
@@ -487,9 +578,11 @@ def _latency_cells(r: dict[str, Any]) -> list[str]:
             f"{r['router_p50']} / {r['router_p99']} ms", f"**{r['added_p50']} / {r['added_p99']} ms**", rounds]
 
 
-def _picker_cells(label: str, mine: list[dict[str, Any]]) -> list[str]:
+def _picker_cells(label: str, messages: int, mine: list[dict[str, Any]]) -> list[str]:
     rounds = ", ".join(f"{w['cpu_us']:.0f}" for w in mine)
-    return [label, f"{_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds})",
+    alone = ", ".join(f"{w['alone_ms']['p50']}" for w in mine)
+    return [label, f"{messages}: {STREAM_SHAPES[messages]}", f"{_median([w['cpu_us'] for w in mine]):.0f} µs ({rounds})",
+            f"{_median([w['alone_ms']['p50'] for w in mine])} ms ({alone})",
             f"{_median([w['streams_per_s'] for w in mine]):,.0f}"]
 
 
@@ -513,6 +606,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stream-tokens", type=int, default=32)
     p.add_argument("--itl-ms", type=float, default=20.0)
     p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    p.add_argument("--peers-venv", type=Path, default=cp.PEERS_VENV, help="the virtualenv with smg")
     p.add_argument("--picker-streams", type=int, default=3000)
     p.add_argument("--hit-rounds", type=int, default=1, help="runs of each router on the mixed workload")
     p.add_argument("--hit-duration", type=float, default=30.0, help="measured seconds of each hit-rate run")

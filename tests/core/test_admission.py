@@ -23,6 +23,18 @@ def _fill(f, name, n):
     f.instances[name].inflight = n
 
 
+def _tenants_served(adm, f, name, n, start):
+    """The tenants of the next n requests dispatched as instance `name` frees one slot at a time (a pump at start,
+    start + 1, ...)."""
+    order = []
+    for i in range(n):
+        _fill(f, name, 0)
+        (w,), _ = adm.pump(start + i)
+        adm.dispatched(w)
+        order.append(w.tenant)
+    return order
+
+
 def test_a_request_goes_at_once_while_its_instance_has_room_and_waits_when_no_instance_has():
     f = fleet(2)
     a, b = sorted(f.instances)
@@ -219,12 +231,7 @@ def test_a_tenant_bursting_cannot_starve_the_others():
     for t in ("x", "y"):
         for _ in range(5):
             adm.offer(_waiter(adm, a, now=0.1, tenant=t))
-    order = []
-    for i in range(50):
-        _fill(f, a, 0)
-        (w,), _ = adm.pump(1.0 + i)
-        adm.dispatched(w)
-        order.append(w.tenant)
+    order = _tenants_served(adm, f, a, 50, start=1.0)
     assert order[:16].count("noisy") <= 6 and order[:16].count("x") == 5 and order[:16].count("y") == 5
 
 
@@ -236,12 +243,7 @@ def test_tenant_weights_set_the_shares():
     for t in ("big", "small"):
         for _ in range(40):
             adm.offer(_waiter(adm, a, tenant=t))
-    order = []
-    for i in range(40):
-        _fill(f, a, 0)
-        (w,), _ = adm.pump(float(i))
-        adm.dispatched(w)
-        order.append(w.tenant)
+    order = _tenants_served(adm, f, a, 40, start=0.0)
     assert 28 <= order.count("big") <= 32
 
 
@@ -336,12 +338,7 @@ def test_a_quiet_tenants_request_goes_before_the_backlog_of_a_burst_waiting_for_
         adm.offer(_waiter(adm, a, tenant="burst"))
     quiet = _waiter(adm, a, now=0.5, tenant="quiet")
     adm.offer(quiet)
-    order = []
-    for i in range(3):
-        _fill(f, a, 0)
-        (w,), _ = adm.pump(1.0 + i)
-        adm.dispatched(w)
-        order.append(w.tenant)
+    order = _tenants_served(adm, f, a, 3, start=1.0)
     assert order == ["burst", "quiet", "burst"]
 
 

@@ -57,7 +57,31 @@ def test_c_version_reads_any_buffer_and_rejects_bad_block_sizes():
         with pytest.raises(ValueError):
             numpy_block_hashes(data, 1, bad)
     with pytest.raises(TypeError):
-        c("text is not bytes", 1, 64)
+        c(12345, 1, 64)
+
+
+# Texts of every kind: ASCII (read in place by the C version), any code point, lone surrogates (encoded with
+# surrogatepass, as routing keys are).
+_TEXTS = st.one_of(st.text(st.characters(max_codepoint=127), max_size=2500),
+                   st.text(st.characters(blacklist_categories=()), max_size=600))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda f: f.__module__)
+@given(_TEXTS, st.sampled_from([8, 64, 72]), st.integers(0, 2**64 - 1))
+@settings(max_examples=150)
+def test_a_text_hashes_as_its_utf8_bytes(impl, text, block_bytes, seed):
+    assert impl(text, seed, block_bytes) == numpy_block_hashes(text.encode("utf-8", "surrogatepass"), seed, block_bytes)
+
+
+@needs_native
+def test_a_lazy_chain_of_a_text_keeps_the_text():
+    text = "".join(f"prompt {i} " for i in range(3000))  # made here: nothing else holds it
+    ref = numpy_block_hashes(text.encode(), 3, 64)
+    chain = block_hash._blockhash.block_hashes(text, 3, 64)
+    del text
+    import gc
+    gc.collect()
+    assert chain.computed == 0 and chain[len(ref) - 1] == ref[-1] and chain == ref
 
 
 def test_only_full_blocks_are_hashed():
@@ -139,11 +163,11 @@ _READS = st.one_of(
 
 
 @needs_native
-@given(st.binary(max_size=2500), st.sampled_from([8, 16, 64, 72]), st.integers(0, 2**64 - 1),
+@given(st.one_of(st.binary(max_size=2500), _TEXTS), st.sampled_from([8, 16, 64, 72]), st.integers(0, 2**64 - 1),
        st.lists(_READS, max_size=8))
 @settings(max_examples=300)
 def test_a_lazy_chain_reads_as_the_eager_one_whatever_is_read_first(data, block_bytes, seed, reads):
-    """A Chain of bytes computes its hashes when first read, as far as they are read; every read in any order
+    """A Chain of bytes or a text computes its hashes when first read, as far as they are read; every read in any order
     gives the numpy reference's values, and `computed` only grows, up to the length."""
     import pickle
 

@@ -104,3 +104,11 @@ def test_instances_recent_requests_keep_their_ratios_through_a_rescale():
     assert fleet.recent_unit.value < 1e99 and math.isfinite(a) and 1.5 < a / b < 2.5
     # counts and unit were divided by the same factor: i0's count is still about 2/3 of a window (128) of units
     assert 40 * fleet.recent_unit.value < a < 130 * fleet.recent_unit.value
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(0, 20)), max_size=300), st.floats(0.5, 50.0))
+def test_add_returns_the_share_the_prefix_had_before(prefixes, window):
+    p = Popularity(max_keys=8)
+    for prefix in prefixes:
+        before = p.share(prefix) if prefix is not None else 0.0
+        assert p.add(prefix, window) == before

@@ -78,3 +78,17 @@ def test_any_json_either_keys_or_raises_the_documented_error(body):
         except KeyError_:
             continue
         assert isinstance(k.data, bytes)
+
+
+@given(st.text(st.characters(blacklist_categories=()), max_size=400), st.sampled_from([CHAT, "/v1/completions"]))
+def test_a_text_key_is_its_utf8_bytes_for_length_and_hashes(text, path):
+    """A rendered text is kept as text (hashed in place where ASCII): its length in tokens and its block hashes
+    are those of its UTF-8 bytes (lone surrogates passed through)."""
+    from warmroute.core.block_hash import numpy_block_hashes
+
+    body = {"model": "m", "messages": [{"role": "user", "content": text * 3}]} if path == CHAT else {"prompt": text * 3}
+    k = key_for_json(path, body)
+    raw = k.data
+    assert isinstance(raw, bytes) and raw == k.source.encode("utf-8", "surrogatepass")
+    assert k.tokens == max(1, len(raw) // 4)
+    assert list(k.blocks()) == numpy_block_hashes(raw, k.seed, 64)

@@ -47,8 +47,8 @@ def free_ports(n: int) -> list[int]:
 
 class Gateway:
     def __init__(self) -> None:
-        (self.odst, self.fallbacks, self.odst_down, self.fallbacks_down, self.duplex, self.admin,
-         self.picker0_port, self.picker2_port, self.dead_port) = free_ports(9)
+        (self.odst, self.fallbacks, self.odst_down, self.fallbacks_down, self.duplex, self.no_override, self.admin,
+         self.picker0_port, self.picker2_port, self.dead_port) = free_ports(10)
 
     def url(self, listener: int) -> str:
         return f"http://127.0.0.1:{listener}"
@@ -74,6 +74,9 @@ async def gateway(engines):
     duplex, clusters = local_listener(ORIGINAL_DST, "duplex", gw.duplex, picker0)
     _full_duplex(duplex)
     config.add(duplex, clusters)
+    fixed, clusters = local_listener(ORIGINAL_DST, "no_override", gw.no_override, picker0)
+    _ext_proc(fixed)["typed_config"]["allow_mode_override"] = False
+    config.add(fixed, clusters)
 
     config.add(*local_listener(FALLBACKS, "fallbacks_down", gw.fallbacks_down, dead, addresses[:ENGINES]))
     envoy = await EnvoyProcess(config).start()
@@ -82,11 +85,15 @@ async def gateway(engines):
     envoy.stop()
 
 
-def _full_duplex(listener: dict) -> None:
-    """Bodies both ways in FULL_DUPLEX_STREAMED mode (the Inference Extension's reference setting)."""
+def _ext_proc(listener: dict) -> dict:
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
-    ext_proc["typed_config"]["processing_mode"].update({
+    return ext_proc
+
+
+def _full_duplex(listener: dict) -> None:
+    """Bodies both ways in FULL_DUPLEX_STREAMED mode (the Inference Extension's reference setting)."""
+    _ext_proc(listener)["typed_config"]["processing_mode"].update({
         "request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
         "response_body_mode": "FULL_DUPLEX_STREAMED", "response_trailer_mode": "SEND"})
 
@@ -197,6 +204,52 @@ async def test_the_picker_counts_answers_and_reads_the_engines_cached_tokens(gat
     assert _total(samples, "warmroute_requests_total", status="200") == 3
     assert _total(samples, "warmroute_engine_cached_tokens_total") > 0  # from the JSON body and the SSE usage
     assert _total(samples, "warmroute_decisions_total", reason="cache_hit") == 2
+
+
+async def test_without_engine_feedback_the_picker_skips_the_response_body(gateway, engines, client, monkeypatch):
+    """No feedback to take from it: the picker's mode_override stops Envoy sending the response body, and the
+    books still close when the response ends."""
+    from warmroute.gateway.picker import Exchange
+
+    chunks = []
+    read = Exchange._response_body
+    monkeypatch.setattr(Exchange, "_response_body", lambda self, body: chunks.append(body) or read(self, body))
+    running = await _picker(gateway, engines, engine_feedback=False)
+    try:
+        url = gateway.url(gateway.odst)
+        for question, stream in ((0, False), (1, True)):
+            _, _, usage = await _ask(client, url, _chat(11, question, stream=stream, max_tokens=8))
+            assert usage["prompt_tokens"] > 0  # the client got the whole answer
+        await wait_for(lambda: not any(_books(running).values()))
+        assert chunks == []
+        samples = await _metrics(running, client)
+        assert _total(samples, "warmroute_requests_total", status="200") == 2
+        assert _total(samples, "warmroute_engine_cached_tokens_total") == 0
+    finally:
+        await running.stop()
+    running = await _picker(gateway, engines, engine_feedback=False)
+    try:  # a gateway that does not allow mode_override sends the body anyway: read to its end, counted once
+        url = gateway.url(gateway.no_override)
+        await _ask(client, url, _chat(11, 3, stream=True, max_tokens=8))
+        async with aiohttp.ClientSession() as own:  # and one its client leaves mid-stream: cut off, not answered
+            r = await own.post(url + "/v1/chat/completions", json=_chat(11, 4, stream=True, max_tokens=4000))
+            await r.content.readline()
+            r.close()
+        await wait_for(lambda: not any(_books(running).values()))
+        assert chunks
+        samples = await _metrics(running, client)
+        assert _total(samples, "warmroute_requests_total", status="200") == 1
+        assert _total(samples, "warmroute_requests_total", status="499") == 1
+    finally:
+        await running.stop()
+    chunks.clear()
+    running = await _picker(gateway, engines)  # with feedback (the default), the body is read
+    try:
+        await _ask(client, gateway.url(gateway.odst), _chat(11, 2, stream=True, max_tokens=8))
+        await wait_for(lambda: not any(_books(running).values()))
+        assert chunks
+    finally:
+        await running.stop()
 
 
 async def test_requests_spill_past_the_concurrency_threshold(gateway, engines, client):

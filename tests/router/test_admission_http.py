@@ -8,9 +8,9 @@ request in flight, no slot reserved, nothing queued, every queue gauge back to 0
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
-import pytest
 
 from client_helpers import wait_for
 from warmroute.engine.model import EngineConfig
@@ -28,13 +28,24 @@ def _chat(doc: int, question: int, max_tokens: int = 8) -> dict:
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {question}"}]}
 
 
+@contextlib.asynccontextmanager
 async def _stack(count: int = 2, time_scale: float = 1.0, **settings):
+    """Emulated engines, a router in front and a client; once the test's body is done, the books must return to
+    zero (no request in flight, no slot reserved, nothing queued)."""
     fleet = await start_fleet(count, config=EngineConfig.from_profile("8b", kv_capacity_tokens=KV_TOKENS),
                               time_scale=time_scale)
-    router = await start_router(load_settings({
-        "backends": [f"e{i}={u}" for i, u in enumerate(fleet.urls)], "port": 0, "kv_capacity_tokens": KV_TOKENS,
-        "health_interval": 0.2, "engine_metrics": False, **settings}, env={}))
-    return fleet, router
+    router = None
+    try:
+        router = await start_router(load_settings({
+            "backends": [f"e{i}={u}" for i, u in enumerate(fleet.urls)], "port": 0, "kv_capacity_tokens": KV_TOKENS,
+            "health_interval": 0.2, "engine_metrics": False, **settings}, env={}))
+        async with aiohttp.ClientSession() as client:
+            yield fleet, router, client
+        await wait_for(lambda: _books_are_zero(router), timeout=10)
+    finally:
+        if router is not None:
+            await router.stop()
+        await fleet.close()
 
 
 async def _post(client: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None):
@@ -56,13 +67,11 @@ def _metric(router, name: str, **labels) -> float:
 async def test_overload_waits_in_the_router_and_every_request_is_answered():
     """24 requests at once on 2 instances that take 2 each: the rest wait in the router (x-warmroute-reason
     says how long), all are answered, each at the instance holding its document, and the books return to zero."""
-    fleet, router = await _stack(concurrency_threshold=2)
-    try:
-        async with aiohttp.ClientSession() as client:
-            for doc in (0, 1):  # each document's first request places it
-                assert (await _post(client, router.url, _chat(doc, 0)))[0] == 200
-            answers = await asyncio.wait_for(asyncio.gather(
-                *(_post(client, router.url, _chat(q % 2, q)) for q in range(24))), 60)
+    async with _stack(concurrency_threshold=2) as (fleet, router, client):
+        for doc in (0, 1):  # each document's first request places it
+            assert (await _post(client, router.url, _chat(doc, 0)))[0] == 200
+        answers = await asyncio.wait_for(asyncio.gather(
+            *(_post(client, router.url, _chat(q % 2, q)) for q in range(24))), 60)
         assert all(status == 200 for status, _, _ in answers)
         queued = [h["x-warmroute-reason"] for _, h, _ in answers if "; queued=" in h["x-warmroute-reason"]]
         assert len(queued) >= 12 and all(float(r.split("queued=")[1].rstrip("s")) > 0 for r in queued)
@@ -71,106 +80,72 @@ async def test_overload_waits_in_the_router_and_every_request_is_answered():
             homes.setdefault(q % 2, set()).add(h["x-warmroute-instance"])
         assert all(len(v) == 1 for v in homes.values())  # affinity kept under overload: no spill
         assert _metric(router, "warmroute_admissions_total", how="busy") >= 12
-        await wait_for(lambda: _books_are_zero(router))
-    finally:
-        await router.stop()
-        await fleet.close()
 
 
 async def test_a_full_queue_answers_429_with_retry_after_and_leaks_nothing():
-    fleet, router = await _stack(concurrency_threshold=1, queue_max_requests=2)
-    try:
-        async with aiohttp.ClientSession() as client:
-            answers = await asyncio.wait_for(asyncio.gather(
-                *(_post(client, router.url, _chat(0, q)) for q in range(12))), 60)
+    async with _stack(concurrency_threshold=1, queue_max_requests=2) as (fleet, router, client):
+        answers = await asyncio.wait_for(asyncio.gather(
+            *(_post(client, router.url, _chat(0, q)) for q in range(12))), 60)
         refused = [(h, body) for status, h, body in answers if status == 429]
         assert refused and all(h["Retry-After"].isdigit() and "queue is full" in b["error"]["message"]
                                for h, b in refused)
         assert all(status in (200, 429) for status, _, _ in answers)
         assert _metric(router, "warmroute_sheds_total", reason="queue_full", priority="0") == len(refused)
-        await wait_for(lambda: _books_are_zero(router))
-    finally:
-        await router.stop()
-        await fleet.close()
 
 
 async def test_past_its_deadline_a_waiting_request_gets_429_not_a_hang():
-    fleet, router = await _stack(count=1, concurrency_threshold=1, queue_timeout=0.3)
-    try:
-        async with aiohttp.ClientSession() as client:
-            slow = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=200)))
-            await asyncio.sleep(0.1)
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            status, headers, body = await asyncio.wait_for(_post(client, router.url, _chat(0, 1)), 10)
-            assert status == 429 and "queue_timeout" in body["error"]["message"] and "Retry-After" in headers
-            assert loop.time() - start < 2.0
-            assert (await slow)[0] == 200
-        await wait_for(lambda: _books_are_zero(router))
-    finally:
-        await router.stop()
-        await fleet.close()
+    async with _stack(count=1, concurrency_threshold=1, queue_timeout=0.3) as (fleet, router, client):
+        slow = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=200)))
+        await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        status, headers, body = await asyncio.wait_for(_post(client, router.url, _chat(0, 1)), 10)
+        assert status == 429 and "queue_timeout" in body["error"]["message"] and "Retry-After" in headers
+        assert loop.time() - start < 2.0
+        assert (await slow)[0] == 200
 
 
 async def test_clients_that_leave_while_queued_leave_the_queue_at_once():
-    fleet, router = await _stack(count=1, concurrency_threshold=1)
-    try:
-        async with aiohttp.ClientSession() as client:
-            slow = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=300)))
-            await asyncio.sleep(0.1)
-            leavers = [asyncio.ensure_future(_post(client, router.url, _chat(0, q))) for q in range(1, 9)]
-            await wait_for(lambda: len(router.app[ROUTER].admission.waiters) == 8)
-            for t in leavers:
-                t.cancel()
-            await wait_for(lambda: not router.app[ROUTER].admission.waiters, timeout=2.0)
-            assert _metric(router, "warmroute_sheds_total", reason="client_closed", priority="0") == 8
-            assert not slow.done()  # they left long before the instance had room
-            assert (await slow)[0] == 200
-        await wait_for(lambda: _books_are_zero(router))
-    finally:
-        await router.stop()
-        await fleet.close()
+    async with _stack(count=1, concurrency_threshold=1) as (fleet, router, client):
+        slow = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=300)))
+        await asyncio.sleep(0.1)
+        leavers = [asyncio.ensure_future(_post(client, router.url, _chat(0, q))) for q in range(1, 9)]
+        await wait_for(lambda: len(router.app[ROUTER].admission.waiters) == 8)
+        for t in leavers:
+            t.cancel()
+        await wait_for(lambda: not router.app[ROUTER].admission.waiters, timeout=2.0)
+        assert _metric(router, "warmroute_sheds_total", reason="client_closed", priority="0") == 8
+        assert not slow.done()  # they left long before the instance had room
+        assert (await slow)[0] == 200
 
 
 async def test_an_instance_killed_during_overload_leaves_no_request_hanging():
     """One of two instances dies while requests wait for it: those waiting for it go to the survivor (or fail
     cleanly), none hangs, and the books return to zero."""
-    fleet, router = await _stack(concurrency_threshold=2, hold_timeout=1.0)
-    try:
-        async with aiohttp.ClientSession() as client:
-            tasks = [asyncio.ensure_future(_post(client, router.url, _chat(q % 4, q, max_tokens=30)))
-                     for q in range(20)]
-            await wait_for(lambda: len(router.app[ROUTER].admission.waiters) >= 8)
-            await fleet.servers[0].close()
-            answers = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    async with _stack(concurrency_threshold=2, hold_timeout=1.0) as (fleet, router, client):
+        tasks = [asyncio.ensure_future(_post(client, router.url, _chat(q % 4, q, max_tokens=30)))
+                 for q in range(20)]
+        await wait_for(lambda: len(router.app[ROUTER].admission.waiters) >= 8)
+        await fleet.servers[0].close()
+        answers = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         statuses = [s for s, _, _ in answers]
         assert all(s in (200, 502, 503, 504) for s in statuses) and statuses.count(200) >= 10
-        await wait_for(lambda: _books_are_zero(router), timeout=10)
-    finally:
-        await router.stop()
-        await fleet.close()
 
 
 async def test_priority_and_tenant_come_from_headers_and_a_bad_priority_is_a_400():
-    fleet, router = await _stack(count=1, concurrency_threshold=1)
-    try:
-        async with aiohttp.ClientSession() as client:
-            status, _, body = await _post(client, router.url, _chat(0, 0), {"x-priority": "high"})
-            assert status == 400 and "x-priority" in body["error"]["message"]
-            slow = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=100)))
-            await asyncio.sleep(0.1)
-            low = asyncio.ensure_future(_post(client, router.url, _chat(0, 1), {"x-priority": "-5",
-                                                                                 "x-tenant": "batch"}))
-            await wait_for(lambda: len(router.app[ROUTER].admission.waiters) == 1)
-            high = asyncio.ensure_future(_post(client, router.url, _chat(0, 2), {"x-priority": "5",
-                                                                                  "x-tenant": "web"}))
-            await wait_for(lambda: len(router.app[ROUTER].admission.waiters) == 2)
-            assert _metric(router, "warmroute_queue_waiting", priority="-5", tenant="batch") == 1
-            await slow
-            done, _ = await asyncio.wait([low, high], return_when=asyncio.FIRST_COMPLETED)
-            assert done == {high}  # the higher priority went first though it came later
-            assert (await low)[0] == 200
-        await wait_for(lambda: _books_are_zero(router))
-    finally:
-        await router.stop()
-        await fleet.close()
+    async with _stack(count=1, concurrency_threshold=1) as (fleet, router, client):
+        status, _, body = await _post(client, router.url, _chat(0, 0), {"x-priority": "high"})
+        assert status == 400 and "x-priority" in body["error"]["message"]
+        slow = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=100)))
+        await asyncio.sleep(0.1)
+        low = asyncio.ensure_future(_post(client, router.url, _chat(0, 1), {"x-priority": "-5",
+                                                                             "x-tenant": "batch"}))
+        await wait_for(lambda: len(router.app[ROUTER].admission.waiters) == 1)
+        high = asyncio.ensure_future(_post(client, router.url, _chat(0, 2), {"x-priority": "5",
+                                                                              "x-tenant": "web"}))
+        await wait_for(lambda: len(router.app[ROUTER].admission.waiters) == 2)
+        assert _metric(router, "warmroute_queue_waiting", priority="-5", tenant="batch") == 1
+        await slow
+        done, _ = await asyncio.wait([low, high], return_when=asyncio.FIRST_COMPLETED)
+        assert done == {high}  # the higher priority went first though it came later
+        assert (await low)[0] == 200

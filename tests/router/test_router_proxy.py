@@ -227,37 +227,37 @@ async def test_large_answers_arrive_whole_through_the_direct_relay(up_a, client,
         await router.stop()
 
 
-async def test_client_disconnect_mid_stream_closes_the_upstream(up_a, client):
-    async def endless(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        while True:
-            await resp.write(b"data: {}\n\n")
-            await asyncio.sleep(0.02)
+async def _endless(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    while True:
+        await resp.write(b"data: {}\n\n")
+        await asyncio.sleep(0.02)
 
-    up_a.behaviour = endless
+
+async def _slow_prefill(request: web.Request) -> web.Response:
+    await asyncio.sleep(10)
+    return web.Response(text="too late")
+
+
+async def _leave_mid_stream(client: aiohttp.ClientSession, url: str) -> None:
+    async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+        await r.content.readuntil(b"\n\n")
+        r.close()
+
+
+async def _leave_before_first_byte(client: aiohttp.ClientSession, url: str) -> None:
+    with pytest.raises(asyncio.TimeoutError):
+        await client.post(url + "/v1/chat/completions", json=CHAT, timeout=aiohttp.ClientTimeout(total=0.3))
+
+
+@pytest.mark.parametrize("behaviour, leave", [(_endless, _leave_mid_stream), (_slow_prefill, _leave_before_first_byte)],
+                         ids=["mid_stream", "before_first_byte"])
+async def test_a_client_that_leaves_closes_the_upstream(up_a, client, behaviour, leave):
+    up_a.behaviour = behaviour
     router = await router_for(up_a)
     try:
-        async with client.post(router.url + "/v1/chat/completions", json=CHAT) as r:
-            await r.content.readuntil(b"\n\n")
-            r.close()  # the client leaves
-        await asyncio.wait_for(up_a.cancelled.wait(), 2)
-        await _until(lambda: router.app[ROUTER].fleet.instances["a"].inflight == 0)
-    finally:
-        await router.stop()
-
-
-async def test_client_disconnect_before_first_byte_closes_the_upstream(up_a, client):
-    async def slow_prefill(request: web.Request) -> web.Response:
-        await asyncio.sleep(10)
-        return web.Response(text="too late")
-
-    up_a.behaviour = slow_prefill
-    router = await router_for(up_a)
-    try:
-        with pytest.raises(asyncio.TimeoutError):
-            await client.post(router.url + "/v1/chat/completions", json=CHAT,
-                              timeout=aiohttp.ClientTimeout(total=0.3))
+        await leave(client, router.url)
         await asyncio.wait_for(up_a.cancelled.wait(), 2)
         await _until(lambda: router.app[ROUTER].fleet.instances["a"].inflight == 0)
     finally:

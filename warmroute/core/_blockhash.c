@@ -12,8 +12,10 @@
  * prefix index reads it without any int). Making the Python ints cost more than the hashing itself, so an
  * int is made only where Python code reads one.
  *
- * A Chain of a bytes object is lazy: it keeps the bytes and computes its hashes when they are first read, and
- * only as far as they are read (the hashes are chained, so h_k needs blocks 0..k and nothing after). Its length
+ * A str is hashed as its UTF-8 bytes; an ASCII str's characters are those bytes, read in place (a 32 KB prompt
+ * is not copied to be hashed). A Chain of a bytes object or a str is lazy: it keeps them and computes its
+ * hashes when they are first read, and only as far as they are read (the hashes are chained, so h_k needs
+ * blocks 0..k and nothing after). Its length
  * is known at once. The router reads a cold prompt's first hash only (nobody holds its first block, so nothing
  * deeper can match) and records the whole chain after the request has left; the hashing is then off the
  * request's path. Every read (item, slice, ==, buffer, list, pickle) sees the same values as an eager chain.
@@ -75,7 +77,8 @@ static PyObject *configure(PyObject *self, PyObject *args) {
 /* -- Chain: a read-only sequence of uint64 hashes ----------------------------------------------------------- */
 typedef struct {
     PyObject_VAR_HEAD
-    PyObject *src;          /* the bytes still to hash (NULL once all are: h[0..size) valid) */
+    PyObject *src;          /* what owns the bytes still to hash (NULL once all are: h[0..size) valid) */
+    const unsigned char *bytes;  /* those bytes: a bytes object's, or an ASCII str's characters */
     Py_ssize_t done;        /* h[0..done) are computed */
     Py_ssize_t block_bytes;
     uint64_t seed, sum, weight;  /* the running chain: sum = h[done-1], weight = P^-done */
@@ -88,6 +91,7 @@ static Chain *chain_new(Py_ssize_t n) {
     Chain *c = PyObject_NewVar(Chain, &ChainType, n);
     if (c == NULL) return NULL;
     c->src = NULL;
+    c->bytes = NULL;
     c->done = n;
     c->block_bytes = 0;
     c->seed = c->sum = 0;
@@ -147,8 +151,11 @@ WR_MULTIVERSION static void chain_fill_from(Chain *c, const unsigned char *p, Py
 static void chain_fill(Chain *c, Py_ssize_t upto) {
     if (upto > Py_SIZE(c)) upto = Py_SIZE(c);
     if (upto <= c->done) return;
-    chain_fill_from(c, (const unsigned char *)PyBytes_AS_STRING(c->src), upto);
-    if (upto == Py_SIZE(c)) Py_CLEAR(c->src);
+    chain_fill_from(c, c->bytes, upto);
+    if (upto == Py_SIZE(c)) {
+        Py_CLEAR(c->src);
+        c->bytes = NULL;
+    }
 }
 
 static Py_ssize_t chain_length(Chain *c) { return Py_SIZE(c); }
@@ -303,50 +310,59 @@ static PyTypeObject ChainType = {
 
 static PyObject *block_hashes(PyObject *self, PyObject *args) {
     Py_buffer buf;
-    PyObject *data, *seed_obj = NULL;
+    PyObject *data, *seed_obj = NULL, *encoded = NULL;
+    Chain *out = NULL;
     Py_ssize_t block_bytes = default_block_bytes;
     if (!PyArg_ParseTuple(args, "O|On", &data, &seed_obj, &block_bytes))
         return NULL;
-    if (PyObject_GetBuffer(data, &buf, PyBUF_SIMPLE) < 0)
+    /* A str is hashed as its UTF-8 bytes (lone surrogates passed, as str.encode("utf-8", "surrogatepass")). An
+     * ASCII str's characters are those bytes: read in place, not copied. Any other str is encoded here. */
+    if (PyUnicode_Check(data) && !PyUnicode_IS_ASCII(data)) {
+        encoded = data = PyUnicode_AsEncodedString(data, "utf-8", "surrogatepass");
+        if (encoded == NULL) return NULL;
+    }
+    int ascii = PyUnicode_Check(data);
+    if ((ascii ? PyBuffer_FillInfo(&buf, data, PyUnicode_DATA(data), PyUnicode_GET_LENGTH(data), 1, PyBUF_SIMPLE)
+               : PyObject_GetBuffer(data, &buf, PyBUF_SIMPLE)) < 0) {
+        Py_XDECREF(encoded);
         return NULL;
+    }
     /* seed & (2^64 - 1), as in Python */
     uint64_t seed = seed_obj == NULL ? 0 : (uint64_t)PyLong_AsUnsignedLongLongMask(seed_obj);
-    if (seed == (uint64_t)-1 && PyErr_Occurred()) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
+    if (seed == (uint64_t)-1 && PyErr_Occurred())
+        goto done;
     if (!configured) {
-        PyBuffer_Release(&buf);
         PyErr_SetString(PyExc_RuntimeError, "_blockhash.configure() was not called");
-        return NULL;
+        goto done;
     }
     if (block_bytes <= 0 || block_bytes % 8) {
-        PyBuffer_Release(&buf);
         PyErr_SetString(PyExc_ValueError, "block_bytes must be a positive multiple of 8");
-        return NULL;
+        goto done;
     }
     Py_ssize_t n = buf.len / block_bytes;
-    Chain *out = chain_new(n);
-    if (out == NULL) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
+    out = chain_new(n);
+    if (out == NULL)
+        goto done;
     out->block_bytes = block_bytes;
     out->seed = seed;
     if (n > 0) {
         out->done = 0;
-        if (PyBytes_CheckExact(data))  /* immutable: keep it and hash on demand */
+        if (PyBytes_CheckExact(data) || ascii) {  /* immutable: keep it and hash on demand */
             out->src = Py_NewRef(data);
-        else  /* a bytearray or memoryview may change after we return: hash it all now */
+            out->bytes = (const unsigned char *)buf.buf;
+        } else  /* a bytearray or memoryview may change after we return: hash it all now */
             chain_fill_from(out, (const unsigned char *)buf.buf, n);
     }
+done:
     PyBuffer_Release(&buf);
+    Py_XDECREF(encoded);
     return (PyObject *)out;
 }
 
 static PyMethodDef methods[] = {
     {"block_hashes", block_hashes, METH_VARARGS,
-     "block_hashes(data, seed=0, block_bytes=default) -> Chain: block_hash.block_hashes, in C (lazy for bytes)."},
+     "block_hashes(data, seed=0, block_bytes=default) -> Chain: block_hash.block_hashes, in C (lazy for bytes and "
+     "str)."},
     {"configure", configure, METH_VARARGS, "configure(lane_keys, p_inv, default_block_bytes): block_hash.py's constants."},
     {NULL, NULL, 0, NULL},
 };
@@ -357,7 +373,9 @@ PyMODINIT_FUNC PyInit__blockhash(void) {
     if (PyType_Ready(&ChainType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Chain", (PyObject *)&ChainType) < 0) {
+    /* block_hash.py's API: 2 hashes a str (a build without it is not used) */
+    if (PyModule_AddObjectRef(m, "Chain", (PyObject *)&ChainType) < 0
+            || PyModule_AddIntConstant(m, "API", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

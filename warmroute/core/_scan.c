@@ -322,8 +322,12 @@ static PyObject *routable(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "serving must be a set or None");
         return NULL;
     }
-    PyObject *out = PyList_New(0);
-    if (out == NULL) return NULL;
+    /* The kept instances are gathered first (each with a reference held) and the list made at its final size:
+     * growing it one append at a time reallocated it several times per call. */
+    PyObject *stack_kept[128];
+    PyObject **keep = stack_kept;
+    Py_ssize_t room = 128, kept = 0;
+    PyObject *out = NULL;
     Py_ssize_t pos = 0;
     PyObject *key, *inst;
     while (PyDict_Next(instances, &pos, &key, &inst)) {  /* borrowed references */
@@ -338,13 +342,32 @@ static PyObject *routable(PyObject *self, PyObject *args) {
             ok = name == NULL ? -1 : PySet_Contains(serving, name);
             Py_XDECREF(name);
         }
-        int failed = ok < 0 || (ok == 1 && PyList_Append(out, inst) < 0);
-        Py_DECREF(inst);
-        if (failed) {
-            Py_DECREF(out);
-            return NULL;
+        if (ok == 1 && kept == room) {  /* more than 128 instances: move to the heap, doubling */
+            PyObject **grown = PyMem_Malloc(2 * room * sizeof(PyObject *));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                ok = -1;
+            } else {
+                memcpy(grown, keep, kept * sizeof(PyObject *));
+                if (keep != stack_kept) PyMem_Free(keep);
+                keep = grown;
+                room *= 2;
+            }
         }
+        if (ok == 1) {
+            keep[kept++] = inst;  /* its reference moves to the list */
+            continue;
+        }
+        Py_DECREF(inst);
+        if (ok < 0) goto done;
     }
+    out = PyList_New(kept);
+    if (out == NULL) goto done;
+    for (Py_ssize_t i = 0; i < kept; i++) PyList_SET_ITEM(out, i, keep[i]);
+    kept = 0;
+done:
+    for (Py_ssize_t i = 0; i < kept; i++) Py_DECREF(keep[i]);
+    if (keep != stack_kept) PyMem_Free(keep);
     return out;
 }
 

@@ -20,7 +20,8 @@ all agree on every hash.
 
 The same construction is also compiled (`_blockhash.c`, built by `pip install` where a C compiler is found):
 one loop over the words instead of ten array passes (docs/tuning.md), returned as
-a Chain (the hashes as uint64 words; ints made only where Python reads one). A Chain of a bytes key is lazy: it
+a Chain (the hashes as uint64 words; ints made only where Python reads one). Both take a str too, hashing its
+UTF-8 bytes (the C one reads an ASCII str's characters in place). A Chain of a bytes or str key is lazy: it
 hashes when first read, and only as far as read, so a cold prompt (nobody holds its first block) is hashed past
 its first block only when the router records it, after the request has been sent. `block_hashes` uses it when
 it was built; the numpy version below is the fallback and the reference the tests compare it with
@@ -36,6 +37,7 @@ import numpy as np
 import xxhash
 
 BLOCK_BYTES_DEFAULT = 64
+API = 2  # the _blockhash interface this module calls (2: it hashes a str as its UTF-8 bytes)
 
 _M64 = (1 << 64) - 1
 _P = 0x100000001B3 * 2 + 1 | 1  # odd, so invertible mod 2^64
@@ -86,10 +88,13 @@ def seed_of(*parts: str) -> int:
     return xxhash.xxh3_64_intdigest("\x1f".join(parts).encode())
 
 
-def numpy_block_hashes(data: bytes, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFAULT) -> list[int]:
-    """Hashes of the full blocks of `data` (a trailing partial block is not hashed, as in vLLM), in numpy."""
+def numpy_block_hashes(data: bytes | str, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFAULT) -> list[int]:
+    """Hashes of the full blocks of `data` (a str: its UTF-8 bytes; a trailing partial block is not hashed, as in
+    vLLM), in numpy."""
     if block_bytes <= 0 or block_bytes % 8:
         raise ValueError("block_bytes must be a positive multiple of 8")
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
     n = len(data) // block_bytes
     if n == 0:
         return []
@@ -111,6 +116,9 @@ try:
     if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
         raise ImportError("WARMROUTE_PURE_PYTHON=1")
     from warmroute.core import _blockhash
+
+    if getattr(_blockhash, "API", 1) != API:  # an older build cannot hash a str: numpy until it is rebuilt
+        raise ImportError(f"warmroute.core._blockhash is of another version (API {getattr(_blockhash, 'API', 1)})")
 except ImportError:  # not compiled here (no C compiler at install time): numpy it is
     _blockhash = None
     block_hashes = numpy_block_hashes
@@ -121,7 +129,7 @@ NATIVE = _blockhash is not None  # whether the compiled version is in use (logge
 
 
 def text_block_hashes(text: str, seed: int = 0, block_bytes: int = BLOCK_BYTES_DEFAULT) -> Sequence[int]:
-    return block_hashes(text.encode("utf-8", "surrogatepass"), seed, block_bytes)
+    return block_hashes(text, seed, block_bytes)
 
 
 def extend_chain(parent: int, depth: int, data: bytes, block_bytes: int) -> list[int]:

@@ -20,39 +20,35 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from warmroute.core.fleet import Instance
+from warmroute.core.settings_model import SettingsModel
 from warmroute.core.stages.prefix_match import kv_pressure
 
 PREFILL, DECODE, KV = "prefill", "decode", "kv"
 
 
-class DemandSettings(BaseModel):
+class DemandSettings(SettingsModel):
     """What an autoscaler acting on the demand signal is told: the target and the bounds (HPA's own terms)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    scale_target: float = Field(
-        0.7, gt=0.0, le=1.0,
-        description="The utilisation the autoscaler aims for: of the fleet's genuine capacity (prefill tokens, "
-                    "concurrency, KV cache) for the demand signal; desired instances = ceil(current x "
-                    "utilisation / target).")
-    scale_tolerance: float = Field(
-        0.1, ge=0.0, lt=1.0,
-        description="No change while utilisation / target is within 1 +- this (the Kubernetes HPA's 10%).")
-    min_instances: int = Field(1, ge=1, le=10_000, description="Fewest instances the autoscaler asks for.")
-    max_instances: int = Field(64, ge=1, le=10_000, description="Most instances the autoscaler asks for.")
-    backlog_horizon_s: float = Field(
-        30.0, gt=0.0, le=3600.0,
-        description="Seconds over which the prefill of requests waiting in the router's queue counts as demand "
-                    "(backlog / horizon is added to the routed rate), so a fleet that has fallen behind asks for "
-                    "more than the rate it managed to take.")
+    scale_target: float = Field(0.7, gt=0.0, le=1.0)
+    """The utilisation the autoscaler aims for: of the fleet's genuine capacity (prefill tokens, concurrency, KV cache)
+    for the demand signal; desired instances = ceil(current x utilisation / target)."""
+    scale_tolerance: float = Field(0.1, ge=0.0, lt=1.0)
+    """No change while utilisation / target is within 1 +- this (the Kubernetes HPA's 10%)."""
+    min_instances: int = Field(1, ge=1, le=10_000)
+    """Fewest instances the autoscaler asks for."""
+    max_instances: int = Field(64, ge=1, le=10_000)
+    """Most instances the autoscaler asks for."""
+    backlog_horizon_s: float = Field(30.0, gt=0.0, le=3600.0)
+    """Seconds over which the prefill of requests waiting in the router's queue counts as demand (backlog / horizon is
+    added to the routed rate), so a fleet that has fallen behind asks for more than the rate it managed to take."""
 
-    demand_window_s: float = Field(
-        30.0, gt=0.0, le=3600.0,
-        description="Seconds over which the tokens routed to each instance are averaged into a rate (an "
-                    "exponential average): long enough that one long prompt is not a surge, short enough not to "
-                    "lag a ramp (the autoscaler's own delays come on top).")
+    demand_window_s: float = Field(30.0, gt=0.0, le=3600.0)
+    """Seconds over which the tokens routed to each instance are averaged into a rate (an exponential average): long
+    enough that one long prompt is not a surge, short enough not to lag a ramp (the autoscaler's own delays come on
+    top)."""
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> DemandSettings:

@@ -19,7 +19,7 @@ class FadingUnit:
     def advance(self, window: float) -> float | None:
         """One count was made. Returns the factor to divide every stored count by when they are rescaled now
         (None almost always)."""
-        self.value *= 1.0 + 1.0 / max(1.0, window)
+        self.value *= 1.0 + 1.0 / (window if window > 1.0 else 1.0)  # max(1.0, window) without a call
         if self.value < RESCALE_AT:
             return None
         factor, self.value = self.value, 1.0

@@ -39,7 +39,7 @@ class Request:
     deepest = 0
     alpha = 1.0  # what one uncached prompt token costs, in queued tokens
     holder = ""  # who holds the deepest match (prefix_match.PRIVATE, SHARED or SWAMPED)
-    miss: dict[str, float] = {}  # alpha x uncached tokens, per instance holding part of the prompt
+    miss: dict[str, float] = {}  # alpha x uncached tokens, per instance holding part of the prompt (never mutated)
     miss_all = 0.0  # the same anywhere else
     hot = False  # its prefix carries at least 1/N of the recent requests (hot_share)
     share_cap = math.nan  # hot_share's cap on recent requests, once computed (HotShare.cap)

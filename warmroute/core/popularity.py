@@ -20,19 +20,24 @@ class Popularity:
         """The prefix's share of the recent requests, 0..1."""
         return self._counts.get(prefix, 0.0) / self._total if self._total else 0.0
 
-    def add(self, prefix: int | None, window: float) -> None:
-        """One request, for this prefix (None: a request with none worth counting)."""
-        unit = self._unit.value
-        self._total += unit
+    def add(self, prefix: int | None, window: float) -> float:
+        """One request, for this prefix (None: a request with none worth counting). Returns the prefix's share
+        before it, as `share` gave it (0.0 for None): the guard asks both on every decision."""
+        unit, total = self._unit.value, self._total
+        self._total = total + unit
+        before = 0.0
         if prefix is not None:
             counts = self._counts
-            counts[prefix] = counts.get(prefix, 0.0) + unit
+            count = counts.get(prefix, 0.0)
+            before = count / total if total else 0.0
+            counts[prefix] = count + unit
             if len(counts) > self.max_keys:
                 self._counts = {k: v for k, v in counts.items() if v > 4 * unit}
         factor = self._unit.advance(window)
         if factor is not None:
             self._counts = {k: v / factor for k, v in self._counts.items()}
             self._total /= factor
+        return before
 
     def __len__(self) -> int:
         return len(self._counts)

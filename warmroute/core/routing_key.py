@@ -39,7 +39,9 @@ class KeyError_(ValueError):
 @dataclass
 class RoutingKey:
     seed: int  # from model name and cache salt
-    data: bytes  # what the engine caches, in order, as bytes
+    # What the engine caches, in order: the rendered text (hashed as its UTF-8 bytes, an ASCII text in place
+    # without a copy) or bytes (token ids, a raw body). `data` gives it as bytes.
+    source: str | bytes
     prefix_units: str | bytes  # what PrefixLength counts: characters of message text, or body bytes
     session: str | None = None
     model: str | None = None
@@ -49,18 +51,32 @@ class RoutingKey:
     token_data: bytes | None = None
     token_seed: int = 0
     _token_blocks: dict[int, Sequence[int]] = field(default_factory=dict, repr=False)
+    _data: bytes | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def data(self) -> bytes:
+        """What the engine caches, as bytes (a text's UTF-8 encoding, made when first asked)."""
+        src = self.source
+        if isinstance(src, bytes):
+            return src
+        if self._data is None:
+            self._data = src.encode("utf-8", "surrogatepass")
+        return self._data
 
     @property
     def tokens(self) -> int:
         """Prompt length estimate in tokens (≈ 4 bytes per token)."""
-        return max(1, len(self.data) // BYTES_PER_TOKEN)
+        src = self.source
+        # An ASCII text has as many UTF-8 bytes as characters (str.isascii() is a flag, not a scan).
+        size = len(src) if isinstance(src, bytes) or src.isascii() else len(self.data)
+        return max(1, size // BYTES_PER_TOKEN)
 
     def blocks(self, block_bytes: int = BLOCK_BYTES_DEFAULT) -> Sequence[int]:
         """Chained hashes of the key's full blocks (computed once per block size): a Chain where the C block
         hash was built (read-only, ints made on access), a list otherwise."""
         got = self._blocks.get(block_bytes)
         if got is None:
-            got = self._blocks[block_bytes] = block_hashes(self.data, self.seed, block_bytes)
+            got = self._blocks[block_bytes] = block_hashes(self.source, self.seed, block_bytes)
         return got
 
     def token_blocks(self, block_size: int) -> Sequence[int]:
@@ -108,18 +124,6 @@ def _part_digest(part: dict) -> str:
     return f"<{part.get('type')}:{xxhash.xxh3_128_hexdigest(raw.encode('utf-8', 'surrogatepass'))}>"
 
 
-def check_message(m: Any, i: int) -> None:
-    """What the OpenAI API itself rejects, so that it is never forwarded: a message without a role, or without
-    content (an assistant message that calls tools may leave it null)."""
-    if not isinstance(m, dict):
-        raise KeyError_(f"messages[{i}] must be an object")
-    role = m.get("role")
-    if not isinstance(role, str):
-        raise KeyError_(f"messages[{i}].role is required and must be a string")
-    if m.get("content") is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
-        raise KeyError_(f"messages[{i}].content is required")
-
-
 def render_messages(messages: Any, tools: Any = None, strict: bool = False) -> str:
     """A chat conversation as the text the engine will prefill: tools, then each role and its text. `strict`:
     also reject what the OpenAI API rejects (an empty list, a message without role or content)."""
@@ -131,30 +135,34 @@ def render_messages(messages: Any, tools: Any = None, strict: bool = False) -> s
     if tools:
         out.append("<|tools|>\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "\n")
     for i, m in enumerate(messages):
-        if strict:
-            check_message(m, i)
-        elif not isinstance(m, dict):
+        if not isinstance(m, dict):
             raise KeyError_(f"messages[{i}] must be an object")
-        role = m.get("role", "user")
+        role = m.get("role") if strict else m.get("role", "user")
         if not isinstance(role, str):
-            raise KeyError_(f"messages[{i}].role must be a string")
-        out += ("<|", role, "|>\n", content_text(m.get("content")))
+            raise KeyError_(f"messages[{i}].role is required and must be a string" if strict
+                            else f"messages[{i}].role must be a string")
+        content = m.get("content")
+        # What the OpenAI API itself rejects, never forwarded: no content (a tool-calling assistant may leave it null).
+        if strict and content is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
+            raise KeyError_(f"messages[{i}].content is required")
+        out += ("<|", role, "|>\n", content if type(content) is str else content_text(content))
         if m.get("tool_calls"):
             out.append(json.dumps(m["tool_calls"], sort_keys=True, separators=(",", ":")))
         out.append("\n")
     return "".join(out)  # the message texts are copied once, here (not into a formatted string first)
 
 
-def render_prompt(prompt: Any) -> tuple[str | None, bytes]:
-    """A completions prompt: text (or list of texts), or token ids (packed 4 bytes per id)."""
+def render_prompt(prompt: Any) -> tuple[str | None, str | bytes]:
+    """A completions prompt (text, a list of texts, or token ids): its text (None for token ids), and what the
+    engine caches (that text, or the ids packed 4 bytes each)."""
     if isinstance(prompt, str):
-        return prompt, prompt.encode("utf-8", "surrogatepass")
+        return prompt, prompt
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, _pack_ids(prompt)
         if all(isinstance(p, str) for p in prompt):
             text = "\n".join(prompt)
-            return text, text.encode("utf-8", "surrogatepass")
+            return text, text
         if all(isinstance(p, list) for p in prompt):  # a batch of token-id prompts: key on the first
             return render_prompt(prompt[0])
     raise KeyError_("'prompt' must be a string, a list of strings, or a list of token ids")
@@ -204,6 +212,11 @@ def _as_function(tool: Any) -> Any:
     return {"type": "function", "function": fn}
 
 
+# Seeds by (model, cache salt, adapter), each hashed once: the same few triples come with every request. Bounded,
+# since request bodies choose them.
+_SEEDS: dict[tuple[str, str, str], int] = {}
+
+
 def _seed(body: dict) -> tuple[int, str | None]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -211,7 +224,13 @@ def _seed(body: dict) -> tuple[int, str | None]:
     model = model or ""
     salt = body.get("cache_salt")
     lora = body.get("lora_adapter") or body.get("adapter")
-    return seed_of(model, salt if isinstance(salt, str) else "", lora if isinstance(lora, str) else ""), model or None
+    parts = (model, salt if isinstance(salt, str) else "", lora if isinstance(lora, str) else "")
+    seed = _SEEDS.get(parts)
+    if seed is None:
+        if len(_SEEDS) >= 1024:
+            _SEEDS.clear()
+        seed = _SEEDS[parts] = seed_of(*parts)
+    return seed, model or None
 
 
 def key_for_json(path: str, body: Any, session: str | None = None) -> RoutingKey:
@@ -224,16 +243,16 @@ def key_for_json(path: str, body: Any, session: str | None = None) -> RoutingKey
         if "messages" not in body:
             raise KeyError_("missing required field 'messages'")
         text = render_messages(body["messages"], body.get("tools"), strict=True)
-        return RoutingKey(seed, text.encode("utf-8", "surrogatepass"), text, session, model)
+        return RoutingKey(seed, text, text, session, model)
     if path in PROMPT_ROUTES or path in EMBEDDING_ROUTES:
         field_name = "prompt" if path in PROMPT_ROUTES else "input"
         if field_name not in body:
             raise KeyError_(f"missing required field '{field_name}'")
-        text, data = render_prompt(body[field_name])
-        return RoutingKey(seed, data, text if text is not None else data, session, model)
+        text, source = render_prompt(body[field_name])
+        return RoutingKey(seed, source, text if text is not None else source, session, model)
     if path in RESPONSES_ROUTES or path in ANTHROPIC_ROUTES:
         text = render_responses_input(body) if path in RESPONSES_ROUTES else render_anthropic(body)
-        return RoutingKey(seed, text.encode("utf-8", "surrogatepass"), text, session, model)
+        return RoutingKey(seed, text, text, session, model)
     raise KeyError_(f"no routing key is defined for {path}")
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from warmroute.core.decision import (AFFINITY, APPROXIMATE, CACHE_HIT, COLD, HOT_SPREAD, KV_SPILL, LOAD_BALANCE,
                                      OVERLOAD_SPILL, PRECISE, REASONS, UNHEALTHY_FALLBACK, Decision, ModelNotServed,
@@ -31,6 +31,7 @@ from warmroute.core.fleet import Fleet
 from warmroute.core.pipeline import Facts, Filter, Picker, Pipeline, Request, Scorer, Stage
 from warmroute.core.popularity import Popularity
 from warmroute.core.routing_key import RoutingKey
+from warmroute.core.settings_model import SettingsModel
 from warmroute.core.stages import SCORERS, STAGES, Handles
 from warmroute.core.stages.compiled import _scan, compiled_path
 from warmroute.core.stages.prefix_match import PRIVATE, SHARED, SWAMPED, kv_pressure
@@ -43,72 +44,54 @@ __all__ = ["AFFINITY", "APPROXIMATE", "PRECISE", "CACHE_HIT", "COLD", "HOT_SPREA
            "nest_flat_names", "own_setting", "OWN_SETTINGS"]
 
 
-class CacheAwareSettings(BaseModel):
+class CacheAwareSettings(SettingsModel):
     """cache_aware's own knobs (the why of each default: docs/tuning.md)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)  # stages copy their values when built
-    balance_factor: float = Field(
-        1.0, ge=0.0, le=10.0,
-        description="cache_aware's bounded-load factor epsilon: no instance above (1+epsilon) x mean in-flight "
-                    "+ balance_slack.")
-    balance_slack: int = Field(
-        4, ge=0, le=1024,
-        description="Requests in flight an instance may have over (1+epsilon) x the mean; also how close to the "
-                    "least loaded a tied instance must be to take a cold prefix.")
-    hot_balance_factor: float = Field(
-        0.2, ge=0.0, le=1000.0,
-        description="cache_aware's guard for hot prefixes, delta: a prefix on at least 1/N of the recent requests "
-                    "(N instances) skips the instances sent more than (1+delta) x the mean of recent requests "
-                    "+ hot_balance_slack, so it is copied to more instances instead of loading a few. 1000: off.")
-    hot_balance_slack: float = Field(4.0, ge=0.0, le=1000.0,
-                                     description="Recent requests over (1+delta) x the mean, for hot_balance_factor.")
-    cold_to_least_loaded: bool = Field(
-        True, description="Among instances that tie on cost (a cold prefix), keep only those within balance_slack "
-                          "requests of the least loaded before the rendezvous order picks.")
-    miss_weight: float = Field(
-        16.0, ge=0.0, le=1000.0,
-        description="cache_aware's cost of an uncached prompt token, relative to a queued one, when one "
-                    "instance holds the prompt's deepest cached prefix (a conversation, a document): higher "
-                    "keeps such prompts on their instance longer.")
-    shared_miss_weight: float = Field(
-        1.0, ge=0.0, le=1000.0,
-        description="The same when several instances hold it (a popular prefix) or none: lower copies a "
-                    "popular prefix to more instances sooner.")
-    sticky_kv_limit: float = Field(
-        3.0, ge=0.0, le=1000.0,
-        description="cache_aware keeps a prompt on the one instance holding its prefix (miss_weight) only while "
-                    "the prompts in flight there need at most this many times its KV cache (as engine feedback "
-                    "scales it); beyond, the engine evicts queued histories anyway, and the prompt weighs its miss "
-                    "like a shared one. 1000: always sticky.")
-    hold_kv_limit: float = Field(
-        1000.0, ge=0.0, le=1000.0,
-        description="cache_aware holds such a prompt in the router while the prompts in flight at its instance, "
-                    "with it, would need more than this many times its KV cache (there the engine would evict its "
-                    "history while it queues), and looks again whenever a request finishes (see hold_keep). "
-                    "1000 (the default): never holds on KV demand, only at the concurrency threshold; with the "
-                    "admission queue a limit of 1.4 cost hit rate and throughput (docs/tuning.md).")
-    hold_keep: float = Field(
-        1.5, ge=0.0, le=1000.0,
-        description="A held request keeps the instance first chosen for it until it has waited this many times "
-                    "the fleet's mean time to first token; then it is decided again (and may go elsewhere) "
-                    "whenever a request finishes. 0: decided again every time.")
-    hold_timeout: float = Field(
-        5.0, ge=0.0, le=3600,
-        description="Seconds a request waiting on hold_kv_limit waits for its own instance with that limit "
-                    "applied; then its own instance, or any other, takes it as soon as it has a free slot.")
-    slow_start_window: float = Field(
-        30.0, ge=0.0, le=3600.0,
-        description="Seconds over which an instance that joins the fleet (or comes back healthy) ramps up to its "
-                    "full share of requests, as Envoy's slow start; hot prefixes are copied to it first. 0: off "
-                    "(a new instance takes its full share at once). Instances present when the router starts "
-                    "do not ramp.")
-    slow_start_aggression: float = Field(
-        1.0, ge=0.05, le=100.0,
-        description="Shape of the slow-start ramp: the share grows as (elapsed / window) ** (1 / aggression); 1 is "
-                    "linear, above 1 faster at first.")
-    slow_start_min_weight: float = Field(
-        0.1, ge=0.0, le=1.0,
-        description="The share of a full instance's requests a ramping instance may take from its first second.")
+    balance_factor: float = Field(1.0, ge=0.0, le=10.0)
+    """cache_aware's bounded-load factor epsilon: no instance above (1+epsilon) x mean in-flight + balance_slack."""
+    balance_slack: int = Field(4, ge=0, le=1024)
+    """Requests in flight an instance may have over (1+epsilon) x the mean; also how close to the least loaded a tied
+    instance must be to take a cold prefix."""
+    hot_balance_factor: float = Field(0.2, ge=0.0, le=1000.0)
+    """cache_aware's guard for hot prefixes, delta: a prefix on at least 1/N of the recent requests (N instances) skips
+    the instances sent more than (1+delta) x the mean of recent requests + hot_balance_slack, so it is copied to more
+    instances instead of loading a few. 1000: off."""
+    hot_balance_slack: float = Field(4.0, ge=0.0, le=1000.0)
+    """Recent requests over (1+delta) x the mean, for hot_balance_factor."""
+    cold_to_least_loaded: bool = True
+    """Among instances that tie on cost (a cold prefix), keep only those within balance_slack requests of the least
+    loaded before the rendezvous order picks."""
+    miss_weight: float = Field(16.0, ge=0.0, le=1000.0)
+    """cache_aware's cost of an uncached prompt token, relative to a queued one, when one instance holds the prompt's
+    deepest cached prefix (a conversation, a document): higher keeps such prompts on their instance longer."""
+    shared_miss_weight: float = Field(1.0, ge=0.0, le=1000.0)
+    """The same when several instances hold it (a popular prefix) or none: lower copies a popular prefix to more
+    instances sooner."""
+    sticky_kv_limit: float = Field(3.0, ge=0.0, le=1000.0)
+    """cache_aware keeps a prompt on the one instance holding its prefix (miss_weight) only while the prompts in flight
+    there need at most this many times its KV cache (as engine feedback scales it); beyond, the engine evicts queued
+    histories anyway, and the prompt weighs its miss like a shared one. 1000: always sticky."""
+    hold_kv_limit: float = Field(1000.0, ge=0.0, le=1000.0)
+    """cache_aware holds such a prompt in the router while the prompts in flight at its instance, with it, would need
+    more than this many times its KV cache (there the engine would evict its history while it queues), and looks again
+    whenever a request finishes (see hold_keep). 1000 (the default): never holds on KV demand, only at the concurrency
+    threshold; with the admission queue a limit of 1.4 cost hit rate and throughput (docs/tuning.md)."""
+    hold_keep: float = Field(1.5, ge=0.0, le=1000.0)
+    """A held request keeps the instance first chosen for it until it has waited this many times the fleet's mean time
+    to first token; then it is decided again (and may go elsewhere) whenever a request finishes. 0: decided again every
+    time."""
+    hold_timeout: float = Field(5.0, ge=0.0, le=3600)
+    """Seconds a request waiting on hold_kv_limit waits for its own instance with that limit applied; then its own
+    instance, or any other, takes it as soon as it has a free slot."""
+    slow_start_window: float = Field(30.0, ge=0.0, le=3600.0)
+    """Seconds over which an instance that joins the fleet (or comes back healthy) ramps up to its full share of
+    requests, as Envoy's slow start; hot prefixes are copied to it first. 0: off (a new instance takes its full share at
+    once). Instances present when the router starts do not ramp."""
+    slow_start_aggression: float = Field(1.0, ge=0.05, le=100.0)
+    """Shape of the slow-start ramp: the share grows as (elapsed / window) ** (1 / aggression); 1 is linear, above 1
+    faster at first."""
+    slow_start_min_weight: float = Field(0.1, ge=0.0, le=1.0)
+    """The share of a full instance's requests a ramping instance may take from its first second."""
     scorers: dict[str, float] = Field(
         default_factory=lambda: {"estimated_ttft": 1.0},
         description="The scorers that cost each instance, with their weights (NAME=WEIGHT,...; in YAML a "
@@ -142,22 +125,19 @@ class CacheAwareSettings(BaseModel):
 OWN_SETTINGS: dict[str, type[BaseModel]] = {"cache_aware": CacheAwareSettings}
 
 
-class StrategySettings(BaseModel):
+class StrategySettings(SettingsModel):
     """What every strategy is built from: the reference's two numbers, and each strategy's own settings. A
     strategy's own setting may also be given at the top level by its name alone (`balance_factor`), as flags,
     environment variables and older YAML files name them."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    prefix_length: int = Field(
-        4096, ge=1024, le=65536,
-        description="PrefixLength: characters of message text (OpenAI routes) or bytes of body (/invocations) "
-                    "that identify a prefix.")
-    concurrency_threshold: int = Field(
-        32, ge=1, le=1024,
-        description="ConcurrencyThreshold: most in-flight requests the prefix-selected instance may have "
-                    "before a request goes elsewhere.")
-    cache_aware: CacheAwareSettings = Field(default_factory=CacheAwareSettings,
-                                            description="cache_aware's own settings.")
+    prefix_length: int = Field(4096, ge=1024, le=65536)
+    """PrefixLength: characters of message text (OpenAI routes) or bytes of body (/invocations) that identify a
+    prefix."""
+    concurrency_threshold: int = Field(32, ge=1, le=1024)
+    """ConcurrencyThreshold: most in-flight requests the prefix-selected instance may have before a request goes
+    elsewhere."""
+    cache_aware: CacheAwareSettings = Field(default_factory=CacheAwareSettings)
+    """cache_aware's own settings."""
 
     @model_validator(mode="before")
     @classmethod

@@ -10,7 +10,9 @@ Per stream (Gateway API Inference Extension, EPP protocol v1.0.0):
                     x-gateway-destination-endpoint-subset) limits the choice; a bad body gets serve's 400 and no
                     instance serve's 503, as immediate responses.
   response headers  which endpoint served (`envoy.lb` / x-gateway-destination-endpoint-served, where the gateway
-                    fell back past the chosen one: the books move there), the status, the decision headers
+                    fell back past the chosen one: the books move there), the status, the decision headers;
+                    where the body cannot correct the index (no engine feedback, an error, a strategy without a
+                    prefix index) a `mode_override` stops Envoy sending it (allow_mode_override in deploy/envoy/)
   response body     the first chunk is the first token; the usage with cached_tokens is read on the way
                     (router/usage.py) for the index's feedback
 The request's books close when its response ends, and in any case when the stream ends or breaks (a client that
@@ -61,6 +63,10 @@ _OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _CONTINUE_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
 _CONTINUE_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse())
 _CONTINUE_RESPONSE_BODY = ep.ProcessingResponse(response_body=ep.BodyResponse())
+# Where Envoy allows it (allow_mode_override), a response whose body teaches nothing is not sent to the picker;
+# not from FULL_DUPLEX_STREAMED, whose mode Envoy does not let a processor change.
+_SKIPPABLE = (_Mode.STREAMED, _Mode.BUFFERED)
+_NO_RESPONSE_BODY = _Mode(response_body_mode=_Mode.NONE)
 
 
 def _header(key: str, value: str) -> core.HeaderValueOption:
@@ -142,6 +148,7 @@ class Exchange:
         self.session: str | None = None
         self.request_mode = _Mode.BUFFERED
         self.response_mode = _Mode.NONE
+        self.body_skipped = False  # the picker asked Envoy not to send the response body (mode_override)
         self.subset: list[str] | None = None
         self.chunks: list[bytes] = []
         self.size = 0
@@ -292,7 +299,11 @@ class Exchange:
             picker.health.upstream_answered(decision.instance, self.status)
         if self.status == 200 and "content-encoding" not in headers and is_routed(self.path):
             self.tap = UsageTap()
-        if message.response_headers.end_of_stream or self.response_mode == _Mode.NONE:
+        override = None
+        if self.response_mode in _SKIPPABLE and not self._usage_wanted(decision):
+            override = _NO_RESPONSE_BODY  # nothing to learn from it: Envoy stops sending its chunks (fewer messages)
+            self.body_skipped = True
+        if message.response_headers.end_of_stream or self.response_mode == _Mode.NONE or self.body_skipped:
             self.ticket.first_byte()  # nothing more will be seen of it: its first byte is now
         if message.response_headers.end_of_stream:
             self._complete()
@@ -302,7 +313,14 @@ class Exchange:
                 _header("x-warmroute-instance", decision.instance), _header("x-warmroute-reason", decision.reason),
                 _header("x-warmroute-predicted-hit", f"{decision.matched_ratio:.4f}")])
         return ep.ProcessingResponse(response_headers=ep.HeadersResponse(
-            response=ep.CommonResponse(header_mutation=mutation)))
+            response=ep.CommonResponse(header_mutation=mutation)), mode_override=override)
+
+    def _usage_wanted(self, decision: Decision) -> bool:
+        """Whether the response body can correct the index: engine feedback on, a body whose usage is read, a
+        strategy that records prefixes and a decision that predicted blocks."""
+        router = self.picker.router
+        return (self.tap is not None and self.picker.settings.engine_feedback and router.strategy.records_prefixes
+                and bool(decision.blocks))
 
     def _served_at(self, served: str) -> None:
         """The gateway fell back past the chosen instance (it refused or dropped the connection): the instances
@@ -332,6 +350,7 @@ class Exchange:
             self.ticket = self.decision = None
 
     def _response_body(self, body: ep.HttpBody) -> ep.ProcessingResponse:
+        self.body_skipped = False  # sent after all (the gateway does not allow mode_override): read to its end
         if self.ticket is not None:
             self.ticket.first_byte()
             if self.tap is not None and body.body:
@@ -360,7 +379,7 @@ class Exchange:
         """The stream is over: an answer not seen to its end was cut off (or its body was not sent to the picker)."""
         if self.done or self.ticket is None or self.decision is None:
             return
-        if self.status and self.response_mode == _Mode.NONE:
+        if self.status and (self.response_mode == _Mode.NONE or self.body_skipped):
             self._complete()
             return
         self.done = True

@@ -23,7 +23,7 @@ from warmroute.gateway.picker import SERVICE_NAME, Picker
 from warmroute.router.admin import MEMBERSHIP
 from warmroute.router.app import ACTIVITY, HEALTH, ROUTER, build_app
 from warmroute.router.members import Addresses
-from warmroute.router.server import bind
+from warmroute.router.server import ServedApp, bind
 from warmroute.router.settings import RouterSettings
 
 log = logging.getLogger("warmroute.gateway")
@@ -34,8 +34,9 @@ _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Heal
 
 
 @dataclass
-class RunningPicker:
-    """A picker serving inside the current event loop (tests, embedding). `await stop()` when done."""
+class RunningPicker(ServedApp):
+    """A picker serving inside the current event loop (tests, embedding). `await stop()` when done. Its `url` is
+    the control surface: /metrics, /health, /dashboard, /admin."""
 
     grpc_server: grpc.aio.Server
     health: health.aio.HealthServicer
@@ -46,17 +47,8 @@ class RunningPicker:
     port: int
 
     @property
-    def url(self) -> str:
-        """The control surface: /metrics, /health, /dashboard, /admin."""
-        return f"http://{self.host}:{self.port}"
-
-    @property
     def target(self) -> str:
         return f"{self.host}:{self.grpc_port}"
-
-    @property
-    def app(self) -> web.Application:
-        return self.runner.app
 
     async def stop(self, grace: float = 0.0) -> None:
         """Readiness goes NOT_SERVING (gateways stop opening streams), open streams get `grace` seconds."""

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from warmroute.realengine.random_weights import llama_weights
 from warmroute.workloads.text import filler, rng_for
 
 BOS = "<|endoftext|>"
@@ -125,7 +124,8 @@ def write_hf_model(directory: str | Path, spec: HfModelSpec = HfModelSpec()) -> 
     _write_json(directory / "config.json", _config(spec, vocab, special_ids))
     _write_json(directory / "generation_config.json", {"bos_token_id": special_ids[BOS],
                                                         "eos_token_id": special_ids[IM_END]})
-    tensors = dict(_tensors(spec, vocab, _printable_ids(tokenizer)))
+    tensors = dict(llama_weights(spec.seed, vocab, spec.hidden, spec.intermediate, spec.layers,
+                                 _printable_ids(tokenizer), HF_NAMES))
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
@@ -177,28 +177,12 @@ def _printable_ids(tokenizer) -> list[int]:
     return out
 
 
-def _tensors(spec: HfModelSpec, vocab: int, printable: list[int]) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, float32 array) in transformers' Llama naming; shapes are (out, in)."""
-    rng = np.random.default_rng(spec.seed)
-    h, ff = spec.hidden, spec.intermediate
-
-    def dense(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    yield "model.embed_tokens.weight", rng.standard_normal((vocab, h)).astype(np.float32)
-    for i in range(spec.layers):
-        layer = f"model.layers.{i}"
-        yield f"{layer}.input_layernorm.weight", np.ones(h, np.float32)
-        for part in ("q", "k", "v", "o"):
-            yield f"{layer}.self_attn.{part}_proj.weight", dense(h, h)
-        yield f"{layer}.post_attention_layernorm.weight", np.ones(h, np.float32)
-        yield f"{layer}.mlp.gate_proj.weight", dense(ff, h)
-        yield f"{layer}.mlp.up_proj.weight", dense(ff, h)
-        yield f"{layer}.mlp.down_proj.weight", dense(h, ff)
-    yield "model.norm.weight", np.ones(h, np.float32)
-    head = np.zeros((vocab, h), np.float32)  # zero logits: never sampled against the printable ones
-    head[printable] = rng.standard_normal((len(printable), h)) * (10 / np.sqrt(h))
-    yield "lm_head.weight", head
+# Transformers' Llama names for llama_weights' roles.
+HF_NAMES = {"embed": "model.embed_tokens.weight", "attn_norm": "model.layers.{i}.input_layernorm.weight",
+            **{p: f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkvo"},
+            "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+            **{p: f"model.layers.{{i}}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+            "norm": "model.norm.weight", "head": "lm_head.weight"}
 
 
 def _write_json(path: Path, value: Any) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from warmroute.realengine.random_weights import llama_weights
 
 SPACE_PIECE = "\u2581"
 PRINTABLE = range(0x20, 0x7F)  # the only bytes the model will say (random bytes would be invalid UTF-8)
@@ -58,7 +58,8 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, "llama")
     _add_metadata(writer, spec)
-    for name, tensor in _tensors(spec):
+    for name, tensor in llama_weights(spec.seed, spec.n_vocab, spec.n_embd, spec.n_ff, spec.n_layer,
+                                      [BYTE_OFFSET + b for b in PRINTABLE], GGUF_NAMES):
         writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -90,31 +91,8 @@ def _add_metadata(writer, spec: TinyModelSpec) -> None:
     writer.add_add_eos_token(False)
 
 
-def _tensors(spec: TinyModelSpec):
-    """(name, array) in llama.cpp's naming; numpy shapes are (out, in), the reverse of ggml's."""
-    rng = np.random.default_rng(spec.seed)
-    d, ff, v = spec.n_embd, spec.n_ff, spec.n_vocab
-
-    def dense(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    yield "token_embd.weight", rng.standard_normal((v, d)).astype(np.float32)
-    for i in range(spec.n_layer):
-        yield f"blk.{i}.attn_norm.weight", np.ones(d, np.float32)
-        for part in ("q", "k", "v", "output"):
-            yield f"blk.{i}.attn_{part}.weight", dense(d, d)
-        yield f"blk.{i}.ffn_norm.weight", np.ones(d, np.float32)
-        yield f"blk.{i}.ffn_gate.weight", dense(ff, d)
-        yield f"blk.{i}.ffn_up.weight", dense(ff, d)
-        yield f"blk.{i}.ffn_down.weight", dense(d, ff)
-    yield "output_norm.weight", np.ones(d, np.float32)
-    yield "output.weight", _output(rng, spec)
-
-
-def _output(rng: np.random.Generator, spec: TinyModelSpec) -> np.ndarray:
-    """Large random logits for printable ASCII, zero for every other token: sampling (top-k, top-p) then
-    picks printable bytes, so every streamed chunk carries text and TTFT is the first token's time."""
-    out = np.zeros((spec.n_vocab, spec.n_embd), np.float32)
-    rows = [BYTE_OFFSET + b for b in PRINTABLE]
-    out[rows] = rng.standard_normal((len(rows), spec.n_embd)) * (10 / np.sqrt(spec.n_embd))
-    return out
+# llama.cpp's names for llama_weights' roles.
+GGUF_NAMES = {"embed": "token_embd.weight", "attn_norm": "blk.{i}.attn_norm.weight",
+              **{p: f"blk.{{i}}.attn_{p}.weight" for p in "qkv"}, "o": "blk.{i}.attn_output.weight",
+              "ffn_norm": "blk.{i}.ffn_norm.weight", **{p: f"blk.{{i}}.ffn_{p}.weight" for p in ("gate", "up", "down")},
+              "norm": "output_norm.weight", "head": "output.weight"}

@@ -48,9 +48,9 @@ class _NoRequestBytes(logging.Filter):
 _PARSER_LOG_FILTER = _NoRequestBytes()
 
 
-@dataclass
-class RunningRouter:
-    """A router serving inside the current event loop (tests, embedding). `await stop()` when done."""
+class ServedApp:
+    """What a running server's HTTP side is: its aiohttp runner, listening at host:port (the router's, and the
+    picker's control surface)."""
 
     runner: web.AppRunner
     host: str
@@ -63,6 +63,15 @@ class RunningRouter:
     @property
     def app(self) -> web.Application:
         return self.runner.app
+
+
+@dataclass
+class RunningRouter(ServedApp):
+    """A router serving inside the current event loop (tests, embedding). `await stop()` when done."""
+
+    runner: web.AppRunner
+    host: str
+    port: int
 
     async def stop(self) -> None:
         """Stop accepting; in-flight requests get `shutdown_timeout` seconds, then what is left is cancelled.

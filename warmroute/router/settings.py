@@ -5,7 +5,8 @@ generated from it, so a setting cannot exist in one place and not in another. Th
 are the core's own model (core/strategies.py StrategySettings, which RouterSettings extends): a strategy's knobs
 nest under its name in YAML (`cache_aware: {balance_factor: 2}`) and keep their plain names as flags
 (`--balance-factor`), environment variables (`WARMROUTE_BALANCE_FACTOR`) and top-level YAML keys.
-`warmroute simulate` generates its router flags from the same model (add_strategy_arguments).
+`warmroute simulate` generates its router flags from the same model (add_strategy_arguments). A setting is one line
+(type, default, bounds) and the docstring under it, its description (core/settings_model.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 
 
 _ZMQ_ENDPOINT = r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+)$"
+_K8S_SERVICE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # [NAMESPACE/]SERVICE
+_K8S_POOL = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # [NAMESPACE/]NAME
 
 
 class Backend(BaseModel):
@@ -138,213 +141,184 @@ def parse_size(value: Any) -> Any:
 class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=False)
 
-    backends: Annotated[list[Backend], NoDecode] = Field(
-        default_factory=list,
-        description="Upstream instances: URL or NAME=URL (a name defaults to the URL's host, port and path: "
-                    "http://10.0.0.5:8000 is 10.0.0.5-8000). "
-                    "Repeat the flag; in env, separate with commas; in YAML, a list of URLs or of "
-                    "mappings with name, url and kv_capacity_tokens.")
-    backends_file: str | None = Field(
-        None, description="A YAML file listing more backends (the same forms as `backends`, as a list or under a "
-                          "`backends:` key), re-read when it changes and on SIGHUP; entries that disappear are "
-                          "drained and removed once idle.")
-    backends_file_interval: float = Field(1.0, ge=0.05, le=3600, description="Seconds between two checks of "
-                                                                             "backends_file's modification time.")
-    dns_refresh_interval: float = Field(
-        0.0, ge=0, le=86400,
-        description="Seconds between two resolutions of backend host names (0: off). On, a backend whose name "
-                    "resolves to several addresses becomes one instance per address (NAME, NAME-1, ...).")
-    kubernetes_service: str | None = Field(
-        None, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-        description="[NAMESPACE/]SERVICE whose EndpointSlices list the engine pods (ready ones become instances, "
-                    "terminating ones are drained; needs kubernetes-asyncio and RBAC: deploy/kubernetes/rbac.yaml).")
-    kubernetes_port: str | None = Field(None, description="The engines' port in the EndpointSlices, by name or "
-                                                          "number (unset: the first port).")
-    inference_pool: str | None = Field(
-        None, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-        description="[NAMESPACE/]NAME of an InferencePool (inference.networking.k8s.io/v1) whose selector and "
-                    "targetPorts list the engine pods: ready pods become instances, the others are drained (needs "
-                    "kubernetes-asyncio and RBAC: deploy/kubernetes/inference-pool/).")
-    pod_deletion_cost: bool = Field(
-        True, description="With kubernetes_service or inference_pool: keep the annotation "
-                          "controller.kubernetes.io/pod-deletion-cost of the fleet's pods at what each instance's "
-                          "cache is worth (the cached prefill only it holds, weighted by demand), so a ReplicaSet "
-                          "scaling in removes the one worth least (needs RBAC to patch pods: "
-                          "deploy/kubernetes/rbac.yaml, deploy/kubernetes/inference-pool/rbac.yaml).")
-    pod_deletion_cost_interval: float = Field(
-        15.0, ge=0.5, le=3600, description="Seconds between two updates of the pods' deletion costs (a pod is "
-                                           "patched only when its cost moved by over 5% or the pods' order "
-                                           "changed).")
-    admin_token: SecretStr | None = Field(
-        None, description="Bearer token of the admin API (/admin/instances: list, add, drain, remove). Unset: "
-                          "the admin API does not exist.")
-    redis_url: SecretStr | None = Field(
-        None, description="Share prefix-index updates between router replicas through this Redis "
-                          "(redis://[:PASSWORD@]HOST:PORT[/DB], rediss://, unix://); unset: each replica keeps its own "
-                          "(needs the redis package: pip install 'warmroute[redis]').")
-    redis_channel: str = Field("warmroute:index", min_length=1, max_length=200,
-                               description="Redis pub/sub channel of the shared index (one per fleet).")
-    dashboard: bool = Field(True, description="Serve the live status page at /dashboard (and its JSON at "
-                                              "/dashboard/state): instances, hit rates, hot prefixes, decisions; "
-                                              "never prompt text or addresses.")
-    host: str = Field("127.0.0.1", description="Address to listen on.")
-    port: int = Field(8080, ge=0, le=65535, description="Port to listen on (0: any free port).")
-    epp_port: int = Field(
-        9002, ge=0, le=65535,
-        description="`warmroute epp` only: port of the Envoy ext_proc gRPC service (the endpoint picker) and of its "
-                    "gRPC health service, on `host`; `port` then serves /metrics, /health, /dashboard and the admin "
-                    "API (0: any free port).")
-    epp_fallbacks: int = Field(
-        0, ge=0, le=8,
-        description="`warmroute epp` only: fallback endpoints after the chosen one in x-gateway-destination-endpoint "
-                    "(the least loaded others, in order), tried by the gateway when the chosen one fails. 0 for an "
-                    "ORIGINAL_DST cluster, which reads one address; Envoy's override_host load-balancing policy reads "
-                    "the list (deploy/envoy/).")
-    strategy: StrategyName = Field("cache_aware", description="Routing strategy.")
-    admission: bool = Field(
-        True, description="Admission control: a request whose instance has no room (concurrency_threshold in "
-                          "flight, or hold_kv_limit of KV demand) waits in the router, in a bounded queue with "
-                          "priorities and fair shares per tenant, instead of queueing in the engine; when an "
-                          "instance has room it takes the waiting request whose prefix it holds. Off: every "
-                          "request goes at once.")
-    queue_max_requests: int = Field(AdmissionSettings.max_requests, ge=1, le=1_000_000,
-                                    description="Most requests waiting in the router; beyond, 429 (the lowest "
-                                                "priority waiting is refused first).")
-    queue_max_bytes: Annotated[int, Field(ge=KiB, le=64 * GiB)] = Field(
-        256 * MiB, description="Most bytes of request bodies waiting in the router (accepts 256MiB, ...); "
-                               "beyond, 429.")
-    queue_timeout: float = Field(AdmissionSettings.timeout_s, ge=0.01, le=3600,
-                                 description="Seconds a request may wait in the router; then 429 with Retry-After.")
-    spill_headroom: float = Field(
-        AdmissionSettings.spill_headroom, ge=0.0, le=1.0,
-        description="A request waiting for its busy instance goes to another at once only if that one has at "
-                    "least this share of concurrency_threshold free (1: only an idle one); else it waits for its "
-                    "own (within queue_timeout). Lower values spill sooner, at the cost of cache hits under load.")
-    queue_aging: float = Field(
-        AdmissionSettings.aging_tokens_per_s, ge=0.0, le=1e9,
-        description="Prompt tokens a waiting request is willing to lose per second waited to go to another "
-                    "instance than its own (away from it, it loses at least its whole prompt); 0: never (only "
-                    "an idle instance takes it, or a free slot anywhere once its own is down).")
-    priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$",
-                                 description="Request header carrying a request's priority (an integer, "
-                                             "-1000..1000; higher first, lower refused first).")
-    tenant_header: str = Field("x-tenant", pattern=r"^[A-Za-z0-9-]{1,64}$",
-                               description="Request header naming the tenant (see tenant_from).")
-    tenant_from: Annotated[list[Literal["header", "api_key", "user"]], NoDecode] = Field(
-        ["header", "api_key"], max_length=3,
-        description="Where a request's tenant comes from, first found wins: header (tenant_header), api_key "
-                    "(the bearer token, hashed), user (the body's `user` field). Comma-separated. Tenants "
-                    "waiting at one priority share capacity by their weights.")
-    tenant_priorities: Annotated[dict[str, int], NoDecode] = Field(
-        default_factory=dict, description="Priority per tenant, NAME=N,... (a request's priority header wins).")
-    model_priorities: Annotated[dict[str, int], NoDecode] = Field(
-        default_factory=dict, description="Priority per model, NAME=N,... (below tenant_priorities).")
-    tenant_weights: Annotated[dict[str, float], NoDecode] = Field(
-        default_factory=dict, description="Share weight per tenant, NAME=X,... (1 for the others).")
-    block_bytes: int = Field(64, ge=16, le=4096, description="Block size of the prefix index in bytes "
-                                                             "(multiple of 8; 64 bytes is about 16 tokens).")
-    index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = Field(
-        256 * MiB, description="Memory cap of the prefix index (accepts 256MiB, 1GiB, ...). The compiled index "
-        "takes at most 144 bytes a block: 256 MiB hold about 1.86 million blocks, some 30 million tokens of "
-        "distinct prompts across the fleet (the Python fallback: 400 bytes a block).")
-    kv_capacity_tokens: int = Field(
-        1_000_000, ge=256, le=10**10,
-        description="Default KV-cache capacity of an instance in tokens (per backend in YAML). If not set, "
-                    "the engine's own figure from its /metrics replaces the default once scraped.")
-    engine_feedback: bool = Field(
-        True, description="Correct the prefix index from the cached prompt tokens engines report in their "
-                          "responses (usage.prompt_tokens_details.cached_tokens, llama.cpp's timings.cache_n).")
-    engine_metrics: bool = Field(
-        True, description="Scrape each instance's /metrics (vLLM and SGLang names) for the requests it has "
-                          "waiting and running, its KV-cache usage, and its KV capacity if not configured.")
-    engine_metrics_interval: float = Field(1.0, ge=0.05, le=3600, description="Seconds between two scrapes of "
-                                                                              "an instance's /metrics.")
-    health_interval: float = Field(2.0, ge=0.05, le=3600, description="Seconds between active health checks.")
-    models_interval: float = Field(
-        30.0, ge=0, le=86400,
-        description="Seconds between two reads of each instance's /v1/models: a request naming a model goes only "
-                    "to the instances that list it (a fleet of mixed models or LoRA adapters behind one router); "
-                    "a model none lists goes to any. 0: never read (every instance may serve every model). A "
-                    "backend's `models` in the YAML file fixes its list.")
-    health_timeout: float = Field(1.0, ge=0.05, le=60, description="Seconds a health check (or a /v1/models query, "
-                                                                   "or a /metrics scrape) may take.")
-    connect_timeout: float = Field(2.0, ge=0.05, le=60, description="Seconds to open an upstream connection.")
-    first_byte_timeout: float = Field(
-        120.0, ge=0.1, le=3600,
-        description="Seconds from sending a request to the upstream's first body byte.")
-    retry: Literal["off", "connect", "no_answer"] = Field(
-        "no_answer",
-        description="When a request goes to a second instance (once at most, never the same one twice): "
-                    "connect: only when no connection could be opened (nothing was sent); no_answer: also when "
-                    "the instance took it but sent nothing back (first_byte_timeout, or it dropped the connection), "
-                    "after closing that connection so the engine stops computing it; off: never.")
-    idle_timeout: float = Field(60.0, ge=0.1, le=3600,
-                                description="Seconds allowed between two chunks of an upstream response.")
-    client_header_timeout: float = Field(
-        75.0, ge=0.1, le=3600,
-        description="Seconds a client connection may take to send a request's headers, or stay idle between "
-                    "requests, before it is closed (a client that trickles its headers byte by byte is cut off; "
-                    "its body is bounded by idle_timeout).")
-    tls_ca_file: str | None = Field(
-        None, description="PEM file of the certificate authorities trusted for https:// instances, instead of "
-                          "the system's (an internal CA).")
-    tls_cert_file: str | None = Field(
-        None, description="PEM client certificate the router presents to https:// instances (mutual TLS); "
-                          "with tls_key_file.")
-    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
-    tls_verify: bool = Field(
-        True, description="Check https:// instances' certificates and host names (turn off only for testing).")
-    failures_before_ejection: int = Field(
-        3, ge=1, le=100,
-        description="Consecutive 5xx responses, timeouts (connect, first byte, health check) or failed health "
-                    "checks that eject an instance (a refused connection ejects at once).")
-    max_body_bytes: Annotated[int, Field(ge=KiB, le=GiB)] = Field(
-        32 * MiB, description="Largest request body accepted (accepts 32MiB, ...); larger gets 413.")
-    decision_headers: bool = Field(
-        True, description="Add x-warmroute-instance, x-warmroute-reason and x-warmroute-predicted-hit (the share of "
-                    "the prompt predicted cached there) to every proxied response.")
-    access_log: bool = Field(
-        False, description="One JSON line per request on stdout: time, client address, method, path, status, "
-                           "duration, bytes, and for proxied requests the instance, the routing reason, the "
-                           "predicted cached share of the prompt and the time to the instance's first byte. "
-                           "Never prompt text, query strings or headers.")
-    workers: int = Field(1, ge=1, le=64, description="Worker processes sharing the listening socket; they share "
-                                                     "index updates (local sockets, or Redis with redis_url) "
-                                                     "and one /metrics.")
-    shutdown_timeout: float = Field(30.0, ge=0, le=3600,
-                                    description="Seconds in-flight requests may take to finish after "
-                                                "SIGTERM/SIGINT.")
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
-    kv_events: bool = Field(
-        False, description="Precise mode: index what each engine reports storing and evicting (vLLM's KV-cache "
-                           "events over ZMQ, `--kv-events-config`), matched against the request's own tokens "
-                           "(`tokenizer`); cache_aware uses it for every instance whose event stream is in step, "
-                           "the approximate model for the others. Needs strategy cache_aware, `tokenizer`, and "
-                           "pyzmq (pip install 'warmroute[events]').")
-    tokenizer: str | None = Field(
-        None, description="Model directory (tokenizer.json, tokenizer_config.json with the chat template) or "
-                          "tokenizer.json path of the model the engines serve: precise mode tokenizes each request "
-                          "as the engine will.")
-    kv_events_discover: bool = Field(
-        True, description="Ask each instance whose backend entry gives no kv_events_endpoint where it publishes "
-                          "(vLLM's GET /kv_event_sources: its endpoints, ports chosen at start-up included), "
-                          "asking again until it answers; kv_events_port and kv_events_replay_port are used where "
-                          "it has no such endpoint.")
-    kv_events_port: int = Field(
-        5557, ge=0, le=65535, description="Port of an instance's KV-event publisher at its URL's host, unless its "
-                                          "backend entry gives kv_events_endpoint or the instance says "
-                                          "(kv_events_discover); 0: only those.")
-    kv_events_replay_port: int = Field(
-        5558, ge=0, le=65535, description="Port of an instance's KV-event replay socket at its URL's host, unless "
-                                          "its backend entry gives kv_events_replay_endpoint (0: none). Without "
-                                          "replay a lost "
-                                          "batch leaves the instance to the approximate model until its engine "
-                                          "clears its cache or restarts.")
-    kv_events_topic: str = Field("", max_length=200, description="Topic of the KV-event messages to subscribe to "
-                                                                 "(empty: all).")
-    kv_speculative_ttl: float = Field(
-        2.0, ge=0.0, le=600, description="Seconds the exact index counts a request's blocks as held at its chosen "
-                                         "instance before the engine's event for them has arrived.")
+    backends: Annotated[list[Backend], NoDecode] = Field(default_factory=list)
+    """Upstream instances: URL or NAME=URL (a name defaults to the URL's host, port and path: http://10.0.0.5:8000 is
+    10.0.0.5-8000). Repeat the flag; in env, separate with commas; in YAML, a list of URLs or of mappings with name, url
+    and kv_capacity_tokens."""
+    backends_file: str | None = None
+    """A YAML file listing more backends (the same forms as `backends`, as a list or under a `backends:` key), re-read
+    when it changes and on SIGHUP; entries that disappear are drained and removed once idle."""
+    backends_file_interval: float = Field(1.0, ge=0.05, le=3600)
+    """Seconds between two checks of backends_file's modification time."""
+    dns_refresh_interval: float = Field(0.0, ge=0, le=86400)
+    """Seconds between two resolutions of backend host names (0: off). On, a backend whose name resolves to several
+    addresses becomes one instance per address (NAME, NAME-1, ...)."""
+    kubernetes_service: str | None = Field(None, pattern=_K8S_SERVICE)
+    """[NAMESPACE/]SERVICE whose EndpointSlices list the engine pods (ready ones become instances, terminating ones are
+    drained; needs kubernetes-asyncio and RBAC: deploy/kubernetes/rbac.yaml)."""
+    kubernetes_port: str | None = None
+    """The engines' port in the EndpointSlices, by name or number (unset: the first port)."""
+    inference_pool: str | None = Field(None, pattern=_K8S_POOL)
+    """[NAMESPACE/]NAME of an InferencePool (inference.networking.k8s.io/v1) whose selector and targetPorts list the
+    engine pods: ready pods become instances, the others are drained (needs kubernetes-asyncio and RBAC:
+    deploy/kubernetes/inference-pool/)."""
+    pod_deletion_cost: bool = True
+    """With kubernetes_service or inference_pool: keep the annotation controller.kubernetes.io/pod-deletion-cost of the
+    fleet's pods at what each instance's cache is worth (the cached prefill only it holds, weighted by demand), so a
+    ReplicaSet scaling in removes the one worth least (needs RBAC to patch pods: deploy/kubernetes/rbac.yaml,
+    deploy/kubernetes/inference-pool/rbac.yaml)."""
+    pod_deletion_cost_interval: float = Field(15.0, ge=0.5, le=3600)
+    """Seconds between two updates of the pods' deletion costs (a pod is patched only when its cost moved by over 5% or
+    the pods' order changed)."""
+    admin_token: SecretStr | None = None
+    """Bearer token of the admin API (/admin/instances: list, add, drain, remove). Unset: the admin API does not
+    exist."""
+    redis_url: SecretStr | None = None
+    """Share prefix-index updates between router replicas through this Redis (redis://[:PASSWORD@]HOST:PORT[/DB],
+    rediss://, unix://); unset: each replica keeps its own (needs the redis package: pip install 'warmroute[redis]')."""
+    redis_channel: str = Field("warmroute:index", min_length=1, max_length=200)
+    """Redis pub/sub channel of the shared index (one per fleet)."""
+    dashboard: bool = True
+    """Serve the live status page at /dashboard (and its JSON at /dashboard/state): instances, hit rates, hot prefixes,
+    decisions; never prompt text or addresses."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = Field(8080, ge=0, le=65535)
+    """Port to listen on (0: any free port)."""
+    epp_port: int = Field(9002, ge=0, le=65535)
+    """`warmroute epp` only: port of the Envoy ext_proc gRPC service (the endpoint picker) and of its gRPC health
+    service, on `host`; `port` then serves /metrics, /health, /dashboard and the admin API (0: any free port)."""
+    epp_fallbacks: int = Field(0, ge=0, le=8)
+    """`warmroute epp` only: fallback endpoints after the chosen one in x-gateway-destination-endpoint (the least loaded
+    others, in order), tried by the gateway when the chosen one fails. 0 for an ORIGINAL_DST cluster, which reads one
+    address; Envoy's override_host load-balancing policy reads the list (deploy/envoy/)."""
+    strategy: StrategyName = "cache_aware"
+    """Routing strategy."""
+    admission: bool = True
+    """Admission control: a request whose instance has no room (concurrency_threshold in flight, or hold_kv_limit of KV
+    demand) waits in the router, in a bounded queue with priorities and fair shares per tenant, instead of queueing in
+    the engine; when an instance has room it takes the waiting request whose prefix it holds. Off: every request goes at
+    once."""
+    queue_max_requests: int = Field(AdmissionSettings.max_requests, ge=1, le=1_000_000)
+    """Most requests waiting in the router; beyond, 429 (the lowest priority waiting is refused first)."""
+    queue_max_bytes: Annotated[int, Field(ge=KiB, le=64 * GiB)] = 256 * MiB
+    """Most bytes of request bodies waiting in the router (accepts 256MiB, ...); beyond, 429."""
+    queue_timeout: float = Field(AdmissionSettings.timeout_s, ge=0.01, le=3600)
+    """Seconds a request may wait in the router; then 429 with Retry-After."""
+    spill_headroom: float = Field(AdmissionSettings.spill_headroom, ge=0.0, le=1.0)
+    """A request waiting for its busy instance goes to another at once only if that one has at least this share of
+    concurrency_threshold free (1: only an idle one); else it waits for its own (within queue_timeout). Lower values
+    spill sooner, at the cost of cache hits under load."""
+    queue_aging: float = Field(AdmissionSettings.aging_tokens_per_s, ge=0.0, le=1e9)
+    """Prompt tokens a waiting request is willing to lose per second waited to go to another instance than its own (away
+    from it, it loses at least its whole prompt); 0: never (only an idle instance takes it, or a free slot anywhere once
+    its own is down)."""
+    priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$")
+    """Request header carrying a request's priority (an integer, -1000..1000; higher first, lower refused first)."""
+    tenant_header: str = Field("x-tenant", pattern=r"^[A-Za-z0-9-]{1,64}$")
+    """Request header naming the tenant (see tenant_from)."""
+    tenant_from: Annotated[list[Literal["header", "api_key", "user"]], NoDecode] = Field(["header", "api_key"],
+                                                                                          max_length=3)
+    """Where a request's tenant comes from, first found wins: header (tenant_header), api_key (the bearer token,
+    hashed), user (the body's `user` field). Comma-separated. Tenants waiting at one priority share capacity by their
+    weights."""
+    tenant_priorities: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
+    """Priority per tenant, NAME=N,... (a request's priority header wins)."""
+    model_priorities: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
+    """Priority per model, NAME=N,... (below tenant_priorities)."""
+    tenant_weights: Annotated[dict[str, float], NoDecode] = Field(default_factory=dict)
+    """Share weight per tenant, NAME=X,... (1 for the others)."""
+    block_bytes: int = Field(64, ge=16, le=4096)
+    """Block size of the prefix index in bytes (multiple of 8; 64 bytes is about 16 tokens)."""
+    index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = 256 * MiB
+    """Memory cap of the prefix index (accepts 256MiB, 1GiB, ...). The compiled index takes at most 144 bytes a block:
+    256 MiB hold about 1.86 million blocks, some 30 million tokens of distinct prompts across the fleet (the Python
+    fallback: 400 bytes a block)."""
+    kv_capacity_tokens: int = Field(1_000_000, ge=256, le=10**10)
+    """Default KV-cache capacity of an instance in tokens (per backend in YAML). If not set, the engine's own figure
+    from its /metrics replaces the default once scraped."""
+    engine_feedback: bool = True
+    """Correct the prefix index from the cached prompt tokens engines report in their responses
+    (usage.prompt_tokens_details.cached_tokens, llama.cpp's timings.cache_n)."""
+    engine_metrics: bool = True
+    """Scrape each instance's /metrics (vLLM and SGLang names) for the requests it has waiting and running, its KV-cache
+    usage, and its KV capacity if not configured."""
+    engine_metrics_interval: float = Field(1.0, ge=0.05, le=3600)
+    """Seconds between two scrapes of an instance's /metrics."""
+    health_interval: float = Field(2.0, ge=0.05, le=3600)
+    """Seconds between active health checks."""
+    models_interval: float = Field(30.0, ge=0, le=86400)
+    """Seconds between two reads of each instance's /v1/models: a request naming a model goes only to the instances that
+    list it (a fleet of mixed models or LoRA adapters behind one router); a model none lists goes to any. 0: never read
+    (every instance may serve every model). A backend's `models` in the YAML file fixes its list."""
+    health_timeout: float = Field(1.0, ge=0.05, le=60)
+    """Seconds a health check (or a /v1/models query, or a /metrics scrape) may take."""
+    connect_timeout: float = Field(2.0, ge=0.05, le=60)
+    """Seconds to open an upstream connection."""
+    first_byte_timeout: float = Field(120.0, ge=0.1, le=3600)
+    """Seconds from sending a request to the upstream's first body byte."""
+    retry: Literal["off", "connect", "no_answer"] = "no_answer"
+    """When a request goes to a second instance (once at most, never the same one twice): connect: only when no
+    connection could be opened (nothing was sent); no_answer: also when the instance took it but sent nothing back
+    (first_byte_timeout, or it dropped the connection), after closing that connection so the engine stops computing it;
+    off: never."""
+    idle_timeout: float = Field(60.0, ge=0.1, le=3600)
+    """Seconds allowed between two chunks of an upstream response."""
+    client_header_timeout: float = Field(75.0, ge=0.1, le=3600)
+    """Seconds a client connection may take to send a request's headers, or stay idle between requests, before it is
+    closed (a client that trickles its headers byte by byte is cut off; its body is bounded by idle_timeout)."""
+    tls_ca_file: str | None = None
+    """PEM file of the certificate authorities trusted for https:// instances, instead of the system's (an internal
+    CA)."""
+    tls_cert_file: str | None = None
+    """PEM client certificate the router presents to https:// instances (mutual TLS); with tls_key_file."""
+    tls_key_file: str | None = None
+    """PEM private key of tls_cert_file."""
+    tls_verify: bool = True
+    """Check https:// instances' certificates and host names (turn off only for testing)."""
+    failures_before_ejection: int = Field(3, ge=1, le=100)
+    """Consecutive 5xx responses, timeouts (connect, first byte, health check) or failed health checks that eject an
+    instance (a refused connection ejects at once)."""
+    max_body_bytes: Annotated[int, Field(ge=KiB, le=GiB)] = 32 * MiB
+    """Largest request body accepted (accepts 32MiB, ...); larger gets 413."""
+    decision_headers: bool = True
+    """Add x-warmroute-instance, x-warmroute-reason and x-warmroute-predicted-hit (the share of the prompt predicted
+    cached there) to every proxied response."""
+    access_log: bool = False
+    """One JSON line per request on stdout: time, client address, method, path, status, duration, bytes, and for proxied
+    requests the instance, the routing reason, the predicted cached share of the prompt and the time to the instance's
+    first byte. Never prompt text, query strings or headers."""
+    workers: int = Field(1, ge=1, le=64)
+    """Worker processes sharing the listening socket; they share index updates (local sockets, or Redis with redis_url)
+    and one /metrics."""
+    shutdown_timeout: float = Field(30.0, ge=0, le=3600)
+    """Seconds in-flight requests may take to finish after SIGTERM/SIGINT."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log verbosity."""
+    kv_events: bool = False
+    """Precise mode: index what each engine reports storing and evicting (vLLM's KV-cache events over ZMQ,
+    `--kv-events-config`), matched against the request's own tokens (`tokenizer`); cache_aware uses it for every
+    instance whose event stream is in step, the approximate model for the others. Needs strategy cache_aware,
+    `tokenizer`, and pyzmq (pip install 'warmroute[events]')."""
+    tokenizer: str | None = None
+    """Model directory (tokenizer.json, tokenizer_config.json with the chat template) or tokenizer.json path of the
+    model the engines serve: precise mode tokenizes each request as the engine will."""
+    kv_events_discover: bool = True
+    """Ask each instance whose backend entry gives no kv_events_endpoint where it publishes (vLLM's GET
+    /kv_event_sources: its endpoints, ports chosen at start-up included), asking again until it answers; kv_events_port
+    and kv_events_replay_port are used where it has no such endpoint."""
+    kv_events_port: int = Field(5557, ge=0, le=65535)
+    """Port of an instance's KV-event publisher at its URL's host, unless its backend entry gives kv_events_endpoint or
+    the instance says (kv_events_discover); 0: only those."""
+    kv_events_replay_port: int = Field(5558, ge=0, le=65535)
+    """Port of an instance's KV-event replay socket at its URL's host, unless its backend entry gives
+    kv_events_replay_endpoint (0: none). Without replay a lost batch leaves the instance to the approximate model until
+    its engine clears its cache or restarts."""
+    kv_events_topic: str = Field("", max_length=200)
+    """Topic of the KV-event messages to subscribe to (empty: all)."""
+    kv_speculative_ttl: float = Field(2.0, ge=0.0, le=600)
+    """Seconds the exact index counts a request's blocks as held at its chosen instance before the engine's event for
+    them has arrived."""
 
     @field_validator("backends", mode="before")
     @classmethod

@@ -31,35 +31,31 @@ SCALE_UP_PODS = 4
 class AutoscaleSettings(DemandSettings):
     """The simulator's autoscaler (off unless `autoscale` names a signal) and how scale-in picks its victim."""
 
-    autoscale: Literal["demand", "utilization"] | None = Field(
-        None, description="Run an autoscaler on this signal: demand (the fleet's utilisation of its prefill, "
-                          "concurrency and KV capacity) or utilization (the share of time engines are busy, as GPU "
-                          "utilisation reports it). Unset: the fleet is fixed (but for --scale-at).")
-    interval_s: float = Field(15.0, gt=0.0, le=3600.0,
-                              description="Seconds between two readings of the signal (the HPA's sync period).")
-    reaction_delay_s: float = Field(15.0, ge=0.0, le=3600.0,
-                                    description="Seconds from a reading to the change it asks for (metrics "
-                                                "pipeline and controller).")
-    startup_s: float = Field(60.0, ge=0.0, le=3600.0,
-                             description="Seconds from creating an instance to its first request (scheduling, "
-                                         "image, weights); it costs instance-seconds from creation.")
-    scale_down_window_s: float = Field(
-        300.0, ge=0.0, le=3600.0,
-        description="Scale down only to the highest count asked for over this many seconds (the HPA's "
-                    "stabilisation window; 300 s is Kubernetes' default).")
-    scale_in: Literal["cache_aware", "arbitrary", "newest"] = Field(
-        "newest", description="Which instance a scale-in drains: cache_aware (the one whose cached prefixes, "
-                              "weighted by demand, no other holds the least of: core/cache_value.py), arbitrary "
-                              "(a random one) or newest (Kubernetes' order without deletion costs, and what "
-                              "--scale-at always did).")
-    slo_ttft_s: float = Field(2.0, gt=0.0, le=3600.0,
-                              description="The TTFT p99 SLO whose attainment the report counts, in seconds.")
-    slo_window_s: float = Field(60.0, gt=0.0, le=3600.0,
-                                description="Windows (by arrival) over which the report checks the SLO.")
-    slo_tokens_per_s: float = Field(
-        0.0, ge=0.0, le=1e9,
-        description="Each request's TTFT objective grows by its prompt tokens / this (0: one flat objective), for "
-                    "workloads whose longest prompts take longer than the SLO to prefill on any fleet.")
+    autoscale: Literal["demand", "utilization"] | None = None
+    """Run an autoscaler on this signal: demand (the fleet's utilisation of its prefill, concurrency and KV capacity) or
+    utilization (the share of time engines are busy, as GPU utilisation reports it). Unset: the fleet is fixed (but for
+    --scale-at)."""
+    interval_s: float = Field(15.0, gt=0.0, le=3600.0)
+    """Seconds between two readings of the signal (the HPA's sync period)."""
+    reaction_delay_s: float = Field(15.0, ge=0.0, le=3600.0)
+    """Seconds from a reading to the change it asks for (metrics pipeline and controller)."""
+    startup_s: float = Field(60.0, ge=0.0, le=3600.0)
+    """Seconds from creating an instance to its first request (scheduling, image, weights); it costs instance-seconds
+    from creation."""
+    scale_down_window_s: float = Field(300.0, ge=0.0, le=3600.0)
+    """Scale down only to the highest count asked for over this many seconds (the HPA's stabilisation window; 300 s is
+    Kubernetes' default)."""
+    scale_in: Literal["cache_aware", "arbitrary", "newest"] = "newest"
+    """Which instance a scale-in drains: cache_aware (the one whose cached prefixes, weighted by demand, no other holds
+    the least of: core/cache_value.py), arbitrary (a random one) or newest (Kubernetes' order without deletion costs,
+    and what --scale-at always did)."""
+    slo_ttft_s: float = Field(2.0, gt=0.0, le=3600.0)
+    """The TTFT p99 SLO whose attainment the report counts, in seconds."""
+    slo_window_s: float = Field(60.0, gt=0.0, le=3600.0)
+    """Windows (by arrival) over which the report checks the SLO."""
+    slo_tokens_per_s: float = Field(0.0, ge=0.0, le=1e9)
+    """Each request's TTFT objective grows by its prompt tokens / this (0: one flat objective), for workloads whose
+    longest prompts take longer than the SLO to prefill on any fleet."""
 
 
 class Autoscaler:

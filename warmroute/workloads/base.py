@@ -26,6 +26,8 @@ class Workload(ABC):
     seed: int = 0
     model: str = DEFAULT_MODEL
     max_tokens: int = 32  # output tokens per request
+    # Parameters that count something the workload cannot do without (each must be >= 1).
+    at_least_one: ClassVar[tuple[str, ...]] = ("max_tokens",)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -36,10 +38,7 @@ class Workload(ABC):
 
     def validate(self) -> None:
         """Check the workload's own constraints (ValueError naming the parameter); sizes are already >= 0."""
-        self.at_least_one("max_tokens")
-
-    def at_least_one(self, *names: str) -> None:
-        for name in names:
+        for name in self.at_least_one:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 

@@ -28,10 +28,10 @@ class MultiTurn(Workload):
     user_tokens: int = 60
     reply_tokens: int = 250  # synthetic assistant reply kept in the history
     zipf: float = 0.5
+    at_least_one: ClassVar[tuple[str, ...]] = (*Workload.at_least_one, "systems", "min_turns")
 
     def validate(self) -> None:
         super().validate()
-        self.at_least_one("systems", "min_turns")
         if self.max_turns < self.min_turns:
             raise ValueError("max_turns must be >= min_turns")
 

@@ -26,10 +26,7 @@ class Rag(Workload):
     docs_per_request: int = 1
     question_tokens: int = 40
     zipf: float = 0.5
-
-    def validate(self) -> None:
-        super().validate()
-        self.at_least_one("systems", "docs", "docs_per_request")
+    at_least_one: ClassVar[tuple[str, ...]] = (*Workload.at_least_one, "systems", "docs", "docs_per_request")
 
     @cached_property
     def system_pool(self) -> TextPool:

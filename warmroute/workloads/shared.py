@@ -19,10 +19,7 @@ class SharedPrompts(Workload):
     system_tokens: int = 1500
     question_tokens: int = 40
     zipf: float = 0.5  # popularity exponent: rank k has weight 1 / (k + 1) ** zipf
-
-    def validate(self) -> None:
-        super().validate()
-        self.at_least_one("pool_size")
+    at_least_one: ClassVar[tuple[str, ...]] = (*Workload.at_least_one, "pool_size")
 
     @cached_property
     def pool(self) -> TextPool:

@@ -23,8 +23,7 @@ class HotShare(Filter):
         # so a conversation's own history is never hot.
         blocks, n = req.blocks, len(req.up)
         prefix = blocks[min(req.deepest, len(blocks)) - 1] if req.depths and blocks else None
-        req.hot = prefix is not None and self.popularity.share(prefix) * n >= 1.0
-        self.popularity.add(prefix, RECENT_WINDOW * n)
+        req.hot = self.popularity.add(prefix, RECENT_WINDOW * n) * n >= 1.0  # its share before this request
 
     def slack_recent(self, req: Request) -> float:
         """The slack in units of Instance.recent (which fades by rescaling its unit)."""
