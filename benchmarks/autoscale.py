@@ -8,8 +8,10 @@ bar for both, each at its best cost (a signal none of whose targets reaches it i
 attainment). Then the demand signal's operating point is run with arbitrary (random) and newest-first scale-in:
 the hit rate lost in the minute after each scale-in, against cache_aware's. The autoscaled runs scale in at
 different moments under different loads (their before/after difference is mostly the load changing), so the
-scale-in policies are also compared on equal terms: a steady load, one scale-in at a given moment, and the hit
-rate of the minute after it against the same minute of the same run without it (`--scale-in-only`).
+scale-in policies are also compared on equal terms (`--scale-in-only` for that alone): a steady load, at a
+given moment every instance drained in a run of its own, the hit rate of the minute after against the same
+minute of the run without a drain. Arbitrary scale-in loses the mean over the instances (the expectation of a
+random pick); cache_aware what its pick (the lowest cache value) lost.
 
     .venv/bin/python benchmarks/autoscale.py [--workloads ramp-burst,mooncake] [--trace FILE]
 """
@@ -20,6 +22,7 @@ import argparse
 import time
 from dataclasses import dataclass, field
 
+from warmroute.core.cache_value import scale_in_victim
 from warmroute.sim.autoscale import ARBITRARY, CACHE_AWARE, DEMAND, NEWEST, UTILIZATION, AutoscaleSettings
 from warmroute.sim.report import (HIT_LOSS_WINDOW_S, AutoscaleSummary, autoscale_summary, autoscale_table,
                                   slo_text)
@@ -30,7 +33,7 @@ from warmroute.workloads.registry import make_workload
 
 TRACE = "../shared/data/mooncake/conversation_trace.jsonl"  # from the repository root, as the other docs
 UTILIZATION_TARGETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
-DEMAND_TARGETS = (0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
+DEMAND_TARGETS = (0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7)
 ATTAINMENT = 0.95  # the acceptance's bar: the SLO met in at least this share of the windows
 
 
@@ -43,7 +46,7 @@ class Case:
     steady_instances: int = 8  # the fleet the scale-in comparison starts from
 
 
-def case(name: str, trace: str, seed: int = 1) -> Case:
+def case(name: str, trace: str, seed: int = 1, trace_start_s: float = 0.0) -> Case:
     shape = ramp_and_burst()
     if name == "ramp-burst":
         return Case("mixed workload, 128 output tokens, 12 sessions/s at peak x ramp-burst (x2 burst)",
@@ -51,8 +54,8 @@ def case(name: str, trace: str, seed: int = 1) -> Case:
                     SimSettings(instances=2, requests=10**9, rate=12.0, rate_shape=shape, seed=seed),
                     slo=dict(slo_ttft_s=1.0))
     if name == "mooncake":
-        return Case("Mooncake conversation trace, x1 speed at peak x ramp-burst (x2 burst)",
-                    make_workload("trace", seed=seed, path=trace),
+        return Case(f"Mooncake conversation trace from {trace_start_s:g} s, x1 speed at peak x ramp-burst (x2 burst)",
+                    make_workload("trace", seed=seed, path=trace, start_s=trace_start_s),
                     SimSettings(instances=6, requests=10**9, speedup=1.0, rate_shape=shape, seed=seed),
                     slo=dict(slo_ttft_s=10.0, slo_tokens_per_s=4000.0), steady_instances=16)
     raise SystemExit(f"unknown workload {name!r}: ramp-burst or mooncake")
@@ -61,14 +64,26 @@ def case(name: str, trace: str, seed: int = 1) -> Case:
 STEADY_SCALE_INS = (300.0, 360.0, 420.0, 480.0)
 
 
-def steady(c: Case, policy: str, scale_in_at: float | None) -> SimResult:
-    """The case's workload at its peak rate, steady for 10 minutes, on `steady_instances` instances, one of
-    which is drained at `scale_in_at` (None: never)."""
-    a = AutoscaleSettings(scale_in=policy, **c.slo)
-    settings = SimSettings(**{**c.settings.__dict__, "autoscale": a, "instances": c.steady_instances,
-                              "rate_shape": RateShape(((0.0, 1.0), (600.0, 0.0))),
-                              "scale_events": [(scale_in_at, -1)] if scale_in_at is not None else []})
-    return Simulation(settings, c.workload, "cache_aware").run()
+class Drain(Simulation):
+    """A steady run whose one scale-in drains a given instance, noting every instance's cache value then."""
+
+    def __init__(self, settings: SimSettings, workload: Workload, victim: str) -> None:
+        super().__init__(settings, workload, "cache_aware")
+        self.forced, self.values_at_scale_in = victim, {}
+
+    def _victim(self, live):  # type: ignore[no-untyped-def]
+        assert self.cache_value is not None
+        self.values_at_scale_in = self.cache_value.values(self.fleet.index, [i.name for i in live],
+                                                          self.fleet.block_tokens)
+        return self.instances[self.forced], self.values_at_scale_in.get(self.forced)
+
+
+def steady_settings(c: Case, scale_in_at: float | None) -> SimSettings:
+    """The case's workload at its peak rate, steady for 10 minutes, on `steady_instances` instances, one of which
+    is drained at `scale_in_at` (None: never)."""
+    return SimSettings(**{**c.settings.__dict__, "autoscale": AutoscaleSettings(**c.slo),
+                          "instances": c.steady_instances, "rate_shape": RateShape(((0.0, 1.0), (600.0, 0.0))),
+                          "scale_events": [(scale_in_at, -1)] if scale_in_at is not None else []})
 
 
 def minute_hit_rate(r: SimResult, t: float) -> float:
@@ -76,21 +91,37 @@ def minute_hit_rate(r: SimResult, t: float) -> float:
     return sum(x.cached_tokens for x in xs) / max(1, sum(x.prompt_tokens for x in xs))
 
 
-def scale_in_comparison(c: Case) -> None:
-    """Each policy drains one instance at one moment (a run per moment); the hit rate lost is that of the minute
-    after it against the same minute of a run with no scale-in: the same requests, only the drain differs."""
-    print(f"scale-in policies: {c.steady_instances} instances at the peak rate, steady; one scale-in at "
-          f"{', '.join(f'{t:.0f}' for t in STEADY_SCALE_INS)} s (a run each): hit rate of the minute after it, "
-          "against the same minute without it")
-    base = steady(c, NEWEST, None)
-    for policy in (CACHE_AWARE, ARBITRARY, NEWEST):
-        runs = [steady(c, policy, t) for t in STEADY_SCALE_INS]
-        losses = [minute_hit_rate(base, t) - minute_hit_rate(r, t) for r, t in zip(runs, STEADY_SCALE_INS)]
-        values = ", ".join("-" if r.scale_ins[0].unique_value is None else f"{r.scale_ins[0].unique_value:.0f}"
-                           for r in runs)
-        print(f"  {policy:<12} lost {sum(losses) / len(losses) * 100:+.2f}pp on average (each: "
-              f"{', '.join(f'{x * 100:+.2f}' for x in losses)}); the victims' cached tokens no other instance "
-              f"held, per request: {values}", flush=True)
+def scale_in_comparison(c: Case, moments: tuple[float, ...] = STEADY_SCALE_INS) -> None:
+    """At each moment, every instance is drained in a run of its own; the hit rate each drain loses is that of
+    the minute after it against the same minute of the run with no scale-in (the same requests, only the drain
+    differs). An arbitrary scale-in loses their mean (the expectation of a random pick, not one draw);
+    cache_aware the loss of the instance whose cache value was lowest; newest the last instance's."""
+    print(f"scale-in policies: {c.steady_instances} instances at the peak rate, steady; at "
+          f"{', '.join(f'{t:.0f}' for t in moments)} s each instance drained in a run of its own: hit rate of the "
+          "minute after, against the same minute without the drain")
+    base = Simulation(steady_settings(c, None), c.workload, "cache_aware").run()
+    names = [f"instance-{i}" for i in range(c.steady_instances)]
+    losses: dict[str, list[float]] = {CACHE_AWARE: [], ARBITRARY: [], NEWEST: [], "best": []}
+    for t in moments:
+        each, values = {}, {}
+        for name in names:
+            sim = Drain(steady_settings(c, t), c.workload, name)
+            each[name] = minute_hit_rate(base, t) - minute_hit_rate(sim.run(), t)
+            values = sim.values_at_scale_in
+        pick = scale_in_victim(values) or names[-1]
+        losses[CACHE_AWARE].append(each[pick])
+        losses[ARBITRARY].append(sum(each.values()) / len(each))
+        losses[NEWEST].append(each[names[-1]])
+        losses["best"].append(min(each.values()))
+        ranked = sorted(names, key=lambda n: values[n])
+        print(f"  at {t:.0f} s: each victim's loss (points), by cache value from the lowest: "
+              + ", ".join(f"{each[n] * 100:+.2f} ({values[n]:.0f})" for n in ranked), flush=True)
+    mean = {k: sum(v) / len(v) for k, v in losses.items()}
+    for policy in (CACHE_AWARE, ARBITRARY, NEWEST, "best"):
+        print(f"  {policy:<12} lost {mean[policy] * 100:+.2f}pp on average (each: "
+              f"{', '.join(f'{x * 100:+.2f}' for x in losses[policy])})")
+    if mean[ARBITRARY] > 0:
+        print(f"  cache_aware / arbitrary: {mean[CACHE_AWARE] / mean[ARBITRARY]:.2f}x", flush=True)
 
 
 def run(case: Case, signal: str, target: float, scale_in: str) -> AutoscaleSummary:
@@ -115,15 +146,26 @@ def main() -> None:
     parser.add_argument("--utilization-targets", default=",".join(map(str, UTILIZATION_TARGETS)))
     parser.add_argument("--demand-targets", default=",".join(map(str, DEMAND_TARGETS)))
     parser.add_argument("--seed", type=int, default=1, help="workload and arrival seed")
+    parser.add_argument("--trace-start", type=float, default=0.0,
+                        help="replay the trace from this many seconds in (the trace has no seed: its segments "
+                             "are the independent samples; the shape uses ~1,230 s of it)")
     parser.add_argument("--scale-in-only", action="store_true", help="only the scale-in policies, steady load")
+    parser.add_argument("--no-scale-in", action="store_true", help="only the autoscaled sweeps")
+    parser.add_argument("--slow-start-window", type=float, default=None,
+                        help="the router's slow_start_window for new instances (default: the router's, 30 s; 0: off)")
+    parser.add_argument("--scale-in-moments", default=",".join(f"{t:g}" for t in STEADY_SCALE_INS),
+                        help="seconds into the steady run at which the scale-in policies are compared")
     args = parser.parse_args()
     sweeps = {DEMAND: [float(t) for t in args.demand_targets.split(",")],
               UTILIZATION: [float(t) for t in args.utilization_targets.split(",")]}
     for name in args.workloads.split(","):
-        c, started = case(name, args.trace, args.seed), time.perf_counter()
+        c, started = case(name, args.trace, args.seed, args.trace_start), time.perf_counter()
+        if args.slow_start_window is not None:
+            c.settings = c.settings.changed("slow_start_window", args.slow_start_window)
         print(f"== {name}: {c.label}", flush=True)
+        moments = tuple(float(t) for t in args.scale_in_moments.split(","))
         if args.scale_in_only:
-            scale_in_comparison(c)
+            scale_in_comparison(c, moments)
             continue
         runs = {signal: [run(c, signal, t, CACHE_AWARE) for t in targets] for signal, targets in sweeps.items()}
         points = {signal: operating_point(sweep) for signal, sweep in runs.items()}
@@ -143,7 +185,8 @@ def main() -> None:
             print(f"hit rate lost in the minute after a scale-in (demand {best_demand.target:.2f}): cache_aware "
                   f"{best_demand.hit_rate_lost:+.2%}, arbitrary {arbitrary.hit_rate_lost:+.2%}, newest "
                   f"{fmt_loss(others[1])}")
-        scale_in_comparison(c)
+        if not args.no_scale_in:
+            scale_in_comparison(c, moments)
         print(f"({time.perf_counter() - started:.0f} s)\n", flush=True)
 
 

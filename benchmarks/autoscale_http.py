@@ -108,7 +108,7 @@ async def scale_in(args: argparse.Namespace) -> None:
         print(f"\n  {choice}: removed {seen['removed']} (router's victim {answer['victim']})")
         costs = answer["deletion_costs"]
         for pod in sorted(annotations):
-            print(f"    {pod}: value {answer['values'].get(pod, 0):9.1f} tokens/request   cost now {costs.get(pod)}"
+            print(f"    {pod}: value {answer['values'].get(pod, 0):9.1f} tokens   cost now {costs.get(pod)}"
                   f"   annotation {annotations[pod]}")
         pairs = [(a, b) for a in costs for b in costs if costs[a] < costs[b]]
         alike = sum(1 for a, b in pairs if (annotations[a] or 0) < (annotations[b] or 0))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from warmroute.core.cache_value import (DELETION_COST_MAX, CacheValue, deletion_costs, scale_in_victim,
-                                        unique_tokens)
+                                        sole_lead, unique_tokens)
 from warmroute.core.prefix_index import STORES
 
 
@@ -26,9 +28,10 @@ def test_unique_tokens_is_the_lead_of_the_deepest_holder():
     assert unique_tokens({"a": 10, "b": 10}, 16) == {"a": 0, "b": 0}  # held twice: losing one costs nothing
     assert unique_tokens({"a": 3}, 16) == {"a": 48}
     assert unique_tokens({}, 16) == {}
+    assert sole_lead({"a": 10, "b": 4, "c": 0}) == ("a", 4, 10) and sole_lead({"a": 2, "b": 2}) is None
 
 
-def test_the_instance_holding_the_popular_unique_prefix_is_worth_most(index):
+def test_each_block_only_one_instance_holds_counts_once_by_its_chance_of_being_asked_again(index):
     index.record("a", chain(1, 20))  # a hot prefix only a holds
     index.record("b", chain(2, 20))  # a rare prefix only b holds
     index.record("b", chain(3, 20))
@@ -39,12 +42,28 @@ def test_the_instance_holding_the_popular_unique_prefix_is_worth_most(index):
     value.requested(chain(2, 20))
     value.requested(chain(3, 20))
     v = value.values(index, ["a", "b", "c"], block_tokens=16)
-    # shares of the 11 requests (fading a little over them) x the 20 blocks of 16 tokens only one holds
-    assert v["a"] == pytest.approx(9 / 11 * 320, rel=0.02) and v["b"] == pytest.approx(1 / 11 * 320, rel=0.02)
+    # Losing a costs its 320 tokens once (the next request copies them elsewhere): nine requests make that
+    # near certain, not nine times as costly; b's prefix, asked for once, costs 1 - 1/e of its tokens.
+    assert v["a"] == pytest.approx(320, rel=0.01) and v["b"] == pytest.approx((1 - math.exp(-1)) * 320, rel=0.02)
     assert v["c"] == 0.0
     assert scale_in_victim(v) == "c"
     costs = deletion_costs(v)
     assert costs["a"] > costs["b"] > costs["c"] == 0
+
+
+def test_a_block_shared_by_several_chains_counts_once(index):
+    doc = chain(5, 30)
+    index.record("a", doc + chain(6, 2))  # one document, two questions about it, both answered by a
+    index.record("a", doc + chain(7, 2))
+    index.record("b", chain(8, 34))  # as many blocks, asked for as often, in one chain
+    value = CacheValue()
+    for _ in range(3):
+        value.requested(doc + chain(6, 2))
+        value.requested(doc + chain(7, 2))
+        value.requested(chain(8, 34))
+        value.requested(chain(8, 34))
+    v = value.values(index, ["a", "b"], block_tokens=16)
+    assert v["a"] == pytest.approx(v["b"], rel=0.05)  # 34 blocks each (the document once), near certain again
 
 
 def test_a_prefix_no_longer_asked_for_fades(index):

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, strategies as st
 from pydantic import ValidationError
 
-from warmroute.core.demand import (DECODE, KV, PREFILL, DemandMeter, DemandSettings, InstanceDemand, PrefillRate,
-                                   TokenRate, desired_for, desired_instances, fleet_demand)
+from warmroute.core.demand import (DECODE, KV, PREFILL, DemandMeter, DemandSettings, FleetDemand, InstanceDemand,
+                                   PrefillRate, TokenRate, desired_for, desired_instances, fleet_demand)
 from warmroute.core.fleet import Fleet
 from warmroute.core.slow_start import slow_start_weight
 
@@ -98,7 +98,9 @@ def test_token_rate_measures_a_steady_rate_and_fades_after_it_stops():
     young = TokenRate(tau_s=10.0, start=0.0)
     for t in range(1, 4):
         young.add(float(t), 500.0)
-    assert young.rate(3.0) == pytest.approx(500.0, rel=0.25)  # over the time it has seen, not over tau
+    # Three seconds' worth over a full window: it errs low (an autoscaler acts at once on a reading that is high)
+    assert young.rate(3.0) == pytest.approx(1500.0 / (10.0 * (1 - math.exp(-1))), rel=0.1)
+    assert young.rate(3.0) < 500.0
     assert meter.rate(150.0) < 0.01 * 500.0
 
 
@@ -128,3 +130,43 @@ def test_slow_start_ramps_from_the_floor_to_full_weight():
     assert slow_start_weight(60.0, 60.0) == 1.0 and slow_start_weight(5.0, 0.0) == 1.0
     weights = [slow_start_weight(t, 60.0, aggression=0.5) for t in range(0, 61, 5)]
     assert weights == sorted(weights) and weights[-1] == 1.0
+
+
+def _replica(routes: list[tuple[float, str, int]], now: float) -> FleetDemand:
+    """One router replica's figures after routing `routes` (time, instance, uncached tokens), all still in flight."""
+    fleet, meter = Fleet(), DemandMeter(tau_s=10.0)
+    for name in ("a", "b"):
+        fleet.add(name, kv_capacity_tokens=100_000, prefill_tokens_per_s=1000)
+    for t, name, tokens in routes:
+        fleet.dispatched(name, tokens)
+        meter.dispatched(fleet.instances[name], t, tokens)
+    return fleet_demand([meter.instance_demand(i, now, max_inflight=4) for i in fleet.instances.values()])
+
+
+def test_replicas_dimensions_add_up_to_the_fleets_but_their_ratios_do_not():
+    long_cold = [(0.0, "a", 20_000), (1.0, "b", 20_000)]  # prefill-bound
+    many_short = [(float(t), "ab"[t % 2], 0) for t in range(6)]  # concurrency-bound
+    one, two, together = _replica(long_cold, 6.0), _replica(many_short, 6.0), _replica(long_cold + many_short, 6.0)
+    assert one.bottleneck == PREFILL and two.bottleneck == DECODE
+    summed = {d: one.dimensions()[d] + two.dimensions()[d] for d in (PREFILL, DECODE, KV)}
+    assert summed == pytest.approx(together.dimensions())  # what warmroute_fleet_utilization's sum() gives
+    assert max(summed.values()) == pytest.approx(together.ratio)
+    # The sum of the replicas' ratios adds one replica's prefill to the other's concurrency: more than the fleet's
+    assert one.ratio + two.ratio > together.ratio * 1.1
+
+
+def test_a_new_instance_rate_counts_from_the_meters_start_not_its_own():
+    fleet, meter = Fleet(), DemandMeter(tau_s=60.0)
+    old = fleet.add("old", kv_capacity_tokens=100_000, prefill_tokens_per_s=1000)
+    for t in range(600):
+        meter.dispatched(old, float(t), 100)  # 100 tokens/s for ten minutes
+    new = fleet.add("new", kv_capacity_tokens=100_000, prefill_tokens_per_s=1000)
+    for t in range(600, 610):
+        meter.dispatched(new, float(t), 100)  # half of it moves to the new instance
+        meter.dispatched(old, float(t), 100)
+    at = 610.0
+    total = sum(meter.instance_demand(i, at, 4).uncached_tokens_per_s for i in (old, new))
+    # Its ten seconds of traffic are not extrapolated to a rate of their own: the fleet's stays near its level
+    # (the two ten-second halves weigh as ten seconds of the fleet's 200 tokens/s would)
+    assert meter.instance_demand(new, at, 4).uncached_tokens_per_s == pytest.approx(1000 / 60, rel=0.15)
+    assert total == pytest.approx(100 + 1000 / 60, rel=0.1)

@@ -604,7 +604,7 @@ def quantity(value: str) -> float:
     return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
 
 
-def test_keda_scales_on_the_summed_demand_ratio_at_the_routers_target():
+def test_keda_scales_on_the_replicas_summed_dimensions_at_the_routers_target():
     from warmroute.core.demand import DemandSettings
 
     obj = autoscaling_object("keda-scaledobject.yaml")
@@ -613,7 +613,8 @@ def test_keda_scales_on_the_summed_demand_ratio_at_the_routers_target():
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"  # ceil(current x value / target)
     query = trigger["metadata"]["query"]
     assert check_promql(query, router_series()) == []
-    assert query.startswith("sum(warmroute_fleet_demand_ratio{")  # router replicas each report their share
+    # Each dimension summed over the router replicas (each reports its share of it), then the highest
+    assert query.startswith("max(sum by (dimension) (warmroute_fleet_utilization{")
     assert quantity(trigger["metadata"]["threshold"]) == DemandSettings().scale_target
     spec = obj["spec"]
     assert spec["scaleTargetRef"]["kind"] == "Deployment" and 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]

@@ -6,6 +6,7 @@ start) with a hot prefix copied to it first, and /metrics carries the demand sig
 from __future__ import annotations
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from client_helpers import ask, wait_for
@@ -31,7 +32,8 @@ async def scrape(client: aiohttp.ClientSession, url: str) -> dict[str, dict[str,
     out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            out.setdefault(s.name, {})[s.labels.get("model", "")] = s.value
+            key = ":".join(filter(None, (s.labels.get("model", ""), s.labels.get("dimension", ""))))
+            out.setdefault(s.name, {})[key] = s.value
     return out
 
 
@@ -118,7 +120,7 @@ async def test_a_joining_pod_ramps_up_with_the_hot_prefix_first(tmp_path, monkey
 
 
 async def test_the_demand_signal_is_on_metrics(tmp_path, monkeypatch):
-    stack = await Stack().start(tmp_path, monkeypatch, 2, scale_target=0.05, max_instances=50)
+    stack = await Stack().start(tmp_path, monkeypatch, 2, scale_target=0.001, max_instances=50)
     settings = stack.router.app[ROUTER].settings
     try:
         async with aiohttp.ClientSession() as client:
@@ -132,7 +134,11 @@ async def test_the_demand_signal_is_on_metrics(tmp_path, monkeypatch):
         ratio = busy["warmroute_fleet_demand_ratio"][DEFAULT_MODEL]
         desired = busy["warmroute_desired_instances"][DEFAULT_MODEL]
         assert ratio > 0.0
-        assert desired == desired_for(2, ratio, settings) and desired > 2  # a 5% target: more instances wanted
+        assert desired == desired_for(2, ratio, settings) and desired > 2  # a 0.1% target: more instances wanted
+        # The dimensions an autoscaler of several replicas sums before taking the highest: the ratio is theirs.
+        dims = busy["warmroute_fleet_utilization"]
+        assert set(dims) == {f"{DEFAULT_MODEL}:{d}" for d in ("prefill", "decode", "kv")}
+        assert max(dims.values()) == pytest.approx(ratio)
     finally:
         await stack.stop()
 
@@ -159,3 +165,4 @@ def test_the_demand_is_per_model_over_the_instances_serving_it():
     assert demand["m-a"].ratio == 0.0 and demand["m-a"].current == 2 and demand["m-a"].desired == 1
     assert demand["m-b"].ratio == 6 / 8 and demand["m-b"].bottleneck == "decode"
     assert demand["m-b"].current == 1 and demand["m-b"].desired == 2  # ceil(1 x 0.75 / 0.5)
+    assert demand["m-b"].demand.dimensions() == {"prefill": 0.0, "decode": 6 / 8, "kv": 0.0}

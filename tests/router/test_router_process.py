@@ -125,6 +125,42 @@ async def test_workers_share_their_index_and_their_metrics():
         assert await proc.exited(10) == 0
 
 
+async def test_workers_sum_their_demand_and_ask_for_the_fleets_instances():
+    """Eight streams held open through two workers (each takes those the kernel hands it): whichever worker answers
+    the scrape, the decode dimension is the eight over the one instance's threshold of 16, and the desired
+    instances are the HPA formula on that sum, not the highest of the workers' own shares."""
+    streams = 8
+    flags = ("--workers", "2", "--no-engine-metrics", "--concurrency-threshold", "16", "--scale-target", "0.1")
+    async with _router_over_upstream(*flags) as (proc, router):
+        sessions = [aiohttp.ClientSession() for _ in range(streams)]  # a connection each: either worker
+        try:
+            for client in sessions:
+                r = await client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi", "chunks": 300})
+                assert r.status == 200
+                await r.content.readuntil(b"\n\n")  # routed and streaming: in flight until the end
+            readings: dict[int, tuple[float, float]] = {}  # worker pid -> (decode, desired)
+            want = (streams / 16, 5.0)  # ceil(1 x 0.5 / 0.1)
+            deadline = time.monotonic() + 20
+            while len(readings) < 2 or any(v != want for v in readings.values()):
+                assert time.monotonic() < deadline, f"(decode, desired) per worker pid: {readings}"
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as client:
+                    async with client.get(router + "/livez") as r:
+                        pid = (await r.json())["pid"]
+                    async with client.get(router + "/metrics") as r:
+                        text = await r.text()
+                samples = read_samples(text, ("warmroute_fleet_utilization", "warmroute_desired_instances"))
+                decode = sum(v for labels, v in samples["warmroute_fleet_utilization"]
+                             if labels["dimension"] == "decode")
+                (_, desired), = samples["warmroute_desired_instances"]
+                readings[pid] = (decode, desired)
+                await asyncio.sleep(0.05)
+        finally:
+            for client in sessions:
+                await client.close()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await proc.exited(10) == 0
+
+
 async def test_workers_show_one_dashboard():
     """Two workers: /dashboard/state counts every worker's requests, hot prefixes (labelled alike) and decisions,
     whichever worker answers (each sends the other a snapshot every second). Without the snapshots each

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from warmroute.core.strategies import StrategySettings
 from warmroute.errors import UsageError
 from warmroute.sim.autoscale import AutoscaleSettings, Autoscaler
 from warmroute.sim.report import autoscale_summary, hit_rate_lost, slo_windows
@@ -137,3 +138,27 @@ def test_cli_autoscale_flags_and_errors():
                        (["--scale-in", "oldest"], "--scale-in oldest")):
         bad = subprocess.run(run + argv, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr
+
+
+@functools.lru_cache(maxsize=None)
+def join_run(slow_start_window: float) -> SimResult:
+    """Three instances serve a hot prompt's traffic; a fourth joins at 60 s."""
+    s = SimSettings(instances=3, requests=10**6, rate=12.0, rate_shape=RateShape(((0.0, 1.0), (140.0, 0.0))),
+                    scale_events=[(60.0, +1)], routing=StrategySettings(slow_start_window=slow_start_window),
+                    seed=2)
+    return Simulation(s, make_workload("hot", seed=2), "cache_aware").run()
+
+
+def new_share(r: SimResult, lo: float, hi: float) -> float:
+    sent = [x for x in r.records if lo <= x.sent < hi]
+    return sum(x.instance == "instance-3" for x in sent) / len(sent)
+
+
+def test_an_instance_that_joins_ramps_up_with_slow_start():
+    """With a 60-s slow start the new instance's share grows over the window (a hot prefix copied to it first)
+    and stays under what it takes at once without; without, it takes its share at once."""
+    ramped, at_once = join_run(60.0), join_run(0.0)
+    shares = [new_share(ramped, t, t + 20) for t in (60, 80, 100)]
+    assert shares == sorted(shares) and 0 < shares[0] < new_share(at_once, 60, 80)
+    assert any(x.reason == "slow_start" and x.instance == "instance-3" for x in ramped.records)
+    assert not any(x.reason == "slow_start" for x in at_once.records)

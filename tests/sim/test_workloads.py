@@ -205,6 +205,15 @@ def test_trace_limit_and_output_cap(tmp_path):
     assert [r.max_tokens for r in w.requests()] == [4, 1]
 
 
+def test_trace_replay_from_a_later_start(tmp_path):
+    w = make_workload("trace", path=write_trace(tmp_path / "t.jsonl", FIXTURE), **parse_params(["start_s=0.5"]))
+    reqs = list(w.requests())
+    assert [r.arrival_s for r in reqs] == [0.0, 1.0]  # the first request skipped, the clock shifted to the start
+    assert [r.prompt_tokens for r in reqs] == [700, 300]
+    with pytest.raises(UsageError, match="start_s"):
+        make_workload("trace", path=write_trace(tmp_path / "t.jsonl", FIXTURE), start_s=-1.0).validate()
+
+
 @pytest.mark.parametrize("bad, message", [
     ("{not json", "t.jsonl:2: not valid JSON"),
     ("[1, 2]", "t.jsonl:2: expected a JSON object"),

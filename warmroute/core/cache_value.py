@@ -1,41 +1,54 @@
-"""What each instance's cache is worth to the fleet: the cached work only it holds, weighted by demand.
+"""What each instance's cache is worth to the fleet: the cached work only it holds that will be asked for again.
 
 Losing an instance costs the fleet only the prefixes no other instance holds as deeply: for each recently
-requested chain of blocks, the instance holding it deepest loses (its depth - the next-deepest holder's depth)
-blocks of cached prefill if it goes; every other instance loses nothing for that chain. Each chain counts by its
-share of the recent requests (fading over a window of requests, core/fading.py), so a hot system prompt held by
-one instance outweighs a long document asked for once. A conversation's earlier turns are chains too, fading
-as it moves on.
+requested chain of blocks, the instance holding it deepest holds (its depth - the next-deepest holder's depth)
+blocks that would have to be prefilled again elsewhere if it went; every other instance loses nothing for that
+chain. A block lost is recomputed once, by the first request that needs it after the loss, and is then cached
+where that request went: so each block counts once however many requests use it, times the chance that one
+does within the window (1 - e^-n, n its fading count of recent requests: a hot system prompt counts as fully
+as it is long, not as many times as it is asked for; a document asked for once counts about two thirds). The
+value is the prefill tokens the fleet would expect to recompute over the next window of requests. A
+conversation's earlier turns are chains too, fading as it moves on.
 
-`CacheValue` keeps the recent chains (bounded) and asks the prefix index who holds them; `unique_tokens`,
-`scale_in_victim` and `deletion_costs` are pure functions of plain values. The victim is the instance whose
-loss costs least; Kubernetes' `controller.kubernetes.io/pod-deletion-cost` annotation (an int32, higher = keep)
-carries the same order to a ReplicaSet scaling down.
+`CacheValue` keeps the recent chains (bounded) and asks the prefix index who holds them; `sole_lead`,
+`unique_tokens`, `scale_in_victim` and `deletion_costs` are pure functions of plain values. The victim is the
+instance whose loss costs least; Kubernetes' `controller.kubernetes.io/pod-deletion-cost` annotation (an int32,
+higher = keep) carries the same order to a ReplicaSet scaling down.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from warmroute.core.fading import FadingUnit
 
 DELETION_COST_MAX = 2**31 - 1  # the annotation is an int32
-DELETION_COST_SCALE = 1000  # per token of expected prefill saved per request, so fractions still order pods
 
 
 class HoldsBlocks(Protocol):
     def match_depths(self, blocks: Sequence[int]) -> dict[str, int]: ...
 
 
+def sole_lead(depths: Mapping[str, int]) -> tuple[str, int, int] | None:
+    """The instance holding a chain deeper than any other, and the blocks [from, to) only it holds (None: no
+    instance holds it, or two hold it as deeply)."""
+    if not depths:
+        return None
+    ranked = sorted(depths.items(), key=lambda kv: kv[1], reverse=True)
+    (owner, deepest), second = ranked[0], (ranked[1][1] if len(ranked) > 1 else 0)
+    return (owner, second, deepest) if deepest > second else None
+
+
 def unique_tokens(depths: Mapping[str, int], block_tokens: int) -> dict[str, int]:
     """Per instance, the tokens of this chain it holds beyond every other instance (zero for all but the deepest
     holder, and for it too when another holds the chain as deeply)."""
-    if not depths:
-        return {}
-    ranked = sorted(depths.values(), reverse=True)
-    deepest, second = ranked[0], (ranked[1] if len(ranked) > 1 else 0)
-    return {name: (d - second) * block_tokens if d == deepest and d > second else 0 for name, d in depths.items()}
+    out = dict.fromkeys(depths, 0)
+    lead = sole_lead(depths)
+    if lead is not None:
+        out[lead[0]] = (lead[2] - lead[1]) * block_tokens
+    return out
 
 
 class CacheValue:
@@ -48,12 +61,10 @@ class CacheValue:
         # prompt's copy cost ~100 µs on the request path)
         self._chains: dict[int, tuple[Sequence[int], float]] = {}
         self._unit = FadingUnit()
-        self._total = 0.0
 
     def requested(self, blocks: Sequence[int]) -> None:
         """A request with this chain of blocks was routed (any instance)."""
         unit = self._unit.value
-        self._total += unit
         if blocks:
             key = blocks[-1]
             known = self._chains.get(key)
@@ -64,20 +75,21 @@ class CacheValue:
         factor = self._unit.advance(self.window)
         if factor is not None:
             self._chains = {k: (c, w / factor) for k, (c, w) in self._chains.items()}
-            self._total /= factor
 
     def values(self, index: HoldsBlocks, instances: Iterable[str], block_tokens: int) -> dict[str, float]:
-        """Per instance, the prefill tokens per request (averaged over the recent requests) that would be
-        recomputed if it went: sum over chains of share x the tokens only it holds."""
-        out = {name: 0.0 for name in instances}
-        if not self._total:
-            return out
+        """Per instance, the prefill tokens the fleet would expect to recompute over the next window of requests if
+        it went: each block of the recent chains that it alone holds, once, times the chance it is asked for."""
+        alone: dict[str, dict[int, float]] = {name: {} for name in instances}
+        unit = self._unit.value
         for chain, weight in self._chains.values():
-            share = weight / self._total
-            for name, tokens in unique_tokens(index.match_depths(chain), block_tokens).items():
-                if tokens and name in out:
-                    out[name] += share * tokens
-        return out
+            lead = sole_lead(index.match_depths(chain))
+            if lead is None or lead[0] not in alone:
+                continue
+            owner, start, end = lead
+            counts, n = alone[owner], weight / unit
+            for block in chain[start:end]:
+                counts[block] = counts.get(block, 0.0) + n
+        return {name: block_tokens * sum(-math.expm1(-n) for n in counts.values()) for name, counts in alone.items()}
 
     def __len__(self) -> int:
         return len(self._chains)
@@ -91,5 +103,5 @@ def scale_in_victim(values: Mapping[str, float]) -> str | None:
 
 
 def deletion_costs(values: Mapping[str, float]) -> dict[str, int]:
-    """`controller.kubernetes.io/pod-deletion-cost` per instance: its value as an int32, higher = keep."""
-    return {name: min(DELETION_COST_MAX, max(0, round(v * DELETION_COST_SCALE))) for name, v in values.items()}
+    """`controller.kubernetes.io/pod-deletion-cost` per instance: its value in tokens, as an int32, higher = keep."""
+    return {name: min(DELETION_COST_MAX, max(0, round(v))) for name, v in values.items()}

@@ -45,9 +45,10 @@ class DemandSettings(SettingsModel):
     """Seconds over which the prefill of requests waiting in the router's queue counts as demand (backlog / horizon is
     added to the routed rate), so a fleet that has fallen behind asks for more than the rate it managed to take."""
 
-    demand_window_s: float = Field(60.0, gt=0.0, le=3600.0)
+    demand_window_s: float = Field(30.0, gt=0.0, le=3600.0)
     """Seconds over which the tokens routed to each instance are averaged into a rate (an exponential average): long
-    enough that one long prompt is not a surge."""
+    enough that one long prompt is not a surge, short enough not to lag a ramp (the autoscaler's own delays come on
+    top)."""
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> DemandSettings:
@@ -83,6 +84,9 @@ class FleetDemand:
     def ratio(self) -> float:
         """The demand ratio (`warmroute_fleet_demand_ratio`): the most-used dimension."""
         return max(self.prefill, self.decode, self.kv)
+
+    def dimensions(self) -> dict[str, float]:
+        return {PREFILL: self.prefill, DECODE: self.decode, KV: self.kv}
 
     @property
     def bottleneck(self) -> str:
@@ -155,9 +159,9 @@ class PrefillRate:
 class TokenRate:
     """A rate per second of something counted at given times (tokens routed to an instance), fading with a time
     constant: an exponentially weighted sum over `tau_s`. Times come from the caller (virtual or wall clock);
-    `start` is when counting began (an instance's arrival), so a young meter's rate is over the time it has seen."""
-
-    MIN_SPAN_S = 1.0  # a meter asked right after it started divides by at least this
+    `start` is when counting began. Until a full `tau_s` has passed, the rate is what was counted over `tau_s`:
+    a young meter errs low, never high, because an autoscaler scales up on one high reading and down only after
+    a window of low ones (a few long prompts in a meter's first seconds would read as a surge)."""
 
     def __init__(self, tau_s: float = 30.0, start: float = 0.0) -> None:
         self.tau_s = tau_s
@@ -172,7 +176,7 @@ class TokenRate:
     def rate(self, now: float) -> float:
         self._decay(now)
         # The decayed sum of a steady rate r is r x tau_s x (1 - e^(-elapsed / tau_s)): divide by that.
-        elapsed = max(now - self._start, self.MIN_SPAN_S)
+        elapsed = max(now - self._start, self.tau_s)
         return self._sum / (self.tau_s * -math.expm1(-elapsed / self.tau_s))
 
     def _decay(self, now: float) -> None:
@@ -187,6 +191,7 @@ class DemandMeter:
 
     def __init__(self, tau_s: float = 30.0, prefill_window: float = 64.0) -> None:
         self.tau_s, self.prefill_window = tau_s, prefill_window
+        self.started: float | None = None  # the first event's time: every instance's rate counts from it
         self.routed: dict[str, TokenRate] = {}
         self.prefill: dict[str, PrefillRate] = {}
 
@@ -218,6 +223,9 @@ class DemandMeter:
 
     def _meters(self, inst: Instance, now: float) -> tuple[TokenRate, PrefillRate]:
         if inst.name not in self.routed:
-            self.routed[inst.name] = TokenRate(self.tau_s, start=now)
+            # From the meter's start, not the instance's: a new instance's first cold prompts over its first
+            # seconds would read as a surge, though they are traffic the others no longer take.
+            self.started = now if self.started is None else self.started
+            self.routed[inst.name] = TokenRate(self.tau_s, start=self.started)
             self.prefill[inst.name] = PrefillRate(inst.prefill_tokens_per_s, self.prefill_window)
         return self.routed[inst.name], self.prefill[inst.name]

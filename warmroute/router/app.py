@@ -207,9 +207,21 @@ async def dashboard_state(request: web.Request) -> web.Response:
     return web.json_response(state, headers={"Cache-Control": "no-store"})
 
 
+def refresh_demand(app: web.Application) -> None:
+    """The demand gauges from the router's books now (at each scrape, and every second in a worker of several, so
+    that the workers' sums are fresh whichever of them answers the scrape)."""
+    signals = app[ROUTER].signals
+    demand = signals.by_model()
+
+    def desired_of(model: str, ratio: float) -> int | None:
+        return signals.desired_for(demand[model].current, ratio) if model in demand else None
+
+    app[METRICS].set_demand({m: (d.demand, d.desired) for m, d in demand.items()}, desired_of)
+
+
 async def metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
-    request.app[METRICS].set_demand({m: (d.ratio, d.desired) for m, d in router.signals.by_model().items()})
+    refresh_demand(request.app)
     body, content_type = request.app[METRICS].render(router.fleet)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = content_type
@@ -333,6 +345,8 @@ def _components(app: web.Application, links: Links | None) -> Components:
     items += [redis, siblings, app[HEALTH]]
     if siblings is not None and settings.dashboard:
         items.append(SnapshotSender(app, siblings))
+    if siblings is not None:  # the other workers' scrapes sum this one's demand: keep it fresh
+        items.append(DemandRefresh(app))
     if settings.models_interval > 0:  # which instance serves which model, before the first request
         items.append(app[CATALOG])
     if settings.engine_metrics:  # and each engine's KV capacity, where not configured
@@ -354,6 +368,20 @@ class SnapshotSender(Periodic):
         app = self.app
         snap = dash.snapshot(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[ROUTER].admission)
         self.links.send_snapshot(json.dumps(snap, separators=(",", ":")).encode())
+
+
+class DemandRefresh(Periodic):
+    """Every second, this worker's demand gauges (refresh_demand), which a scrape answered by another sums."""
+
+    name = "demand-refresh"
+    round_at_start = False
+
+    def __init__(self, app: web.Application) -> None:
+        super().__init__(1.0)
+        self.app = app
+
+    async def round(self) -> None:
+        refresh_demand(self.app)
 
 
 async def _lifetime(app: web.Application) -> AsyncIterator[None]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from warmroute.core.admission import Admission
 from warmroute.core.cache_value import CacheValue, deletion_costs, scale_in_victim
-from warmroute.core.demand import DemandMeter, DemandSettings, desired_for, fleet_demand
+from warmroute.core.demand import DemandMeter, DemandSettings, FleetDemand, desired_for, fleet_demand
 from warmroute.core.fleet import Fleet, Instance
 
 ALL_MODELS = "*"  # the model label when no instance says what it serves: the whole fleet
@@ -28,10 +28,17 @@ ALL_MODELS = "*"  # the model label when no instance says what it serves: the wh
 
 @dataclass(frozen=True)
 class ModelDemand:
-    ratio: float  # warmroute_fleet_demand_ratio
+    demand: FleetDemand  # per dimension (warmroute_fleet_utilization); its ratio is warmroute_fleet_demand_ratio
     desired: int  # warmroute_desired_instances
     current: int  # the routable instances it was measured over
-    bottleneck: str  # prefill, decode or kv
+
+    @property
+    def ratio(self) -> float:
+        return self.demand.ratio
+
+    @property
+    def bottleneck(self) -> str:  # prefill, decode or kv
+        return self.demand.bottleneck
 
 
 class FleetSignals:
@@ -73,9 +80,13 @@ class FleetSignals:
         for model in models:
             serving = [i.name for i in (up if model == ALL_MODELS else fleet.routable(model))]
             demand = fleet_demand([figures[n] for n in serving], self.demand.backlog_horizon_s)
-            out[model] = ModelDemand(demand.ratio, desired_for(len(serving), demand.ratio, self.demand),
-                                     len(serving), demand.bottleneck)
+            out[model] = ModelDemand(demand, desired_for(len(serving), demand.ratio, self.demand), len(serving))
         return out
+
+    def desired_for(self, current: int, ratio: float) -> int:
+        """The HPA formula on a ratio measured elsewhere (the workers' summed dimensions) with this router's target
+        and bounds."""
+        return desired_for(current, ratio, self.demand)
 
     def cache_values(self) -> dict[str, float]:
         """Per instance, the prefill tokens per request that would be recomputed if it went."""

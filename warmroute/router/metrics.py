@@ -13,11 +13,14 @@ dictionary build and a lock per call, too much for the per-request path. The eng
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from warmroute.core.demand import FleetDemand
 from warmroute.core.feedback import VERDICTS
 from warmroute.core.fleet import Fleet
 from warmroute.core.strategies import REASONS
@@ -131,6 +134,15 @@ class Metrics:
                                   "flight and waiting over concurrency_threshold) and KV cache (in-flight demand "
                                   "over capacity); 1.0 is all of it", ["model"], registry=r,
                                   multiprocess_mode="livesum")
+        # Per dimension, so that several replicas' parts add up before the highest is taken: the sum of the
+        # replicas' maxima overstates the fleet's when they are bound by different dimensions.
+        self.fleet_utilization = Gauge("warmroute_fleet_utilization",
+                                       "This router's part of the fleet's utilisation of one dimension of its "
+                                       "capacity for a model (prefill, decode: concurrency, kv): the demand of "
+                                       "the requests it routed over the whole fleet's capacity. Summed over "
+                                       "router replicas it is the fleet's; the highest dimension of that sum is "
+                                       "the demand ratio an autoscaler of several replicas acts on",
+                                       ["model", "dimension"], registry=r, multiprocess_mode="livesum")
         self.desired_instances = Gauge("warmroute_desired_instances",
                                        "Instances that would bring the model's demand ratio to scale_target: "
                                        "ceil(current x ratio / scale_target), unchanged within scale_tolerance, "
@@ -138,6 +150,7 @@ class Metrics:
                                        registry=r, multiprocess_mode="livemax")
 
         self._strategy = strategy
+        self._desired_of: Callable[[str, float], int | None] | None = None  # set_demand's
         self._decision = {reason: self.decisions.labels(strategy, reason) for reason in REASONS}
         self._inflight: dict = {}
         self._ttfb: dict = {}
@@ -251,12 +264,19 @@ class Metrics:
         if gauge is not None:
             gauge.set(1 if healthy else 0)
 
-    def set_demand(self, by_model: dict[str, tuple[float, int]]) -> None:
-        """The demand ratio and desired instances per model (models no longer served drop out)."""
+    def set_demand(self, by_model: dict[str, tuple[FleetDemand, int]],
+                   desired_of: Callable[[str, float], int | None] | None = None) -> None:
+        """The demand ratio, its dimensions and desired instances per model (models no longer served drop out).
+        `desired_of(model, ratio)`: the desired instances for a ratio measured over all the workers (None: the
+        model is not served here), for the merged scrape of a worker of several."""
+        self._desired_of = desired_of
         self.demand_ratio.clear()
+        self.fleet_utilization.clear()
         self.desired_instances.clear()
-        for model, (ratio, desired) in by_model.items():
-            self.demand_ratio.labels(model).set(ratio)
+        for model, (demand, desired) in by_model.items():
+            self.demand_ratio.labels(model).set(demand.ratio)
+            for dimension, value in demand.dimensions().items():
+                self.fleet_utilization.labels(model, dimension).set(value)
             self.desired_instances.labels(model).set(desired)
 
     # -- scrape -------------------------------------------------------------------------------------------
@@ -267,12 +287,38 @@ class Metrics:
         self.capacity_scale.set(fleet.cache_scale.value)
         if _SHARED_DIR in os.environ and values.ValueClass is not values.MutexValue:  # a worker of several
             merged = CollectorRegistry()
-            multiprocess.MultiProcessCollector(merged)
+            merged.register(WorkersMerged(self._desired_of))
             return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 _SHARED_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for it
+
+
+class WorkersMerged:
+    """The workers' metrics merged (prometheus_client's multiprocess files), but for the desired instances: each
+    worker's own counts only the requests it routed, so they are worked out again from the demand dimensions
+    summed over the workers (livesum), as an autoscaler summing router replicas would."""
+
+    def __init__(self, desired_of: Callable[[str, float], int | None] | None) -> None:
+        self.desired_of = desired_of
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(multiprocess.MultiProcessCollector(None).collect())
+        ratios: dict[str, float] = {}  # model -> the highest of its summed dimensions
+        for family in families:
+            if family.name == "warmroute_fleet_utilization":
+                for sample in family.samples:
+                    model = sample.labels["model"]
+                    ratios[model] = max(ratios.get(model, 0.0), sample.value)
+        for family in families:
+            if family.name == "warmroute_desired_instances" and self.desired_of is not None:
+                desired = GaugeMetricFamily(family.name, family.documentation, labels=["model"])
+                for model, ratio in sorted(ratios.items()):
+                    if (n := self.desired_of(model, ratio)) is not None:
+                        desired.add_metric([model], n)
+                family = desired
+            yield family
 
 
 def share_between_workers(directory: str) -> None:

@@ -217,7 +217,8 @@ class Simulation:
             self._drain(now, *self._victim(live))
 
     def _join(self, now: float, created: float) -> None:
-        self._add_instance(created, now)
+        inst = self._add_instance(created, now)
+        self.fleet.start_ramp(inst.name, now)  # warm scale-out: its share ramps up (the strategy's slow_start)
         self._moves.append((now, dict(self._last_instance_by_prefix), {}))
         if self.admission.waiters:  # the router's queue polls: waiting requests may go to the new instance
             self._pump(now)
@@ -420,6 +421,7 @@ class Simulation:
                     budget: list[int] | None) -> None:
         """Route a request: to its instance now, or into the router's queue (core/admission.py)."""
         key = key_for_json(req.path, req.body)
+        self.fleet.now = now  # the core reads no clock: slow start's ramps are timed by the shell's
         try:
             d = self.strategy.choose(key, self.fleet)
         except NoInstanceAvailable:
@@ -442,6 +444,7 @@ class Simulation:
 
     def _pump(self, now: float) -> None:
         """Instances with room take the waiting requests the admission queue gives them."""
+        self.fleet.now = now
         assigned, shed = self.admission.pump(now)
         for w in shed:
             self._refuse(now, w)

@@ -90,12 +90,15 @@ class TraceReplay(Workload):
     path: str = ""
     limit: int | None = None  # replay only the first `limit` requests
     max_tokens: int = 0  # 0: each request's output_length; otherwise a cap on it
+    start_s: float = 0.0  # replay from this many seconds into the trace (its earlier requests skipped)
 
     def validate(self) -> None:  # max_tokens 0 is allowed here: it means "the trace's own lengths"
         if not self.path:
             raise UsageError("the trace workload needs a trace file (--trace FILE)")
         if self.limit is not None and self.limit < 1:
             raise UsageError("--trace-limit must be >= 1")
+        if not 0.0 <= self.start_s < float("inf"):
+            raise UsageError("the trace's start_s must be a number of seconds >= 0")
         _ = self.records  # read and check the file now, so a bad trace fails before any request is sent
 
     @cached_property
@@ -103,11 +106,14 @@ class TraceReplay(Workload):
         return load_trace(self.path, self.limit)
 
     def sessions(self) -> Iterator[Session]:
+        start_ms = self.start_s * 1000
         for index, rec in enumerate(self.records):
+            if rec.timestamp_ms < start_ms:
+                continue
             sid = f"{self.name}-{index}"
             yield Session(sid, (completion_request(
                 self.model, trace_prompt(rec, index), tag=self.name, session=sid,
-                max_tokens=self.output_tokens(rec), arrival_s=rec.timestamp_ms / 1000,
+                max_tokens=self.output_tokens(rec), arrival_s=(rec.timestamp_ms - start_ms) / 1000,
             ),))
 
     def output_tokens(self, rec: TraceRecord) -> int:
