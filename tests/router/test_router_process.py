@@ -93,6 +93,22 @@ async def test_workers_share_the_port_and_stop_together():
         assert await proc.exited(10) == 0
 
 
+async def _until_every_worker_reads(router: str, names: tuple[str, ...], reading, want: tuple, workers: int = 2):
+    """Scrape until each of the workers has answered /metrics with `want` (`/livez` and `/metrics` on one keep-alive
+    connection come from the same worker); fail after 20 s naming the latest reading of each."""
+    readings: dict[int, tuple] = {}  # worker pid -> its latest reading
+    deadline = time.monotonic() + 20
+    while len(readings) < workers or any(v != want for v in readings.values()):
+        assert time.monotonic() < deadline, f"readings per worker pid: {readings}, want {want}"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as client:
+            async with client.get(router + "/livez") as r:
+                pid = (await r.json())["pid"]
+            async with client.get(router + "/metrics") as r:
+                text = await r.text()
+        readings[pid] = reading(read_samples(text, names))
+        await asyncio.sleep(0.05)
+
+
 async def test_workers_share_their_index_and_their_metrics():
     """Two worker processes: every prompt is recorded by whichever worker routed it, and the other learns it
     through the local sockets, so both report the whole index; and /metrics counts every worker's requests,
@@ -106,21 +122,13 @@ async def test_workers_share_their_index_and_their_metrics():
                 async with client.post(router + "/v1/completions", json=body) as r:
                     assert r.status == 200
                     await r.read()
-        readings: dict[int, tuple[float, float]] = {}  # worker pid -> (index entries, requests answered)
-        want = (prompts * 10.0, float(prompts))
-        deadline = time.monotonic() + 20
-        while len(readings) < 2 or any(v != want for v in readings.values()):
-            assert time.monotonic() < deadline, f"(index entries, requests) per worker pid: {readings}"
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as client:
-                async with client.get(router + "/livez") as r:
-                    pid = (await r.json())["pid"]
-                async with client.get(router + "/metrics") as r:
-                    text = await r.text()
-            samples = read_samples(text, ("warmroute_index_entries", "warmroute_requests_total"))
+        def entries_and_answered(samples: dict) -> tuple[float, float]:
             entries = sum(v for _, v in samples["warmroute_index_entries"])
             answered = sum(v for labels, v in samples["warmroute_requests_total"] if labels.get("status") == "200")
-            readings[pid] = (entries, answered)  # the latest reading of each worker
-            await asyncio.sleep(0.05)
+            return entries, answered
+
+        await _until_every_worker_reads(router, ("warmroute_index_entries", "warmroute_requests_total"),
+                                        entries_and_answered, (prompts * 10.0, float(prompts)))
         proc.proc.send_signal(signal.SIGTERM)
         assert await proc.exited(10) == 0
 
@@ -138,22 +146,14 @@ async def test_workers_sum_their_demand_and_ask_for_the_fleets_instances():
                 r = await client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi", "chunks": 300})
                 assert r.status == 200
                 await r.content.readuntil(b"\n\n")  # routed and streaming: in flight until the end
-            readings: dict[int, tuple[float, float]] = {}  # worker pid -> (decode, desired)
-            want = (streams / 16, 5.0)  # ceil(1 x 0.5 / 0.1)
-            deadline = time.monotonic() + 20
-            while len(readings) < 2 or any(v != want for v in readings.values()):
-                assert time.monotonic() < deadline, f"(decode, desired) per worker pid: {readings}"
-                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as client:
-                    async with client.get(router + "/livez") as r:
-                        pid = (await r.json())["pid"]
-                    async with client.get(router + "/metrics") as r:
-                        text = await r.text()
-                samples = read_samples(text, ("warmroute_fleet_utilization", "warmroute_desired_instances"))
+            def decode_and_desired(samples: dict) -> tuple[float, float]:
                 decode = sum(v for labels, v in samples["warmroute_fleet_utilization"]
                              if labels["dimension"] == "decode")
                 (_, desired), = samples["warmroute_desired_instances"]
-                readings[pid] = (decode, desired)
-                await asyncio.sleep(0.05)
+                return decode, desired
+
+            await _until_every_worker_reads(router, ("warmroute_fleet_utilization", "warmroute_desired_instances"),
+                                            decode_and_desired, (streams / 16, 5.0))  # ceil(1 x 0.5 / 0.1)
         finally:
             for client in sessions:
                 await client.close()
