@@ -6,7 +6,7 @@ from __future__ import annotations
 from warmroute.core.decision import SLOW_START
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import key_for_json
-from warmroute.core.strategies import CacheAwareSettings, StrategySettings, make_strategy
+from warmroute.core.strategies import CacheAwareSettings, Strategy, StrategySettings, make_strategy
 
 
 def chat(system: str, user: str):
@@ -67,12 +67,12 @@ def test_a_new_instance_ramps_up_instead_of_taking_every_cold_prompt():
     assert share(ramped, 32, 40) > 0.2  # past the window: its full share again
 
 
-def test_a_hot_prefix_is_copied_to_the_warming_instance_first():
+def warm_fleet_with_a_hot_prompt(system: str) -> tuple[Fleet, Strategy]:
+    """Four instances, the fourth joining at t=0.5 after the other three served a hot prompt 200 times."""
     f = Fleet(FleetSettings())
     s = make_strategy("cache_aware", settings(30.0))
     for n in range(4):
         f.add(f"i{n}", 10**7)
-    system = "You are the support bot of a large shop. " * 80
     f.instances["i3"].healthy = False
     for k in range(200):  # the hot prompt, held by the warm instances
         d = s.choose(chat(system, f"q{k}"), f)
@@ -83,8 +83,29 @@ def test_a_hot_prefix_is_copied_to_the_warming_instance_first():
     f.instances["i3"].healthy = True
     f.start_ramp("i3", 0.0)
     f.now = 0.5
-    d = s.choose(chat(system, "new"), f)
+    return f, s
+
+
+SUPPORT = "You are the support bot of a large shop. " * 80
+
+
+def test_a_hot_prefix_is_copied_to_the_warming_instance_first():
+    f, s = warm_fleet_with_a_hot_prompt(SUPPORT)
+    d = s.choose(chat(SUPPORT, "new"), f)
     assert (d.instance, d.reason) == ("i3", SLOW_START)
+
+
+def test_hot_prefixes_wait_for_the_warming_instance_to_have_no_queue():
+    # Each hot request's whole prompt is a cold prefill on the new instance: sent there whatever its queue,
+    # they would queue behind each other on it while the instances holding the prefix answer at once.
+    f, s = warm_fleet_with_a_hot_prompt(SUPPORT)
+    first = s.choose(chat(SUPPORT, "new " * 300), f)
+    f.dispatched(first.instance, first.uncached_tokens, list(first.blocks))
+    assert first.instance == "i3"
+    while_queued = s.choose(chat(SUPPORT, "another"), f)
+    assert while_queued.instance != "i3" and while_queued.reason != SLOW_START
+    f.first_token("i3", first.uncached_tokens)  # its prefill is done (and the prefix is on it): its turn again
+    assert s.choose(chat(SUPPORT, "a third"), f).instance == "i3"
 
 
 def test_a_fleet_that_starts_cold_does_not_ramp():

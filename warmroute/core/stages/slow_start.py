@@ -2,9 +2,11 @@
 slow_start does: over `window` seconds its share of the recent requests may grow to a full one along
 core/slow_start.py's weight, max(min_weight, (elapsed / window) ** (1 / aggression)), so it neither sits idle
 nor drowns in the cold prefills a cost model sends to an empty cache with an empty queue. It is skipped once it was sent more than weight × the mean of the routable instances' recent requests;
-and while it is under that, a hot prefix's requests go to it first, so the prefixes most worth holding are
-copied there before anything else. The ramp applies only while some routable instance is not ramping (a fleet
-that starts cold has nothing to ramp against).
+and while it is under that and has no prefill queued, a hot prefix's requests go to it first, so the prefixes
+most worth holding are copied there before anything else, one at a time (the rest of each prompt is a cold
+prefill there too: forced on it whatever its queue, they drown it just when the fleet scaled out to catch up).
+The ramp applies only while some routable instance is not ramping (a fleet that starts cold has nothing to ramp
+against).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class SlowStart(Filter):
         if not caps:
             return candidates
         kept = [i for i in candidates if i.name not in caps or i.recent <= caps[i.name]]
-        if req.hot:  # a hot prefix: copied first to the warming instances that still have room
-            warming = [i for i in kept if i.name in caps]
+        if req.hot:  # a hot prefix: copied first to the warming instances that still have room and no queue
+            warming = [i for i in kept if i.name in caps and not i.queued_prefill_tokens]
             kept = warming or kept
         return kept or candidates
 
