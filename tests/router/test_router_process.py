@@ -135,8 +135,8 @@ async def test_workers_share_their_index_and_their_metrics():
 
 async def test_workers_sum_their_demand_and_ask_for_the_fleets_instances():
     """Eight streams held open through two workers (each takes those the kernel hands it): whichever worker answers
-    the scrape, the decode dimension is the eight over the one instance's threshold of 16, and the desired
-    instances are the HPA formula on that sum, not the highest of the workers' own shares."""
+    the scrape, the decode dimension is the eight over the one instance's threshold of 16, the demand ratio is that
+    sum's highest dimension, and the desired instances are the HPA formula on it, not on the workers' own shares."""
     streams = 8
     flags = ("--workers", "2", "--no-engine-metrics", "--concurrency-threshold", "16", "--scale-target", "0.1")
     async with _router_over_upstream(*flags) as (proc, router):
@@ -146,14 +146,16 @@ async def test_workers_sum_their_demand_and_ask_for_the_fleets_instances():
                 r = await client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi", "chunks": 300})
                 assert r.status == 200
                 await r.content.readuntil(b"\n\n")  # routed and streaming: in flight until the end
-            def decode_and_desired(samples: dict) -> tuple[float, float]:
+            def decode_ratio_and_desired(samples: dict) -> tuple[float, float, float]:
                 decode = sum(v for labels, v in samples["warmroute_fleet_utilization"]
                              if labels["dimension"] == "decode")
+                (_, ratio), = samples["warmroute_fleet_demand_ratio"]
                 (_, desired), = samples["warmroute_desired_instances"]
-                return decode, desired
+                return decode, ratio, desired
 
-            await _until_every_worker_reads(router, ("warmroute_fleet_utilization", "warmroute_desired_instances"),
-                                            decode_and_desired, (streams / 16, 5.0))  # ceil(1 x 0.5 / 0.1)
+            names = ("warmroute_fleet_utilization", "warmroute_fleet_demand_ratio", "warmroute_desired_instances")
+            await _until_every_worker_reads(router, names, decode_ratio_and_desired,
+                                            (streams / 16, streams / 16, 5.0))  # ceil(1 x 0.5 / 0.1)
         finally:
             for client in sessions:
                 await client.close()

@@ -296,9 +296,10 @@ _SHARED_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for it
 
 
 class WorkersMerged:
-    """The workers' metrics merged (prometheus_client's multiprocess files), but for the desired instances: each
-    worker's own counts only the requests it routed, so they are worked out again from the demand dimensions
-    summed over the workers (livesum), as an autoscaler summing router replicas would."""
+    """The workers' metrics merged (prometheus_client's multiprocess files), but for the demand ratio and the
+    desired instances: each worker's own count only the requests it routed, and the sum of the workers' ratios
+    overstates the fleet's when they are bound by different dimensions, so both are worked out again from the
+    demand dimensions summed over the workers (livesum), as an autoscaler summing router replicas would."""
 
     def __init__(self, desired_of: Callable[[str, float], int | None] | None) -> None:
         self.desired_of = desired_of
@@ -312,7 +313,11 @@ class WorkersMerged:
                     model = sample.labels["model"]
                     ratios[model] = max(ratios.get(model, 0.0), sample.value)
         for family in families:
-            if family.name == "warmroute_desired_instances" and self.desired_of is not None:
+            if family.name == "warmroute_fleet_demand_ratio":
+                family = GaugeMetricFamily(family.name, family.documentation, labels=["model"])
+                for model, ratio in sorted(ratios.items()):
+                    family.add_metric([model], ratio)
+            elif family.name == "warmroute_desired_instances" and self.desired_of is not None:
                 desired = GaugeMetricFamily(family.name, family.documentation, labels=["model"])
                 for model, ratio in sorted(ratios.items()):
                     if (n := self.desired_of(model, ratio)) is not None:
