@@ -10,6 +10,7 @@ functions, so router and engine agree on what a prefix is.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Sequence
@@ -214,7 +215,7 @@ def _as_function(tool: Any) -> Any:
 
 # Seeds by (model, cache salt, adapter), each hashed once: the same few triples come with every request. Bounded,
 # since request bodies choose them.
-_SEEDS: dict[tuple[str, str, str], int] = {}
+_cached_seed = functools.lru_cache(maxsize=1024)(seed_of)
 
 
 def _seed(body: dict) -> tuple[int, str | None]:
@@ -224,12 +225,7 @@ def _seed(body: dict) -> tuple[int, str | None]:
     model = model or ""
     salt = body.get("cache_salt")
     lora = body.get("lora_adapter") or body.get("adapter")
-    parts = (model, salt if isinstance(salt, str) else "", lora if isinstance(lora, str) else "")
-    seed = _SEEDS.get(parts)
-    if seed is None:
-        if len(_SEEDS) >= 1024:
-            _SEEDS.clear()
-        seed = _SEEDS[parts] = seed_of(*parts)
+    seed = _cached_seed(model, salt if isinstance(salt, str) else "", lora if isinstance(lora, str) else "")
     return seed, model or None
 
 
