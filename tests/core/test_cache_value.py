@@ -6,8 +6,7 @@ import math
 
 import pytest
 
-from warmroute.core.cache_value import (DELETION_COST_MAX, CacheValue, deletion_costs, scale_in_victim,
-                                        sole_lead, unique_tokens)
+from warmroute.core.cache_value import DELETION_COST_MAX, CacheValue, deletion_costs, scale_in_victim, sole_lead
 from warmroute.core.prefix_index import STORES
 
 
@@ -23,11 +22,11 @@ def chain(first: int, n: int) -> list[int]:
     return [first * 1000 + i for i in range(n)]
 
 
-def test_unique_tokens_is_the_lead_of_the_deepest_holder():
-    assert unique_tokens({"a": 10, "b": 4}, 16) == {"a": 96, "b": 0}
-    assert unique_tokens({"a": 10, "b": 10}, 16) == {"a": 0, "b": 0}  # held twice: losing one costs nothing
-    assert unique_tokens({"a": 3}, 16) == {"a": 48}
-    assert unique_tokens({}, 16) == {}
+def test_sole_lead_is_the_deepest_holders_blocks_beyond_the_next():
+    assert sole_lead({"a": 10, "b": 4}) == ("a", 4, 10)  # 6 blocks only a holds
+    assert sole_lead({"a": 10, "b": 10}) is None  # held twice: losing one costs nothing
+    assert sole_lead({"a": 3}) == ("a", 0, 3)
+    assert sole_lead({}) is None
     assert sole_lead({"a": 10, "b": 4, "c": 0}) == ("a", 4, 10) and sole_lead({"a": 2, "b": 2}) is None
 
 

@@ -11,7 +11,7 @@ value is the prefill tokens the fleet would expect to recompute over the next wi
 conversation's earlier turns are chains too, fading as it moves on.
 
 `CacheValue` keeps the recent chains (bounded) and asks the prefix index who holds them; `sole_lead`,
-`unique_tokens`, `scale_in_victim` and `deletion_costs` are pure functions of plain values. The victim is the
+`scale_in_victim` and `deletion_costs` are pure functions of plain values. The victim is the
 instance whose loss costs least; Kubernetes' `controller.kubernetes.io/pod-deletion-cost` annotation (an int32,
 higher = keep) carries the same order to a ReplicaSet scaling down.
 """
@@ -39,16 +39,6 @@ def sole_lead(depths: Mapping[str, int]) -> tuple[str, int, int] | None:
     ranked = sorted(depths.items(), key=lambda kv: kv[1], reverse=True)
     (owner, deepest), second = ranked[0], (ranked[1][1] if len(ranked) > 1 else 0)
     return (owner, second, deepest) if deepest > second else None
-
-
-def unique_tokens(depths: Mapping[str, int], block_tokens: int) -> dict[str, int]:
-    """Per instance, the tokens of this chain it holds beyond every other instance (zero for all but the deepest
-    holder, and for it too when another holds the chain as deeply)."""
-    out = dict.fromkeys(depths, 0)
-    lead = sole_lead(depths)
-    if lead is not None:
-        out[lead[0]] = (lead[2] - lead[1]) * block_tokens
-    return out
 
 
 class CacheValue:
