@@ -3,8 +3,8 @@
 
     .venv/bin/python benchmarks/overload.py closed  [--clients 16 128] [--duration 30]
     .venv/bin/python benchmarks/overload.py surge   [--capacity R] [--high 60] [--low 60]
-    .venv/bin/python benchmarks/overload.py tenants [--capacity R] [--duration 60] [--fair-share 0.25]
-    .venv/bin/python benchmarks/overload.py sim-tenants [--duration 60]
+    .venv/bin/python benchmarks/overload.py tenants [--capacity R] [--duration 60] [--fair-share 0.25] [--repeat 3]
+    .venv/bin/python benchmarks/overload.py sim-tenants [--duration 60] [--repeat 3] [--prefill-budget 2048]
 
 Every run: a fresh emulated fleet (4 instances, the 8b profile, cold caches) and a fresh router in front of it;
 contenders `flow` (cache_aware, admission on: the default), `no-flow` (cache_aware --no-admission) and, where
@@ -19,7 +19,12 @@ contenders `flow` (cache_aware, admission on: the default), `no-flow` (cache_awa
   tenants  four tenants (x-tenant; each its own mixed workload), three at a quarter of capacity and one at 5x
            that: each tenant's goodput and TTFT p99, Jain's index over the tenants' completed request rates;
            and the three alone, for their TTFT p99 without the noisy one. --fair-share sets the fair rate.
-  sim-tenants  the same in the simulator (virtual time: seconds, no machine noise), admission on and off.
+           --repeat N runs it N times (seeds --seed, --seed+1, ...) and pools the three fair tenants' TTFTs over
+           the runs: a p99 of one tenant in one run rests on a handful of requests, the pooled one on
+           `tail_n` (printed, with the runs' spread).
+  sim-tenants  the same in the simulator (virtual time: seconds, no machine noise): `flow` with this checkout's
+           defaults, and, where tenant cap flags are given, `flow+caps` with them (side by side in one run);
+           `no-flow` (admission off) where --contenders names it.
 
 The capacity (requests/s the fleet serves) is measured first, unless given: 20 s of --capacity-clients (128)
 closed-loop clients through `flow`. --threshold sets warmroute's --concurrency-threshold for both of its
@@ -239,10 +244,14 @@ async def surge(args: argparse.Namespace, contender: Contender, cap: float) -> d
             "recovery_s": recovery_s(recs, high, high + low, args.slo)}
 
 
+CAP_SETTINGS = ("tenant_queue_share", "tenant_pending", "prefill_budget")
+
+
 def tenant_flags(args: argparse.Namespace) -> list[str]:
-    """`warmroute serve` flags for the tenant cap (--tenant-queue-share, --tenant-pending), where given."""
+    """`warmroute serve` flags for the tenant caps (--tenant-queue-share, --tenant-pending, --prefill-budget),
+    where given."""
     flags = []
-    for name in ("tenant_queue_share", "tenant_pending"):
+    for name in CAP_SETTINGS:
         value = getattr(args, name)
         if value is not None:
             flags += ["--" + name.replace("_", "-"), f"{value:g}"]
@@ -291,38 +300,86 @@ def tenant_stats(args: argparse.Namespace, rates: dict[str, float],
     return out
 
 
-async def tenants(args: argparse.Namespace, contender: Contender, cap: float, noisy: bool) -> dict:
+def fair_ttfts(args: argparse.Namespace, recs: list[tuple[str, float, float | None]]) -> list[float]:
+    """The fair tenants' TTFTs (s) of the requests started after the warm-up and answered."""
+    return [x for who, start, x in recs if who in FAIR and start >= args.warmup and x is not None]
+
+
+def tail_size(xs: list[float], q: float = 99) -> int:
+    """How many samples lie at or above the q-th percentile: what that percentile rests on."""
+    p = percentile(xs, q)
+    return 0 if p is None else sum(x >= p for x in xs)
+
+
+def pooled_fair(alone: list[list[float]], noisy: list[list[float]]) -> dict:
+    """The fair tenants' TTFT p99 with the noisy one over theirs alone: per run (the three pooled), and over all
+    runs pooled, with the samples each p99 rests on."""
+    def ratio(a: list[float], n: list[float]) -> float | None:
+        pa, pn = percentile(a, 99), percentile(n, 99)
+        return round(pn / pa, 2) if pa and pn is not None else None
+
+    all_a, all_n = [x for xs in alone for x in xs], [x for xs in noisy for x in xs]
+    return {"runs": len(alone), "ratio_per_run": [ratio(a, n) for a, n in zip(alone, noisy)],
+            "p99_alone_per_run_ms": [to_ms(percentile(a, 99), 0) for a in alone],
+            "p99_noisy_per_run_ms": [to_ms(percentile(n, 99), 0) for n in noisy],
+            "pooled_p99_alone_ms": to_ms(percentile(all_a, 99), 0), "pooled_p99_noisy_ms": to_ms(percentile(all_n, 99), 0),
+            "pooled_ratio": ratio(all_a, all_n), "samples": [len(all_a), len(all_n)],
+            "tail_n": [tail_size(all_a), tail_size(all_n)]}
+
+
+def tenant_summary(runs: list[tuple[dict, list[float], dict, list[float]]]) -> dict:
+    """Over repeated (alone stats, alone fair TTFTs, with-noisy stats, with-noisy fair TTFTs): the pooled fair p99
+    ratio, and per run Jain's index, the fleet's completed req/s and hit rate with the noisy one, the per-tenant
+    p99 ratios."""
+    out = pooled_fair([r[1] for r in runs], [r[3] for r in runs])
+    out["jain_per_run"] = [round(r[2]["jain"], 3) if r[2]["jain"] is not None else None for r in runs]
+    out["fleet_rps_per_run"] = [round(sum(v["completed_rps"] for k, v in r[2].items() if k in (*FAIR, "noisy")), 2)
+                                for r in runs]
+    out["hit_rate_per_run"] = [r[2].get("hit_rate") for r in runs]
+    out["tenant_ratios_per_run"] = [[round(r[2][t]["ttft_p99_ms"] / r[0][t]["ttft_p99_ms"], 2)
+                                     if r[0][t]["ttft_p99_ms"] and r[2][t]["ttft_p99_ms"] else None for t in FAIR]
+                                    for r in runs]
+    return out
+
+
+async def tenants(args: argparse.Namespace, contender: Contender, cap: float, noisy: bool,
+                  seed: int) -> tuple[dict, list[float]]:
     rates = tenant_rates(cap, args.fair_share, noisy)
     async with Stack(contender, args, slo=args.slo) as stack:
-        streams = {t: (tagged(mixed(args.seed + i).sessions(), t), [Phase(args.duration, r)])
+        streams = {t: (tagged(mixed(seed + i).sessions(), t), [Phase(args.duration, r)])
                    for i, (t, r) in enumerate(rates.items())}
-        recs, _ = await offer(stack, streams, args.seed, [])
+        recs, cache = await offer(stack, streams, seed, [args.warmup, args.duration])
+    d = (cache[1] - cache[0]) if cache[0] and cache[1] else None
     done = [(r.tenant, r.start_s, r.ttft_s if r.ok else None) for r in recs]
     refused: dict[str, int] = {}
     for r in recs:
         if r.error == "http_429" and r.start_s >= args.warmup:
             refused[r.tenant] = refused.get(r.tenant, 0) + 1
     split = [(r.tenant, r.start_s, r.ttft_s if r.ok else None, r.queued_s or 0.0) for r in recs]
-    return {**tenant_stats(args, rates, done, refused), "fair_tail": tail_split(split, args.warmup, FAIR)}
+    hit = round(d.hits / d.queries, 4) if d and d.queries else None
+    return ({"hit_rate": hit, **tenant_stats(args, rates, done, refused),
+             "fair_tail": tail_split(split, args.warmup, FAIR)}, fair_ttfts(args, done))
 
 
-def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: float) -> dict:
+def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: float, seed: int,
+                caps: dict[str, float]) -> tuple[dict, list[float]]:
     """The noisy-tenant run in the simulator: the same fleet (4 instances of the 8b profile, max_running 256,
     the threshold), workloads and rates, in virtual time (no machine noise); strategy cache_aware."""
     rates = tenant_rates(cap, args.fair_share, noisy)
-    streams = tuple(TenantStream(t, mixed(args.seed + i), r) for i, (t, r) in enumerate(rates.items()))
+    streams = tuple(TenantStream(t, mixed(seed + i), r) for i, (t, r) in enumerate(rates.items()))
     workload = Tenants(streams=streams, duration_s=args.duration)
-    sim = Simulation(sim_settings(args, admission), workload, "cache_aware")
-    for name in ("fair_lend", "tenant_queue_share", "tenant_pending"):
-        if getattr(args, name) is not None:
-            setattr(sim.admission.settings, name, getattr(args, name))
+    sim = Simulation(sim_settings(args, admission, seed=seed), workload, "cache_aware")
+    if args.fair_lend is not None:
+        sim.admission.settings.fair_lend = args.fair_lend
+    for name, value in caps.items():
+        setattr(sim.admission.settings, name, value)
     res = sim.run()
     done = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None)
             for x in res.records if x.arrival < args.duration]
     split = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None,
               x.sent - x.arrival) for x in res.records if x.arrival < args.duration]
-    return {"hit_rate": round(res.hit_rate, 4), **tenant_stats(args, rates, done, res.rejected_by_tenant),
-            "fair_tail": tail_split(split, args.warmup, FAIR)}
+    return ({"hit_rate": round(res.hit_rate, 4), **tenant_stats(args, rates, done, res.rejected_by_tenant),
+             "fair_tail": tail_split(split, args.warmup, FAIR)}, fair_ttfts(args, done))
 
 
 def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -> SimSettings:
@@ -341,6 +398,20 @@ def sim_capacity(args: argparse.Namespace) -> float:
     cap = sum(x.done is not None for x in res.records) / res.duration_s
     print(f"capacity: {cap:.1f} req/s ({args.capacity_clients} closed-loop clients, simulated)", flush=True)
     return cap
+
+
+async def tenant_runs(args: argparse.Namespace, c: Contender, cap: float, results: dict) -> dict:
+    """--repeat runs of the tenants scenario (alone, then with the noisy one) for contender `c`; their summary."""
+    runs = []
+    for k in range(args.repeat):
+        pair: list = []
+        for noisy in (False, True):
+            r, fair = await tenants(args, c, cap, noisy, args.seed + k)
+            results[f"{c.label} {'with' if noisy else 'without'} noisy seed {args.seed + k}"] = r
+            print(c.label, "noisy" if noisy else "alone", f"seed {args.seed + k}", json.dumps(r), flush=True)
+            pair += [r, fair]
+        runs.append(tuple(pair))
+    return tenant_summary(runs)
 
 
 # -- main -------------------------------------------------------------------------------------------------------
@@ -368,6 +439,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="warmroute's --tenant-queue-share (flow contenders and the simulator; default: its own)")
     p.add_argument("--tenant-pending", type=int,
                    help="warmroute's --tenant-pending (flow contenders and the simulator; default: its own)")
+    p.add_argument("--prefill-budget", type=int,
+                   help="warmroute's --prefill-budget (flow contenders and the simulator; default: its own)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="tenants, sim-tenants: runs (seeds --seed, --seed+1, ...), the fair tenants' p99 pooled")
     p.add_argument("--baseline-code", type=Path, nargs="+", default=[], metavar="DIR",
                    help="add a contender `flow@DIR` per DIR: flow with the router from that checkout (before a "
                         "change)")
@@ -389,11 +464,21 @@ async def main(argv: list[str]) -> int:
     results: dict = {"scenario": args.scenario, "argv": argv}
     if args.scenario == "sim-tenants":
         results["capacity_rps"] = cap = sim_capacity(args)
-        for admission in (True, False):
-            for noisy in (False, True):
-                label = f"{'flow' if admission else 'no-flow'} {'with' if noisy else 'without'} noisy"
-                results[label] = r = sim_tenants(args, admission, noisy, cap)
-                print(label, json.dumps(r), flush=True)
+        caps = {n: getattr(args, n) for n in CAP_SETTINGS if getattr(args, n) is not None}
+        variants = [("flow", True, {})] + ([("flow+caps", True, caps)] if caps else []) + \
+            ([("no-flow", False, {})] if "no-flow" in args.contenders else [])
+        for label, admission, settings in variants:
+            runs = []
+            for k in range(args.repeat):
+                pair: list = []
+                for noisy in (False, True):
+                    r, fair = sim_tenants(args, admission, noisy, cap, args.seed + k, settings)
+                    results[f"{label} {'with' if noisy else 'without'} noisy seed {args.seed + k}"] = r
+                    print(label, "noisy" if noisy else "alone", f"seed {args.seed + k}", json.dumps(r), flush=True)
+                    pair += [r, fair]
+                runs.append(tuple(pair))
+            results[f"{label} summary"] = summary = tenant_summary(runs)
+            print(label, "SUMMARY", json.dumps(summary), flush=True)
     elif args.scenario == "closed":
         for c in contenders:
             for n in args.clients:
@@ -407,9 +492,10 @@ async def main(argv: list[str]) -> int:
                 results[c.label] = r = await surge(args, c, cap)
                 print(c.label, json.dumps(r), flush=True)
             else:
-                for noisy in (False, True):
-                    results[f"{c.label} {'with' if noisy else 'without'} noisy"] = r = await tenants(args, c, cap, noisy)
-                    print(c.label, "noisy" if noisy else "alone", json.dumps(r), flush=True)
+                results[f"{c.label} summary"] = await tenant_runs(args, c, cap, results)
+    if args.scenario == "tenants":
+        for c in contenders:
+            print(c.label, "SUMMARY", json.dumps(results[f"{c.label} summary"]), flush=True)
     if args.json:
         write_outputs(args.json, results)
     print(f"logs: {args.logs}")

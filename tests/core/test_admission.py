@@ -3,8 +3,8 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from warmroute.core.admission import (BUSY, DEADLINE, KV, NO_INSTANCE, PREEMPTED, SHARE, UNBOUNDED, Admission,
-                                      AdmissionSettings, QueueFull, decide_at, strategy_threshold)
+from warmroute.core.admission import (BUSY, DEADLINE, KV, NO_INSTANCE, PREEMPTED, PREFILL, SHARE, UNBOUNDED,
+                                      Admission, AdmissionSettings, QueueFull, decide_at, strategy_threshold)
 from warmroute.core.strategies import (CACHE_HIT, COLD, OVERLOAD_SPILL, Decision, StrategySettings,
                                        make_strategy)
 
@@ -527,3 +527,49 @@ def test_the_books_of_tenants_requests_return_to_zero():
         adm.started("y", b)
         assert _waiter(adm, a, tenant="x") is None
         adm.ended("y", b, got_first_token=False)
+
+
+def test_an_instance_past_its_prefill_budget_holds_requests_and_the_fair_order_picks_who_goes():
+    """prefill_budget 1000 while two tenants are active: an instance with 1000 uncached prompt tokens awaiting their
+    first token takes no more requests from anyone (why PREFILL) though it has slots; as its prefill drains below
+    the budget the queue's fair order picks who goes (one request may take it past the budget), so a quiet
+    tenant's request goes ahead of a burst's backlog queued before it. Alone, a tenant is never held; the
+    books return to zero."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=8, prefill_budget=1000)
+    for _ in range(3):  # alone: no budget
+        assert _waiter(adm, a, tenant="noisy", tokens=600) is None
+        adm.started("noisy", a, 600)
+    adm.started("quiet", b, 10)  # another tenant is active
+    f.instances[a].inflight = 3
+    burst = [_waiter(adm, a, now=0.01 * i, tenant="noisy", tokens=600, blocks=(11,)) for i in range(2)]
+    assert all(w is not None and w.why == PREFILL for w in burst)
+    quiet = _waiter(adm, a, now=0.05, tenant="quiet", tokens=600, blocks=(22,))  # each waits for a (its cache)
+    assert quiet is not None and quiet.why == PREFILL
+    for w in [*burst, quiet]:
+        adm.offer(w)
+    assert adm.pump(0.1) == ([], [])  # 1800 tokens await their first token: no one goes
+    adm.first_token("noisy", a, 600)
+    assert adm.pump(0.2) == ([], [])  # 1200: still at the budget
+    adm.first_token("noisy", a, 600)  # 600: under it; one request goes, the oldest of the level tenants
+    assert adm.pump(0.3) == ([burst[0]], [])
+    adm.dispatched(burst[0])
+    adm.started("noisy", a, 600)  # 1200 again
+    assert adm.pump(0.4) == ([], [])
+    adm.first_token("noisy", a, 600)  # 600: the quiet tenant's request goes before the burst's second
+    assert adm.pump(0.5) == ([quiet], []) and quiet.instance == a
+    adm.dispatched(quiet)
+    adm.started("quiet", a, 600)
+    adm.first_token("noisy", a, 600)
+    adm.first_token("quiet", a, 600)
+    assert adm.pump(0.6) == ([burst[1]], [])
+    adm.dispatched(burst[1])
+    adm.ended("noisy", a, got_first_token=False, uncached_tokens=600)
+    for t, name in (("noisy", a), ("noisy", a), ("noisy", a), ("noisy", a), ("quiet", a), ("quiet", b)):
+        adm.ended(t, name, got_first_token=True)
+    assert adm.idle() and not adm.active_tenants
+    adm.started("quiet", b, 10)
+    assert _waiter(adm, a, tenant="noisy", tokens=5000) is None  # nothing awaits at a: the books are back to 0
+    adm.started("noisy", a, 5000)  # one request past the budget
+    assert _waiter(adm, a, tenant="noisy", tokens=1).why == PREFILL

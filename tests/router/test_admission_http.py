@@ -170,3 +170,29 @@ async def test_a_tenant_past_its_queue_share_waits_in_the_router_while_another_i
         assert sum("; queued=" in h["x-warmroute-reason"] for _, h, _ in answers) == 4
         assert _metric(router, "warmroute_admissions_total", how="share") == 4
         assert (await quiet)[0] == 200
+
+
+async def _stream(client: aiohttp.ClientSession, url: str, body: dict, headers: dict):
+    """A streamed chat request (the first token arrives before the answer ends): status, headers, the whole text."""
+    async with client.post(url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers) as r:
+        return r.status, dict(r.headers), await r.text()
+
+
+async def test_an_instance_at_its_prefill_budget_holds_requests_in_the_router_while_tenants_compete():
+    """prefill_budget 1 token on one instance taking 8 (engines at quarter speed): once tenant quiet's streamed
+    request is decoding (it keeps quiet active), tenant noisy's burst of cold prompts goes one at a time, each when
+    the one before has its first token; the rest wait in the router though the instance has room (admissions
+    how="prefill"); all are answered, and the books return to zero."""
+    async with _stack(count=1, time_scale=4.0, concurrency_threshold=8, prefill_budget=1) as (fleet, router, client):
+        r = router.app[ROUTER]
+        quiet = asyncio.ensure_future(_stream(client, router.url, _chat(0, 0, max_tokens=300), {"x-tenant": "quiet"}))
+        await wait_for(lambda: r.fleet.instances["e0"].inflight == 1 and r.fleet.instances["e0"].pending == 0)
+        noisy = [asyncio.ensure_future(_stream(client, router.url, _chat(q, q), {"x-tenant": "noisy"}))
+                 for q in range(1, 7)]  # each its own document: a cold prompt, a long prefill
+        await wait_for(lambda: len(r.admission.waiters) == 5)
+        assert r.fleet.instances["e0"].inflight == 2  # quiet's, and the one of noisy's prefilling
+        answers = await asyncio.wait_for(asyncio.gather(*noisy), 60)
+        assert all(status == 200 and "[DONE]" in text for status, _, text in answers)
+        assert sum("; queued=" in h["x-warmroute-reason"] for _, h, _ in answers) == 5
+        assert _metric(router, "warmroute_admissions_total", how="prefill") == 5
+        assert (await quiet)[0] == 200

@@ -29,7 +29,10 @@ its request waits for (cache kept; that instance may go `fair_lend` x the thresh
 total stays under the sum of the thresholds). Optionally (`tenant_queue_share`), while other tenants are active a
 tenant has at most its share of the requests awaiting their first token at an instance; past it, its requests
 wait here (unless that engine's queue is shorter than `tenant_pending`): engines prefill first come first served,
-so one tenant's backlog in them would delay every other tenant's first tokens however fair the order here. The
+so one tenant's backlog in them would delay every other tenant's first tokens however fair the order here.
+Likewise (`prefill_budget`), while several tenants are active an instance takes no more requests once this many
+uncached prompt tokens sent there await their first token: its queue of prefill stays short, and the fair order
+here, not arrival at the engine, decides whose prefill comes next. The
 queue is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
 deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator (virtual
 time) drive the same object with their own clocks.
@@ -59,7 +62,8 @@ IMMEDIATE = "immediate"
 BUSY = "busy"  # its instance was at the ConcurrencyThreshold
 KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
 SHARE = "share"  # its tenant had its share of its instance's queue (tenant_queue_share) while others were active
-WAIT_REASONS = (BUSY, KV, SHARE)
+PREFILL = "prefill"  # its instance had prefill_budget tokens awaiting their first token while several tenants were active
+WAIT_REASONS = (BUSY, KV, SHARE, PREFILL)
 UNBOUNDED = 1 << 30
 MAX_TENANTS_TRACKED = 10_000  # the strategy's threshold while admission owns the real one
 
@@ -105,6 +109,11 @@ class AdmissionSettings:
     # Past its cap a tenant may still send there while fewer than this many requests there await their first
     # token (0: never): the engine is not left idle for want of its work.
     tenant_pending: int = 0
+    # While several tenants are active, an instance with at least this many uncached prompt tokens sent there and
+    # awaiting their first token takes no more requests (0: no budget); they wait here, where the fair order picks
+    # who goes when its prefill drains. The engine prefills first come first served: the budget bounds the prefill
+    # queued ahead of any request sent there, and keeps whose turn it is in the router.
+    prefill_budget: int = 0
     # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
     # books do when a request is sent (the shells set it to the strategy's records_prefixes).
     record_queued: bool = True
@@ -132,6 +141,7 @@ class Waiter:
     blocks: Sequence[int] = ()  # its prompt's chain (the strategy's)
     model: str | None = None
     instance: str | None = None  # assigned by pump: where it goes (a slot is reserved there until `dispatched`)
+    assigned_tokens: int = 0  # its uncached prompt tokens at `instance`, counted in the prefill budget until dispatched
     shed: str | None = None  # set when refused: one of SHED_REASONS
     payload: object = None  # the shell's (the router's future, the simulator's request)
 
@@ -173,6 +183,7 @@ class Admission:
         self._served: dict[str, float] = {}  # per tenant: requests admitted from the queue / weight (virtual time)
         self._waiting: dict[str, int] = {}  # per tenant: requests waiting
         self._held: dict[str, dict[str, int]] = {}  # per tenant, per instance: assigned or awaiting a first token
+        self._prefill: dict[str, float] = {}  # per instance: uncached prompt tokens assigned or awaiting a first token
         self._active: dict[str, int] = {}  # per tenant with any: requests in flight, assigned or waiting
         self._active_weight = 0.0  # their tenants' weights added up
         self._seq = itertools.count()
@@ -199,38 +210,60 @@ class Admission:
         scale = self.fleet.cache_scale.value
         return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.kv_limit
 
-    def within_cap(self, tenant: str, inst: Instance) -> bool:
-        """Whether `tenant` may send one more request to `inst`: no cap is set (tenant_queue_share), no other
-        tenant is active, fewer of its requests there await their first token than its cap (tenant_queue_share x
-        its weight's share, among the active tenants, of the threshold; at least 1), or fewer than tenant_pending
-        of anyone's do (counted per tenant by `started`, `first_token`, `ended` and the queue's assignments)."""
-        share = self.settings.tenant_queue_share
-        active = self._active
-        if share <= 0 or len(active) - (tenant in active) < 1:
-            return True
-        weight = self.settings.tenant_weights.get(tenant, 1.0)
-        total = self._active_weight + (0.0 if tenant in active else weight)
-        cap = max(1, math.ceil(share * self.settings.concurrency_threshold * weight / total))
-        if self._held.get(tenant, {}).get(inst.name, 0) < cap:
-            return True
-        return inst.pending + self.reserved.get(inst.name, 0) < self.settings.tenant_pending
+    @property
+    def caps_queues(self) -> bool:
+        """Whether a first token (an engine's queue shortening) may let a waiter go: a cap on those queues is set."""
+        return self.settings.tenant_queue_share > 0 or self.settings.prefill_budget > 0
 
-    def started(self, tenant: str, name: str) -> None:
-        """The shell sent a request of `tenant` to instance `name` (with or without waiting here)."""
-        self._hold(tenant, name, +1)
+    def within_cap(self, tenant: str, inst: Instance) -> bool:
+        """Whether `tenant` may send one more request to `inst` now (`capped`)."""
+        return self.capped(tenant, inst) is None
+
+    def capped(self, tenant: str, inst: Instance) -> str | None:
+        """Why `tenant` may not send one more request to `inst` now (PREFILL, SHARE), or None. Only while another
+        tenant is active: PREFILL when `inst` already has prefill_budget uncached prompt tokens assigned or
+        awaiting their first token (one request may take it past the budget: a long prompt is not held back for
+        ever); SHARE when the tenant has its cap of requests awaiting their first token there (tenant_queue_share x
+        its weight's share, among the active tenants, of the threshold; at least 1), unless fewer than
+        tenant_pending of anyone's do."""
+        s = self.settings
+        active = self._active
+        if (s.tenant_queue_share <= 0 and s.prefill_budget <= 0) or len(active) - (tenant in active) < 1:
+            return None
+        if s.prefill_budget > 0 and self._prefill.get(inst.name, 0.0) >= s.prefill_budget:
+            return PREFILL
+        if s.tenant_queue_share <= 0:
+            return None
+        weight = s.tenant_weights.get(tenant, 1.0)
+        total = self._active_weight + (0.0 if tenant in active else weight)
+        cap = max(1, math.ceil(s.tenant_queue_share * s.concurrency_threshold * weight / total))
+        if self._held.get(tenant, {}).get(inst.name, 0) < cap:
+            return None
+        return None if inst.pending + self.reserved.get(inst.name, 0) < s.tenant_pending else SHARE
+
+    def started(self, tenant: str, name: str, uncached_tokens: float = 0.0) -> None:
+        """The shell sent a request of `tenant` to instance `name` (with or without waiting here), with
+        `uncached_tokens` of prefill predicted there."""
+        self._hold(tenant, name, +1, uncached_tokens)
         self._activity(tenant, +1)
 
-    def first_token(self, tenant: str, name: str) -> None:
+    def first_token(self, tenant: str, name: str, uncached_tokens: float = 0.0) -> None:
         """Its first token came: it no longer queues ahead of other requests there (its tenant stays active)."""
-        self._hold(tenant, name, -1)
+        self._hold(tenant, name, -1, uncached_tokens)
 
-    def ended(self, tenant: str, name: str, got_first_token: bool) -> None:
+    def ended(self, tenant: str, name: str, got_first_token: bool, uncached_tokens: float = 0.0) -> None:
         """That request is done (answered, failed or cut off)."""
         if not got_first_token:
-            self._hold(tenant, name, -1)
+            self._hold(tenant, name, -1, uncached_tokens)
         self._activity(tenant, -1)
 
-    def _hold(self, tenant: str, name: str, n: int) -> None:
+    def _hold(self, tenant: str, name: str, n: int, tokens: float = 0.0) -> None:
+        if tokens:
+            left_tokens = self._prefill.get(name, 0.0) + n * tokens
+            if left_tokens > 0.5:  # float sums of whole tokens: below half a token is nothing
+                self._prefill[name] = left_tokens
+            else:
+                self._prefill.pop(name, None)
         held = self._held.setdefault(tenant, {})
         left = held.get(name, 0) + n
         if left > 0:
@@ -266,13 +299,13 @@ class Admission:
         """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
         s = self.settings
         inst = self.fleet.instances.get(decision.instance)
-        capped = s.enabled and inst is not None and not self.within_cap(tenant, inst)
-        if not s.enabled or inst is None or (not capped and self.has_room(inst, decision.kv_tokens)):
+        capped = self.capped(tenant, inst) if s.enabled and inst is not None else None
+        if not s.enabled or inst is None or (capped is None and self.has_room(inst, decision.kv_tokens)):
             if s.enabled and self.waiters:
                 self._charge(tenant)  # its share of capacity, while others wait for theirs
             return None
         room = inst.routable and self.spare(inst) > 0 and self.fleet_spare() > 0
-        why = SHARE if capped and room else KV if room else BUSY
+        why = capped if capped is not None and room else KV if room else BUSY
         depths = self._depths(decision)
         waiter = Waiter(seq=next(self._seq), priority=priority, tenant=tenant, size_bytes=size_bytes,
                         enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens,
@@ -363,7 +396,7 @@ class Admission:
         """The shell sent (or gave up on) an assigned waiter: its reserved slot is now a request in flight."""
         name, waiter.instance = waiter.instance, None
         if name is not None:
-            self._hold(waiter.tenant, name, -1)  # the shell's `started` counts it from now on
+            self._hold(waiter.tenant, name, -1, waiter.assigned_tokens)  # the shell's `started` counts it from now on
             self._activity(waiter.tenant, -1)
             n = self.reserved.get(name, 0) - 1
             if n > 0:
@@ -420,8 +453,9 @@ class Admission:
     def _assign(self, w: Waiter, name: str) -> None:
         self._remove(w)
         w.instance = name
+        w.assigned_tokens = self.uncached_at(w, name)
         self.reserved[name] = self.reserved.get(name, 0) + 1
-        self._hold(w.tenant, name, +1)
+        self._hold(w.tenant, name, +1, w.assigned_tokens)
         self._activity(w.tenant, +1)
         self._charge(w.tenant)
 
@@ -487,6 +521,14 @@ class Admission:
         inst = self.fleet.instances.get(w.pin or "")
         lend = math.ceil(self.settings.fair_lend * self.settings.concurrency_threshold)
         return inst is not None and self._fits(inst, w.kv_tokens, now < w.strict_until, lend, w.tenant)
+
+    @staticmethod
+    def uncached_at(w: Waiter, name: str) -> int:
+        """The prefill `w` would bring `name`: the strategy's estimate at its first choice, else its prompt beyond
+        its predicted match there."""
+        if name == w.first:
+            return w.uncached_tokens
+        return max(0, w.prompt_tokens - w.depths.get(name, 0))
 
     @staticmethod
     def gain(w: Waiter, name: str) -> int:

@@ -119,7 +119,8 @@ class Metrics:
         self.admissions = Counter("warmroute_admissions",
                                   "Requests admitted, by how: immediate, or after waiting in the router because "
                                   "their instance was busy (at concurrency_threshold), kv (over hold_kv_limit) or "
-                                  "share (its tenant at its tenant_queue_share there)",
+                                  "share (its tenant at its tenant_queue_share there) or prefill (its instance at its "
+                                  "prefill_budget)",
                                   ["how"], registry=r)
         self.sheds = Counter("warmroute_sheds", "Requests that left the router's queue unserved, by reason (queue_full, "
                              "preempted, deadline: 429; no_instance: 503; client_closed) and priority", ["reason", "priority"],

@@ -66,6 +66,7 @@ class Router:
             timeout_s=settings.queue_timeout, spill_headroom=settings.spill_headroom,
             aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights,
             tenant_queue_share=settings.tenant_queue_share, tenant_pending=settings.tenant_pending,
+            prefill_budget=settings.prefill_budget,
             record_queued=self.strategy.records_prefixes), self.fleet)
         self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
         self.tokenizer: PromptTokenizer | None = None
@@ -295,7 +296,7 @@ class Ticket:
         self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, prompt_tokens=self._prompt)
         if inst is not None:
             router.signals.dispatched(inst, self._uncached)
-        router.admission.started(tenant, self.instance)  # its tenant's share of the instance's queue
+        router.admission.started(tenant, self.instance, self._uncached)  # the tenant caps on the engine's queue
         if blocks:
             if defer_record:
                 asyncio.get_running_loop().call_soon(self._record, blocks)
@@ -323,8 +324,8 @@ class Ticket:
         self._router.signals.first_token(self.instance, self._work, seconds)
         self._router.metrics.first_byte(self.instance, seconds)
         adm = self._router.admission
-        adm.first_token(self._tenant, self.instance)
-        if adm.settings.tenant_queue_share and adm.waiters:  # a shorter engine queue: a capped tenant may go
+        adm.first_token(self._tenant, self.instance, self._uncached)
+        if adm.caps_queues and adm.waiters:  # a shorter engine queue: a capped tenant may go
             self._router.pump()
 
     def finish(self) -> None:
@@ -333,7 +334,7 @@ class Ticket:
         self._done = True
         router = self._router
         router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks, self._prompt)
-        router.admission.ended(self._tenant, self.instance, self._got_first)
+        router.admission.ended(self._tenant, self.instance, self._got_first, self._uncached)
         router.pump()  # room was made: a waiting request may go
         if self._got_first and self._blocks and router.shared is not None:
             # The refresh at finish (core/fleet.py) too: otherwise the other replicas / workers age this chain

@@ -222,6 +222,11 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     """A tenant past its tenant_queue_share cap at an instance may still send there while fewer than this many
     requests there await their first token, so that the engine is not left idle for want of its work. 0: never past
     the cap."""
+    prefill_budget: int = Field(AdmissionSettings.prefill_budget, ge=0, le=1 << 30)
+    """While several tenants have requests in flight or waiting, an instance with at least this many uncached prompt
+    tokens sent to it and awaiting their first token takes no more requests; they wait in the router, where the fair
+    shares pick whose goes next as its prefill drains. Engines prefill first come first served, so this bounds the
+    prefill any tenant's request finds queued ahead of it there. 0: no budget. One tenant alone is never held."""
     priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$")
     """Request header carrying a request's priority (an integer, -1000..1000; higher first, lower refused first)."""
     tenant_header: str = Field("x-tenant", pattern=r"^[A-Za-z0-9-]{1,64}$")

@@ -475,7 +475,7 @@ class Simulation:
             self.demand.dispatched(self.fleet.instances[d.instance], now, d.uncached_tokens)
         if self.cache_value is not None and d.blocks:
             self.cache_value.requested(d.blocks)
-        self.admission.started(req.tenant, d.instance)
+        self.admission.started(req.tenant, d.instance, d.uncached_tokens)
         rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag, sent=now, tenant=req.tenant)
         self.records.append(rec)
         seq = next(self._seq)
@@ -516,7 +516,7 @@ class Simulation:
         for seq, cached in result.first_tokens.items():  # type: ignore[attr-defined]
             rec, _, _, d, queued_ahead = self._inflight[seq]
             rec.first_token, rec.cached_tokens = now, cached
-            self.admission.first_token(rec.tenant, inst.name)
+            self.admission.first_token(rec.tenant, inst.name, d.uncached_tokens)
             self.fleet.first_token(inst.name, d.uncached_tokens, now - rec.sent)
             books = self.fleet.instances.get(inst.name)
             if self.autoscaler is not None and books is not None and not queued_ahead:
@@ -529,7 +529,7 @@ class Simulation:
         for seq in result.finished:  # type: ignore[attr-defined]
             rec, req, turns, d, _ = self._inflight.pop(seq)
             rec.done = now
-            self.admission.ended(rec.tenant, inst.name, rec.first_token is not None)
+            self.admission.ended(rec.tenant, inst.name, rec.first_token is not None, d.uncached_tokens)
             blocks = d.blocks if self.strategy.records_prefixes else None
             self.fleet.finished(inst.name, d.uncached_tokens, blocks=blocks, prompt_tokens=d.kv_tokens)
             nxt = next(turns, None) if turns is not None else None
@@ -539,7 +539,7 @@ class Simulation:
                 self._begin_session(now, *self._closed_loop)
         self._start_step(now, inst)
         freed = bool(result.finished)  # type: ignore[attr-defined]
-        if self.admission.settings.tenant_queue_share:  # a first token shortens the engine's queue: capped tenants go
+        if self.admission.caps_queues:  # a first token shortens the engine's queue: capped tenants go
             freed = freed or bool(result.first_tokens)  # type: ignore[attr-defined]
         if freed and (self.admission.waiters or self.admission.reserved):
             self._pump(now)
