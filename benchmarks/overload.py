@@ -41,7 +41,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -400,18 +400,35 @@ def sim_capacity(args: argparse.Namespace) -> float:
     return cap
 
 
-async def tenant_runs(args: argparse.Namespace, c: Contender, cap: float, results: dict) -> dict:
-    """--repeat runs of the tenants scenario (alone, then with the noisy one) for contender `c`; their summary."""
-    runs = []
+Runner = Callable[[bool, int], Awaitable[tuple[dict, list[float]]]]  # (noisy, seed) -> stats, fair TTFTs
+
+
+async def tenant_runs(args: argparse.Namespace, runners: dict[str, Runner], results: dict) -> None:
+    """--repeat runs of a tenants scenario (alone, then with the noisy one), the contenders in turn within each
+    run (so they share the machine's state), and each contender's summary over the runs."""
+    runs: dict[str, list] = {label: [] for label in runners}
     for k in range(args.repeat):
-        pair: list = []
-        for noisy in (False, True):
-            r, fair = await tenants(args, c, cap, noisy, args.seed + k)
-            results[f"{c.label} {'with' if noisy else 'without'} noisy seed {args.seed + k}"] = r
-            print(c.label, "noisy" if noisy else "alone", f"seed {args.seed + k}", json.dumps(r), flush=True)
-            pair += [r, fair]
-        runs.append(tuple(pair))
-    return tenant_summary(runs)
+        for label, run in runners.items():
+            pair: list = []
+            for noisy in (False, True):
+                r, fair = await run(noisy, args.seed + k)
+                results[f"{label} {'with' if noisy else 'without'} noisy seed {args.seed + k}"] = r
+                print(label, "noisy" if noisy else "alone", f"seed {args.seed + k}", json.dumps(r), flush=True)
+                pair += [r, fair]
+            runs[label].append(tuple(pair))
+    for label in runners:
+        results[f"{label} summary"] = summary = tenant_summary(runs[label])
+        print(label, "SUMMARY", json.dumps(summary), flush=True)
+
+
+def http_runner(args: argparse.Namespace, c: Contender, cap: float) -> Runner:
+    return lambda noisy, seed: tenants(args, c, cap, noisy, seed)
+
+
+def sim_runner(args: argparse.Namespace, admission: bool, cap: float, caps: dict[str, float]) -> Runner:
+    async def run(noisy: bool, seed: int) -> tuple[dict, list[float]]:
+        return sim_tenants(args, admission, noisy, cap, seed, caps)
+    return run
 
 
 # -- main -------------------------------------------------------------------------------------------------------
@@ -465,20 +482,12 @@ async def main(argv: list[str]) -> int:
     if args.scenario == "sim-tenants":
         results["capacity_rps"] = cap = sim_capacity(args)
         caps = {n: getattr(args, n) for n in CAP_SETTINGS if getattr(args, n) is not None}
-        variants = [("flow", True, {})] + ([("flow+caps", True, caps)] if caps else []) + \
-            ([("no-flow", False, {})] if "no-flow" in args.contenders else [])
-        for label, admission, settings in variants:
-            runs = []
-            for k in range(args.repeat):
-                pair: list = []
-                for noisy in (False, True):
-                    r, fair = sim_tenants(args, admission, noisy, cap, args.seed + k, settings)
-                    results[f"{label} {'with' if noisy else 'without'} noisy seed {args.seed + k}"] = r
-                    print(label, "noisy" if noisy else "alone", f"seed {args.seed + k}", json.dumps(r), flush=True)
-                    pair += [r, fair]
-                runs.append(tuple(pair))
-            results[f"{label} summary"] = summary = tenant_summary(runs)
-            print(label, "SUMMARY", json.dumps(summary), flush=True)
+        runners = {"flow": sim_runner(args, True, cap, {})}
+        if caps:
+            runners["flow+caps"] = sim_runner(args, True, cap, caps)
+        if "no-flow" in args.contenders:
+            runners["no-flow"] = sim_runner(args, False, cap, {})
+        await tenant_runs(args, runners, results)
     elif args.scenario == "closed":
         for c in contenders:
             for n in args.clients:
@@ -487,15 +496,11 @@ async def main(argv: list[str]) -> int:
     else:
         cap = await capacity(args)
         results["capacity_rps"] = cap
-        for c in contenders:
-            if args.scenario == "surge":
-                results[c.label] = r = await surge(args, c, cap)
-                print(c.label, json.dumps(r), flush=True)
-            else:
-                results[f"{c.label} summary"] = await tenant_runs(args, c, cap, results)
-    if args.scenario == "tenants":
-        for c in contenders:
-            print(c.label, "SUMMARY", json.dumps(results[f"{c.label} summary"]), flush=True)
+        if args.scenario == "tenants":
+            await tenant_runs(args, {c.label: http_runner(args, c, cap) for c in contenders}, results)
+        for c in contenders if args.scenario == "surge" else ():
+            results[c.label] = r = await surge(args, c, cap)
+            print(c.label, json.dumps(r), flush=True)
     if args.json:
         write_outputs(args.json, results)
     print(f"logs: {args.logs}")

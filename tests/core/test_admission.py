@@ -529,47 +529,70 @@ def test_the_books_of_tenants_requests_return_to_zero():
         adm.ended("y", b, got_first_token=False)
 
 
-def test_an_instance_past_its_prefill_budget_holds_requests_and_the_fair_order_picks_who_goes():
-    """prefill_budget 1000 while two tenants are active: an instance with 1000 uncached prompt tokens awaiting their
-    first token takes no more requests from anyone (why PREFILL) though it has slots; as its prefill drains below
-    the budget the queue's fair order picks who goes (one request may take it past the budget), so a quiet
-    tenant's request goes ahead of a burst's backlog queued before it. Alone, a tenant is never held; the
-    books return to zero."""
+def test_an_instance_past_its_prefill_budget_holds_the_tenants_past_their_share():
+    """prefill_budget 1000 while two tenants are active (2 instances of 4 slots: a share of 4 slots each): an
+    instance with 1000 uncached prompt tokens awaiting their first token takes no more requests from a tenant at
+    its share (why PREFILL) though it has a slot, while a tenant under its share goes at once; as the prefill
+    drains below the budget the held requests go, one at a time (one may take it past the budget). Alone, a
+    tenant is never held; the books return to zero."""
     f = fleet(2)
     a, b = sorted(f.instances)
-    adm = _adm(f, concurrency_threshold=8, prefill_budget=1000)
+    adm = _adm(f, concurrency_threshold=4, prefill_budget=1000)
     for _ in range(3):  # alone: no budget
         assert _waiter(adm, a, tenant="noisy", tokens=600) is None
         adm.started("noisy", a, 600)
-    adm.started("quiet", b, 10)  # another tenant is active
+    adm.started("noisy", b)  # 4 in flight: its share once another tenant is active
+    adm.started("quiet", b, 10)
     f.instances[a].inflight = 3
     burst = [_waiter(adm, a, now=0.01 * i, tenant="noisy", tokens=600, blocks=(11,)) for i in range(2)]
     assert all(w is not None and w.why == PREFILL for w in burst)
-    quiet = _waiter(adm, a, now=0.05, tenant="quiet", tokens=600, blocks=(22,))  # each waits for a (its cache)
-    assert quiet is not None and quiet.why == PREFILL
-    for w in [*burst, quiet]:
+    for w in burst:
         adm.offer(w)
-    assert adm.pump(0.1) == ([], [])  # 1800 tokens await their first token: no one goes
-    adm.first_token("noisy", a, 600)
-    assert adm.pump(0.2) == ([], [])  # 1200: still at the budget
-    adm.first_token("noisy", a, 600)  # 600: under it; one request goes, the oldest of the level tenants
-    assert adm.pump(0.3) == ([burst[0]], [])
-    adm.dispatched(burst[0])
-    adm.started("noisy", a, 600)  # 1200 again
-    assert adm.pump(0.4) == ([], [])
-    adm.first_token("noisy", a, 600)  # 600: the quiet tenant's request goes before the burst's second
-    assert adm.pump(0.5) == ([quiet], []) and quiet.instance == a
-    adm.dispatched(quiet)
+    assert _waiter(adm, a, tenant="quiet", tokens=600, blocks=(22,)) is None  # under its share: not held
     adm.started("quiet", a, 600)
-    adm.first_token("noisy", a, 600)
+    assert adm.pump(0.1) == ([], [])  # 2400 tokens await their first token
+    for _ in range(3):
+        adm.first_token("noisy", a, 600)
+    assert adm.pump(0.2) == ([burst[0]], [])  # 600: under the budget; one goes, taking it to 1200
+    adm.dispatched(burst[0])
+    adm.started("noisy", a, 600)
+    assert adm.pump(0.3) == ([], [])
     adm.first_token("quiet", a, 600)
-    assert adm.pump(0.6) == ([burst[1]], [])
+    assert adm.pump(0.4) == ([burst[1]], [])
     adm.dispatched(burst[1])
-    adm.ended("noisy", a, got_first_token=False, uncached_tokens=600)
-    for t, name in (("noisy", a), ("noisy", a), ("noisy", a), ("noisy", a), ("quiet", a), ("quiet", b)):
+    adm.started("noisy", a, 600)
+    for _ in range(2):
+        adm.first_token("noisy", a, 600)
+    for t, name in (("noisy", a), ("noisy", a), ("noisy", a), ("noisy", a), ("noisy", a), ("noisy", b),
+                    ("quiet", a), ("quiet", b)):
         adm.ended(t, name, got_first_token=True)
     assert adm.idle() and not adm.active_tenants
     adm.started("quiet", b, 10)
-    assert _waiter(adm, a, tenant="noisy", tokens=5000) is None  # nothing awaits at a: the books are back to 0
+    for _ in range(4):  # noisy at its share again, at an instance where nothing awaits: the books are back to 0
+        assert _waiter(adm, a, tenant="noisy", tokens=5000) is None
+        adm.started("noisy", b)
     adm.started("noisy", a, 5000)  # one request past the budget
     assert _waiter(adm, a, tenant="noisy", tokens=1).why == PREFILL
+
+
+@pytest.mark.parametrize("budget", [0, 1000])
+def test_with_a_prefill_budget_a_tenant_under_its_share_gets_the_next_slot_lent_to_its_instance(budget):
+    """Both instances full (2 slots each), noisy holding all 4; a noisy request waits for b, then a quiet one for
+    a. When b frees a slot, with a prefill budget set the quiet tenant (under its share of 2 slots) gets it, lent
+    to a (its cache), rather than the noisy tenant's older request at b; without one, the fair order alone
+    gives it to the older request, the two tenants being level."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=2, prefill_budget=budget, fair_lend=0.5)
+    for name in (a, a, b, b):
+        adm.started("noisy", name)
+        f.instances[name].inflight += 1
+    noisy = _waiter(adm, b, tenant="noisy", blocks=(11,))
+    quiet = _waiter(adm, a, now=0.1, tenant="quiet", blocks=(22,))
+    assert noisy.why == BUSY and quiet.why == BUSY
+    adm.offer(noisy)
+    adm.offer(quiet)
+    adm.ended("noisy", b, got_first_token=True)
+    f.instances[b].inflight -= 1
+    (got,), _ = adm.pump(0.2)
+    assert (got, got.instance) == ((quiet, a) if budget else (noisy, b))

@@ -179,11 +179,12 @@ async def _stream(client: aiohttp.ClientSession, url: str, body: dict, headers: 
 
 
 async def test_an_instance_at_its_prefill_budget_holds_requests_in_the_router_while_tenants_compete():
-    """prefill_budget 1 token on one instance taking 8 (engines at quarter speed): once tenant quiet's streamed
-    request is decoding (it keeps quiet active), tenant noisy's burst of cold prompts goes one at a time, each when
-    the one before has its first token; the rest wait in the router though the instance has room (admissions
-    how="prefill"); all are answered, and the books return to zero."""
-    async with _stack(count=1, time_scale=4.0, concurrency_threshold=8, prefill_budget=1) as (fleet, router, client):
+    """prefill_budget 1 token on one instance taking 8 (engines at quarter speed), tenant quiet weighing 7 and
+    noisy 1 (a share of 1 slot): once quiet's streamed request is decoding (it keeps quiet active), noisy's burst
+    of cold prompts goes one at a time, each when the one before has its first token; the rest wait in the router
+    though the instance has room (admissions how="prefill"); all are answered, and the books return to zero."""
+    async with _stack(count=1, time_scale=4.0, concurrency_threshold=8, prefill_budget=1,
+                      tenant_weights={"quiet": 7.0}) as (fleet, router, client):
         r = router.app[ROUTER]
         quiet = asyncio.ensure_future(_stream(client, router.url, _chat(0, 0, max_tokens=300), {"x-tenant": "quiet"}))
         await wait_for(lambda: r.fleet.instances["e0"].inflight == 1 and r.fleet.instances["e0"].pending == 0)

@@ -110,9 +110,10 @@ class AdmissionSettings:
     # token (0: never): the engine is not left idle for want of its work.
     tenant_pending: int = 0
     # While several tenants are active, an instance with at least this many uncached prompt tokens sent there and
-    # awaiting their first token takes no more requests (0: no budget); they wait here, where the fair order picks
-    # who goes when its prefill drains. The engine prefills first come first served: the budget bounds the prefill
-    # queued ahead of any request sent there, and keeps whose turn it is in the router.
+    # awaiting their first token takes no more requests of tenants at or past their share of the fleet's slots
+    # (0: no budget); they wait here, where the fair order picks who goes when its prefill drains, while a tenant
+    # under its share goes first (on a slot lent to its instance if need be: `under_share`). The engine prefills
+    # first come first served: the budget bounds the prefill a quiet tenant's request finds queued ahead of it.
     prefill_budget: int = 0
     # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
     # books do when a request is sent (the shells set it to the strategy's records_prefixes).
@@ -230,7 +231,8 @@ class Admission:
         active = self._active
         if (s.tenant_queue_share <= 0 and s.prefill_budget <= 0) or len(active) - (tenant in active) < 1:
             return None
-        if s.prefill_budget > 0 and self._prefill.get(inst.name, 0.0) >= s.prefill_budget:
+        if s.prefill_budget > 0 and self._prefill.get(inst.name, 0.0) >= s.prefill_budget \
+                and not self.under_share(tenant):
             return PREFILL
         if s.tenant_queue_share <= 0:
             return None
@@ -490,18 +492,32 @@ class Admission:
                 continue
             first = min(finish[w.seq] for w in local)
             present = {w.tenant for w in local}
-            behind = [w for w in remote if tenants and w.tenant not in present and finish[w.seq] < first - slack
-                      and self._may_borrow(w, now)]
+            under = {w.tenant for w in self.waiters.values() if self.under_share(w.tenant)} if tenants else set()
+            behind = [w for w in remote if tenants and w.tenant not in present
+                      and (finish[w.seq] < first - slack or w.tenant in under) and self._may_borrow(w, now)]
             if behind:
                 lent = min(behind, key=lambda w: finish[w.seq])
                 assert lent.pin is not None
                 return lent, lent.pin
             floor = min(served.get(w.tenant, 0.0) for w in local)
-            fair = [w for w in local if served.get(w.tenant, 0.0) <= floor + slack]
+            fair = [w for w in local if w.tenant in under] or \
+                [w for w in local if served.get(w.tenant, 0.0) <= floor + slack]
             aging, name = self.settings.aging_tokens_per_s, inst.name
             return max(fair, key=lambda w: (self.gain(w, name) + aging * (now - w.enqueued), -finish[w.seq],
                                             -w.seq)), name
         return None
+
+    def under_share(self, tenant: str) -> bool:
+        """With a prefill budget: whether `tenant` has fewer requests in flight (or assigned) than its weighted
+        share, among the active tenants, of the fleet's slots. Its requests go first (`best_for`), on a slot lent
+        to their instance if need be, and the budget does not hold them: a tenant within its share is not kept
+        waiting by another's backlog, in the router or in the engine."""
+        if self.settings.prefill_budget <= 0:
+            return False
+        inflight = self._active.get(tenant, 0) - self._waiting.get(tenant, 0)
+        weight = self.settings.tenant_weights.get(tenant, 1.0)
+        slots = self.settings.concurrency_threshold * len(self.fleet.routable()) * weight / max(self._active_weight, weight)
+        return inflight + 1 <= slots
 
     def finish_times(self) -> dict[int, float]:
         """Each waiter's virtual finish time, by seq: its tenant's virtual time plus its place among that tenant's
