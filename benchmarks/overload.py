@@ -322,7 +322,8 @@ def pooled_fair(alone: list[list[float]], noisy: list[list[float]]) -> dict:
     return {"runs": len(alone), "ratio_per_run": [ratio(a, n) for a, n in zip(alone, noisy)],
             "p99_alone_per_run_ms": [to_ms(percentile(a, 99), 0) for a in alone],
             "p99_noisy_per_run_ms": [to_ms(percentile(n, 99), 0) for n in noisy],
-            "pooled_p99_alone_ms": to_ms(percentile(all_a, 99), 0), "pooled_p99_noisy_ms": to_ms(percentile(all_n, 99), 0),
+            "pooled_p99_alone_ms": to_ms(percentile(all_a, 99), 0),
+            "pooled_p99_noisy_ms": to_ms(percentile(all_n, 99), 0),
             "pooled_ratio": ratio(all_a, all_n), "samples": [len(all_a), len(all_n)],
             "tail_n": [tail_size(all_a), tail_size(all_n)]}
 

@@ -263,3 +263,32 @@ def test_a_scenario_row_with_no_finished_request_prints_a_dash():
                     rejected=0, prefixes_moved=[], hit_rate_dips=[], ttft_p50_ms_by_class={})
     row = _scenario_row("c1", {"random": empty, "cache_aware": dataclasses.replace(empty, strategy="cache_aware")})
     assert "random: hit 0% p50 -ms" in row and "cache_aware: hit 0% p50 -ms" in row
+
+
+def test_a_prefill_budget_holds_the_noisy_tenant_and_the_books_return_to_zero():
+    """Two tenants on two instances, one at 20x the other's rate, with prefill_budget 256: some requests wait in
+    the router for their instance's prefill to drain (why PREFILL), every request sent is answered, and the
+    queue's books (slots, tenants, prefill tokens: a tenant alone again is not held) are back to zero at the end."""
+    from warmroute.core.admission import PREFILL
+    from warmroute.workloads.tenants import Tenants, TenantStream
+
+    workload = Tenants(seed=1, duration_s=20.0, streams=(TenantStream("quiet", make_workload("mixed", seed=1), 2.0),
+                                                         TenantStream("noisy", make_workload("mixed", seed=2), 40.0)))
+    settings = SimSettings(instances=2, max_running=64, requests=10**6, seed=1,
+                           routing=StrategySettings(concurrency_threshold=16))
+    sim = Simulation(settings, workload, "cache_aware")
+    sim.admission.settings.prefill_budget = 256
+    whys = []
+    offer = sim.admission.offer
+    sim.admission.offer = lambda w: (whys.append(w.why), offer(w))[1]
+    res = sim.run()
+    assert PREFILL in whys and all(x.done is not None for x in res.records)
+    adm = sim.admission
+    assert adm.idle() and not adm.active_tenants
+    adm.started("noisy", "instance-0", 10_000)  # alone, past the budget: the next goes at once
+    assert adm.capped("noisy", sim.fleet.instances["instance-0"]) is None
+    adm.started("quiet", "instance-1")
+    assert adm.capped("noisy", sim.fleet.instances["instance-0"]) is None  # under its share (16 of 32 slots)
+    for _ in range(15):
+        adm.started("noisy", "instance-1")
+    assert adm.capped("noisy", sim.fleet.instances["instance-0"]) == PREFILL  # at its share: held

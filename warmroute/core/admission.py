@@ -30,9 +30,10 @@ total stays under the sum of the thresholds). Optionally (`tenant_queue_share`),
 tenant has at most its share of the requests awaiting their first token at an instance; past it, its requests
 wait here (unless that engine's queue is shorter than `tenant_pending`): engines prefill first come first served,
 so one tenant's backlog in them would delay every other tenant's first tokens however fair the order here.
-Likewise (`prefill_budget`), while several tenants are active an instance takes no more requests once this many
-uncached prompt tokens sent there await their first token: its queue of prefill stays short, and the fair order
-here, not arrival at the engine, decides whose prefill comes next. The
+Likewise (`prefill_budget`), while several tenants are active an instance takes no more requests of the tenants
+holding their share of the fleet's slots once that many uncached prompt tokens sent there await their first token:
+its queue of prefill stays short, the fair order here, not arrival at the engine, decides whose prefill comes
+next, and a tenant under its share goes first. The
 queue is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
 deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator (virtual
 time) drive the same object with their own clocks.
@@ -62,7 +63,7 @@ IMMEDIATE = "immediate"
 BUSY = "busy"  # its instance was at the ConcurrencyThreshold
 KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
 SHARE = "share"  # its tenant had its share of its instance's queue (tenant_queue_share) while others were active
-PREFILL = "prefill"  # its instance had prefill_budget tokens awaiting their first token while several tenants were active
+PREFILL = "prefill"  # its instance had its prefill_budget awaiting first tokens while several tenants were active
 WAIT_REASONS = (BUSY, KV, SHARE, PREFILL)
 UNBOUNDED = 1 << 30
 MAX_TENANTS_TRACKED = 10_000  # the strategy's threshold while admission owns the real one
@@ -487,12 +488,12 @@ class Admission:
         served, slack = self._served, self.settings.fair_slack
         tenants = len(self._waiting) > 1  # else no one is behind, and finish times go by arrival
         finish = self.finish_times() if tenants else {w.seq: float(w.seq) for w in self.waiters.values()}
+        under = self._tenants_under_share() if tenants else set()
         for local, remote in self._bands(inst, now):
             if not local:
                 continue
             first = min(finish[w.seq] for w in local)
             present = {w.tenant for w in local}
-            under = {w.tenant for w in self.waiters.values() if self.under_share(w.tenant)} if tenants else set()
             behind = [w for w in remote if tenants and w.tenant not in present
                       and (finish[w.seq] < first - slack or w.tenant in under) and self._may_borrow(w, now)]
             if behind:
@@ -507,6 +508,9 @@ class Admission:
                                             -w.seq)), name
         return None
 
+    def _tenants_under_share(self) -> set[str]:
+        return {t for t in self._waiting if self.under_share(t)} if self.settings.prefill_budget > 0 else set()
+
     def under_share(self, tenant: str) -> bool:
         """With a prefill budget: whether `tenant` has fewer requests in flight (or assigned) than its weighted
         share, among the active tenants, of the fleet's slots. Its requests go first (`best_for`), on a slot lent
@@ -516,8 +520,8 @@ class Admission:
             return False
         inflight = self._active.get(tenant, 0) - self._waiting.get(tenant, 0)
         weight = self.settings.tenant_weights.get(tenant, 1.0)
-        slots = self.settings.concurrency_threshold * len(self.fleet.routable()) * weight / max(self._active_weight, weight)
-        return inflight + 1 <= slots
+        slots = self.settings.concurrency_threshold * len(self.fleet.routable())
+        return inflight + 1 <= slots * weight / max(self._active_weight, weight)
 
     def finish_times(self) -> dict[int, float]:
         """Each waiter's virtual finish time, by seq: its tenant's virtual time plus its place among that tenant's
