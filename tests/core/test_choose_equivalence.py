@@ -194,6 +194,25 @@ def test_compiled_choose_with_the_real_index_matches_the_pipeline(records, promp
     assert fast.choose(k, f) == slow.choose(k, f)
 
 
+class Name(str):
+    """A str subclass: a dict finds it by value, and so must the compiled scan."""
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.lists(instances, min_size=1, max_size=12), st.sampled_from(["same", "copy", "subclass"]))
+def test_the_compiled_scan_finds_a_holders_miss_weight_by_its_names_value(drawn, names):
+    """Depths keyed by the instances' own name objects, by equal copies of them, or by a str subclass (a depth
+    source may give any of these): up to 8 holders the scan compares names itself, past 8 it asks the dict."""
+    f, depths = make_fleet(drawn, 500.0)
+    as_key = {"same": lambda n: n, "copy": lambda n: "".join(list(n)), "subclass": Name}[names]
+    depths = {as_key(n): d for n, d in depths.items()}
+    assert names == "same" or not any(n in f.instances and f.instances[n].name is n for n in depths)
+    fast, slow = both_ways(StrategySettings(), depths)
+    k = key_for_json("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "p " * 400}]})
+    assert outcome(fast, k, f) == outcome(slow, k, f)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(["a", "b", "i1", "instance-7", "é", ""]), max_size=12), st.integers(0, 2**70))
 def test_rendezvous_top_and_order_match_max_and_sorted(names, key):
