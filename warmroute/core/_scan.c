@@ -376,6 +376,26 @@ static PyObject *top(PyObject *self, PyObject *args) {
     return Py_NewRef(best != NULL ? best : Py_None);
 }
 
+/* text_hash(text, n, seed) -> int | None: what xxhash.xxh3_64_intdigest(text[:n].encode(), seed) gives, for an
+ * ASCII str (its characters are its UTF-8 bytes: hashed where they are, without the slice and its encoding);
+ * None where xxh3 is not called directly, the text is not an exact ASCII str, n is negative or the seed is not
+ * 64 bits: the caller computes it then. */
+static PyObject *text_hash(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *text, *seed;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OnO!", &text, &n, &PyLong_Type, &seed)) return NULL;
+    if (native_xxh3 == NULL || n < 0 || !PyUnicode_CheckExact(text) || !PyUnicode_IS_COMPACT_ASCII(text))
+        Py_RETURN_NONE;
+    unsigned long long s64 = PyLong_AsUnsignedLongLong(seed);
+    if (s64 == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t len = PyUnicode_GET_LENGTH(text);
+    return PyLong_FromUnsignedLongLong(native_xxh3(PyUnicode_DATA(text), (size_t)(n < len ? n : len), s64));
+}
+
 /* Truth of obj's field f: 1, 0, or -1 with an exception set. */
 static inline int field_true(PyObject *obj, int f) {
     PyObject *v = peek(obj, f);
@@ -510,6 +530,7 @@ static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "cache_aware's filters, scorer and tie-breaking (see stages/compiled.py)."},
     {"top", top, METH_VARARGS, "The instance rendezvous.top(seed, their names) picks (see rendezvous.py)."},
     {"routable", routable, METH_VARARGS, "Fleet.routable's filter over a dict of instances."},
+    {"text_hash", text_hash, METH_VARARGS, "xxh3 of an ASCII str's first n characters (None: not done here)."},
     {"configure", configure, METH_VARARGS, "Instance's slot offsets and rendezvous's weight function."},
     {"native_weights", native_weights, METH_NOARGS, "Whether top() calls xxh3 directly."},
     {NULL, NULL, 0, NULL},
