@@ -14,6 +14,8 @@ minute of the run without a drain. Arbitrary scale-in loses the mean over the in
 random pick); cache_aware what its pick (the lowest cache value) lost.
 
     .venv/bin/python benchmarks/autoscale.py [--workloads ramp-burst,mooncake] [--trace FILE]
+
+`--value-oracle` instead checks how well cache value variants foresee what a drain would cost (ValueOracle).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import argparse
 import time
 from dataclasses import dataclass, field
 
-from warmroute.core.cache_value import scale_in_victim
+from warmroute.core.cache_value import CacheValue, scale_in_victim, sole_lead
 from warmroute.sim.autoscale import ARBITRARY, CACHE_AWARE, DEMAND, NEWEST, UTILIZATION, AutoscaleSettings
 from warmroute.sim.report import (HIT_LOSS_WINDOW_S, AutoscaleSummary, autoscale_summary, autoscale_table,
                                   slo_text)
@@ -124,6 +126,65 @@ def scale_in_comparison(c: Case, moments: tuple[float, ...] = STEADY_SCALE_INS) 
         print(f"  cache_aware / arbitrary: {mean[CACHE_AWARE] / mean[ARBITRARY]:.2f}x", flush=True)
 
 
+class ValueOracle(Simulation):
+    """A steady run without a drain that notes, at each moment, every instance's cache value (by each CacheValue
+    variant, fed the same requests), and what losing it would have cost over the next `horizons`: the blocks of
+    the requests arriving then that only it held (deeper than any other instance, when each arrived, by the
+    router's prefix index), each block once, in tokens. What the value tries to foresee, without the noise of a
+    drained run's divergence from the run without the drain."""
+
+    def __init__(self, settings: SimSettings, workload: Workload, moments: tuple[float, ...],
+                 variants: dict[str, CacheValue], horizons: tuple[float, ...] = (60.0, 300.0)) -> None:
+        super().__init__(settings, workload, "cache_aware")
+        self.variants, self.moments = variants, moments
+        self.values: dict[float, dict[str, dict[str, float]]] = {}  # moment -> variant -> instance -> value
+        self.lost: dict[tuple[float, float], dict[str, set[int]]] = {(m, h): {} for m in moments for h in horizons}
+
+    def _send(self, now, arrival, req, turns, key, d):  # type: ignore[no-untyped-def]
+        for m in self.moments:
+            if now >= m and m not in self.values:
+                names = [n for n, i in self.instances.items() if not i.draining]
+                self.values[m] = {k: v.values(self.fleet.index, names, self.fleet.block_tokens)
+                                  for k, v in self.variants.items()}
+        if d.blocks:
+            lead = sole_lead(self.fleet.index.match_depths(d.blocks))
+            for (m, h), lost in self.lost.items():
+                if lead is not None and m <= now < m + h:
+                    lost.setdefault(lead[0], set()).update(d.blocks[lead[1]:lead[2]])
+            for v in self.variants.values():
+                v.requested(d.blocks)
+        super()._send(now, arrival, req, turns, key, d)
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rho (ties broken by position: enough for a diagnosis)."""
+    def ranks(v: list[float]) -> list[int]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        return [order.index(i) for i in range(len(v))]
+    rx, ry, mid = ranks(xs), ranks(ys), (len(xs) - 1) / 2
+    return sum((a - mid) * (b - mid) for a, b in zip(rx, ry)) / sum((a - mid) ** 2 for a in rx)
+
+
+def value_oracle(c: Case, moments: tuple[float, ...], variants: list[tuple[int, float]]) -> None:
+    """How well each cache value variant (max chains, window in requests) foresees the loss a drain would cause:
+    its rank correlation with the blocks only each instance held among the next minute's (and five minutes')
+    requests, and where its pick ranks by that loss."""
+    cvs = {f"chains {n}, window {w:g}": CacheValue(max_chains=n, window=w) for n, w in variants}
+    sim = ValueOracle(steady_settings(c, None), c.workload, moments, cvs)
+    sim.run()
+    print(f"cache value against the loss it foresees: {c.steady_instances} instances at the peak rate, steady")
+    for (m, h), lost in sim.lost.items():
+        names = sorted(sim.values[m][next(iter(cvs))])
+        loss = [len(lost.get(n, ())) * sim.fleet.block_tokens for n in names]
+        mean, by_loss = sum(loss) / len(loss), sorted(names, key=lambda n: loss[names.index(n)])
+        print(f"  at {m:.0f} s, next {h:.0f} s: loss per instance mean {mean:.0f} tokens, least {min(loss)}")
+        for label, values in sim.values[m].items():
+            pick = scale_in_victim(values) or names[-1]
+            rho, share = rank_correlation([values[n] for n in names], loss), loss[names.index(pick)] / max(mean, 1)
+            print(f"    {label:<24} rho {rho:+.2f}; its pick ranks {by_loss.index(pick) + 1}/{len(names)} by loss, "
+                  f"{share:.2f}x the mean")
+
+
 def run(case: Case, signal: str, target: float, scale_in: str) -> AutoscaleSummary:
     a = AutoscaleSettings(autoscale=signal, scale_target=target, scale_in=scale_in, min_instances=2,
                           max_instances=64, **case.slo)
@@ -145,10 +206,14 @@ def main() -> None:
     parser.add_argument("--trace", default=TRACE)
     parser.add_argument("--utilization-targets", default=",".join(map(str, UTILIZATION_TARGETS)))
     parser.add_argument("--demand-targets", default=",".join(map(str, DEMAND_TARGETS)))
+    parser.add_argument("--signals", default=f"{DEMAND},{UTILIZATION}", help="the signals to sweep")
     parser.add_argument("--seed", type=int, default=1, help="workload and arrival seed")
     parser.add_argument("--trace-start", type=float, default=0.0,
                         help="replay the trace from this many seconds in (the trace has no seed: its segments "
                              "are the independent samples; the shape uses ~1,230 s of it)")
+    parser.add_argument("--value-oracle", default="",
+                        help="only the cache value's foresight: CacheValue variants as max_chains:window,... "
+                             "(the product's: 512:512), at --scale-in-moments of a steady run")
     parser.add_argument("--scale-in-only", action="store_true", help="only the scale-in policies, steady load")
     parser.add_argument("--no-scale-in", action="store_true", help="only the autoscaled sweeps")
     parser.add_argument("--slow-start-window", type=float, default=None,
@@ -156,38 +221,47 @@ def main() -> None:
     parser.add_argument("--scale-in-moments", default=",".join(f"{t:g}" for t in STEADY_SCALE_INS),
                         help="seconds into the steady run at which the scale-in policies are compared")
     args = parser.parse_args()
-    sweeps = {DEMAND: [float(t) for t in args.demand_targets.split(",")],
-              UTILIZATION: [float(t) for t in args.utilization_targets.split(",")]}
+    targets = {DEMAND: args.demand_targets, UTILIZATION: args.utilization_targets}
+    sweeps = {signal: [float(t) for t in targets[signal].split(",")] for signal in args.signals.split(",")}
     for name in args.workloads.split(","):
         c, started = case(name, args.trace, args.seed, args.trace_start), time.perf_counter()
         if args.slow_start_window is not None:
             c.settings = c.settings.changed("slow_start_window", args.slow_start_window)
         print(f"== {name}: {c.label}", flush=True)
         moments = tuple(float(t) for t in args.scale_in_moments.split(","))
+        if args.value_oracle:
+            value_oracle(c, moments, [(int(n), float(w)) for n, w in
+                                      (v.split(":") for v in args.value_oracle.split(","))])
+            continue
         if args.scale_in_only:
             scale_in_comparison(c, moments)
             continue
         runs = {signal: [run(c, signal, t, CACHE_AWARE) for t in targets] for signal, targets in sweeps.items()}
         points = {signal: operating_point(sweep) for signal, sweep in runs.items()}
-        best_demand = points[DEMAND] or max(runs[DEMAND], key=lambda r: r.slo_attainment or 0.0)
-        others = [run(c, DEMAND, best_demand.target, policy) for policy in (ARBITRARY, NEWEST)]
-        print(autoscale_table([*runs[DEMAND], *runs[UTILIZATION], *others], slo_text(AutoscaleSettings(**c.slo))))
+        print(autoscale_table([r for sweep in runs.values() for r in sweep], slo_text(AutoscaleSettings(**c.slo))))
         for signal, point in points.items():
             print(f"{signal}: " + (f"cheapest target meeting the SLO in >= {ATTAINMENT:.0%} of windows: "
-                                   f"{point.target:.2f}, {point.instance_seconds:.0f} instance-seconds"
+                                   f"{point.target:g}, {point.instance_seconds:.0f} instance-seconds"
                                    if point else f"no target met the SLO in {ATTAINMENT:.0%} of windows (best "
                                    f"{max(r.slo_attainment or 0.0 for r in runs[signal]):.0%})"))
-        if points[DEMAND] and points[UTILIZATION]:
+        if points.get(DEMAND) and points.get(UTILIZATION):
             ratio = points[DEMAND].instance_seconds / points[UTILIZATION].instance_seconds
             print(f"demand / utilization instance-seconds at the same SLO attainment: {ratio:.2f}x")
-        arbitrary = others[0]
-        if best_demand.hit_rate_lost is not None and arbitrary.hit_rate_lost is not None:
-            print(f"hit rate lost in the minute after a scale-in (demand {best_demand.target:.2f}): cache_aware "
-                  f"{best_demand.hit_rate_lost:+.2%}, arbitrary {arbitrary.hit_rate_lost:+.2%}, newest "
-                  f"{fmt_loss(others[1])}")
-        if not args.no_scale_in:
+        if not args.no_scale_in and DEMAND in runs:
+            autoscaled_scale_ins(c, points[DEMAND] or max(runs[DEMAND], key=lambda r: r.slo_attainment or 0.0))
             scale_in_comparison(c, moments)
         print(f"({time.perf_counter() - started:.0f} s)\n", flush=True)
+
+
+def autoscaled_scale_ins(c: Case, best_demand: AutoscaleSummary) -> None:
+    """The demand signal's best run again with arbitrary and newest-first scale-in: the hit rate lost in the minute
+    after each scale-in (mostly the load changing: see scale_in_comparison)."""
+    others = [run(c, DEMAND, best_demand.target, policy) for policy in (ARBITRARY, NEWEST)]
+    print(autoscale_table(others, slo_text(AutoscaleSettings(**c.slo))))
+    if best_demand.hit_rate_lost is not None and others[0].hit_rate_lost is not None:
+        print(f"hit rate lost in the minute after a scale-in (demand {best_demand.target:.2f}): cache_aware "
+              f"{best_demand.hit_rate_lost:+.2%}, arbitrary {others[0].hit_rate_lost:+.2%}, newest "
+              f"{fmt_loss(others[1])}")
 
 
 def fmt_loss(r: AutoscaleSummary) -> str:

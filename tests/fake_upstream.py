@@ -26,6 +26,9 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
     return runner, f"{'https' if ssl_context else 'http'}://{host}:{runner.addresses[0][1]}"
 
 
+DROP = 0  # as Upstream.health_status: /health drops the connection instead of answering
+
+
 class Upstream:
     """A stand-in instance: /health, /v1/models listing `models` (None: no such route, the path is answered like
     any other), every other path recorded and answered with an echo (after `delay` seconds) or by
@@ -64,7 +67,9 @@ class Upstream:
             self.runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=self.health_status, text="ok")
+        if self.health_status == DROP and request.transport is not None:
+            request.transport.close()  # connected, then cut before any answer
+        return web.Response(status=self.health_status or 200, text="ok")
 
     async def _models(self, request: web.Request) -> web.Response:
         self.seen.append((request.method, request.path_qs, dict(request.headers), b""))

@@ -15,7 +15,7 @@ from warmroute.core import rendezvous
 from warmroute.core.engine_load import EngineLoad
 from warmroute.core.fleet import RECENT_WINDOW, Fleet, FleetSettings, Instance
 from warmroute.core.pipeline import Request
-from warmroute.core.routing_key import key_for_json
+from warmroute.core.routing_key import RoutingKey, key_for_json
 from warmroute.core.stages import Handles, compiled
 from warmroute.core.stages.affinity import affinity_choice
 from warmroute.core.stages.load_guard import least_loaded
@@ -194,6 +194,25 @@ def test_compiled_choose_with_the_real_index_matches_the_pipeline(records, promp
     assert fast.choose(k, f) == slow.choose(k, f)
 
 
+class Name(str):
+    """A str subclass: a dict finds it by value, and so must the compiled scan."""
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.lists(instances, min_size=1, max_size=12), st.sampled_from(["same", "copy", "subclass"]))
+def test_the_compiled_scan_finds_a_holders_miss_weight_by_its_names_value(drawn, names):
+    """Depths keyed by the instances' own name objects, by equal copies of them, or by a str subclass (a depth
+    source may give any of these): up to 8 holders the scan compares names itself, past 8 it asks the dict."""
+    f, depths = make_fleet(drawn, 500.0)
+    as_key = {"same": lambda n: n, "copy": lambda n: "".join(list(n)), "subclass": Name}[names]
+    depths = {as_key(n): d for n, d in depths.items()}
+    assert names == "same" or not any(n in f.instances and f.instances[n].name is n for n in depths)
+    fast, slow = both_ways(StrategySettings(), depths)
+    k = key_for_json("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "p " * 400}]})
+    assert outcome(fast, k, f) == outcome(slow, k, f)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(["a", "b", "i1", "instance-7", "é", ""]), max_size=12), st.integers(0, 2**70))
 def test_rendezvous_top_and_order_match_max_and_sorted(names, key):
@@ -274,6 +293,27 @@ def test_the_compiled_top_picks_as_rendezvous_does(weights, names, seed, other_c
     tied = [(OtherInstance if other_class and n % 2 else Instance)(name, 1000) for n, name in enumerate(names)]
     assert compiled._scan.top(seed, tied) is compiled.top_python(seed, tied)
     assert compiled.top_python(seed, tied).name == rendezvous.top(seed, names)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.one_of(st.text(alphabet=st.characters(max_codepoint=127), max_size=300), st.text(max_size=300),
+                      st.binary(max_size=300)),
+       length=st.one_of(st.integers(-3, 320), st.sampled_from([1024, 4096])),
+       seed=st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([-1, 2**64])))
+def test_the_compiled_prefix_hash_is_the_keys(weights, text, length, seed):
+    """An ASCII text hashed in place (directly by xxh3, where configured so) gives what the key's own prefix_hash
+    gives; any other text, bytes, length or seed is left to it (and gives what it gives, or raises as it does)."""
+    key = RoutingKey(seed, text, text)
+    try:
+        want = key.prefix_hash(length)
+    except (OverflowError, ValueError, TypeError) as e:
+        with pytest.raises(type(e)):
+            compiled.prefix_hash(key, length)
+        return
+    assert compiled.prefix_hash(key, length) == want
+    done_in_place = compiled._scan.text_hash(text, length, seed) is not None
+    assert done_in_place == (weights == "direct xxh3" and isinstance(text, str) and text.isascii() and length >= 0
+                             and 0 <= seed < 2**64)
 
 
 def test_a_function_that_is_not_xxh3_is_never_called_for_the_weights():

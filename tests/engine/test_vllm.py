@@ -41,6 +41,11 @@ class Setup:
     fleet: VllmFleet
     router: str  # the router's base URL
     engines: dict[str, str]  # instance name -> base URL
+    router_child: Child  # its log explains a failed assertion
+
+    def router_warnings(self) -> str:
+        """The router's warning lines (ejections, restorations), for an assertion's message."""
+        return "\n".join(ln for ln in self.router_child.log_text().splitlines() if " WARNING " in ln)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,7 @@ def setup(tmp_path_factory) -> Iterator[Setup]:
         with Child("router", argv, base / "logs") as router:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(router.wait_for_http(url + "/health", timeout_s=30))
-            yield Setup(fleet, url, engines)
+            yield Setup(fleet, url, engines, router)
 
 
 def chat(system: str, question: str, max_tokens: int = 4, **extra: object) -> dict:
@@ -213,11 +218,14 @@ async def test_an_instance_killed_mid_run_costs_no_retryable_request(setup: Setu
     between counting and killing (the tiny model generates hundreds of tokens a second, faster than vLLM's own
     gauges update). Last in this file: the instance stays dead."""
     victim_prefix, other_prefix = long_text(300), long_text(300)
+    errors: list[str] = []
     async with aiohttp.ClientSession() as client:
         async def ask(system: str, max_tokens: int = 4) -> tuple[int, str]:
             body = chat(system, "Go on.", max_tokens=max_tokens, ignore_eos=True)
             async with client.post(setup.router + "/v1/chat/completions", json=body) as r:
-                await r.read()
+                answer = await r.read()
+                if r.status != 200:  # the router's error body says which instance failed and how
+                    errors.append(f"{r.status}: {answer[:300]!r}")
                 return r.status, r.headers.get("x-warmroute-instance", "")
 
         async def routed_to(name: str) -> int:
@@ -247,6 +255,7 @@ async def test_an_instance_killed_mid_run_costs_no_retryable_request(setup: Setu
         results = await asyncio.gather(*in_flight)
         after = await asyncio.gather(*(ask(long_text(100)) for _ in range(6)))
         retried = await engine_counter(client, setup.router, "warmroute_retries_total")
-    assert [s for s, _ in results + after] == [200] * 12
+    assert [s for s, _ in results + after] == [200] * 12, \
+        f"victim {victim}; errors: {errors}; router warnings:\n{setup.router_warnings()}"
     assert {i for _, i in results + after} >= {survivor} and victim not in {i for _, i in after}
     assert retried == on_victim  # each request cut on the victim was sent again once

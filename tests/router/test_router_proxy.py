@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from fake_upstream import CHAT, router_for
+from fake_upstream import CHAT, DROP, router_for
 from warmroute.core.routing_key import key_for_json
 from warmroute.router.app import HEALTH, ROUTER, UPSTREAMS
 
@@ -438,6 +438,37 @@ async def test_a_connect_timeout_counts_as_one_failure_and_a_refusal_ejects(up_a
         assert not fleet.instances["a"].healthy  # two in a row
         health.connection_failed("b", "cannot connect to b: refused")
         assert not fleet.instances["b"].healthy
+    finally:
+        await router.stop()
+
+
+async def test_failures_never_eject_the_last_routable_instance(up_a, up_b):
+    """Slow is better than none: with the other instance gone, failures keep the last one routable; a refused
+    connection (nothing listens there) still ejects it."""
+    router = await router_for(up_a, up_b, health_interval=3600, failures_before_ejection=2)
+    health, fleet = router.app[HEALTH], router.app[ROUTER].fleet
+    try:
+        health.connection_failed("b", "cannot connect to b: refused")
+        assert not fleet.instances["b"].healthy
+        for _ in range(3):
+            health.failed("a", "first-byte timeout")
+        assert fleet.instances["a"].healthy
+        health.connection_failed("a", "cannot connect to a: refused")
+        assert not fleet.instances["a"].healthy
+    finally:
+        await router.stop()
+
+
+async def test_a_health_check_cut_short_is_one_failure_not_an_ejection(up_a, up_b):
+    """A connection dropped before /health answers says the instance is in trouble, not that nothing listens."""
+    router = await router_for(up_a, up_b, health_interval=3600, failures_before_ejection=2)
+    health, fleet = router.app[HEALTH], router.app[ROUTER].fleet
+    try:
+        up_a.health_status = DROP
+        await health.check_now("a")
+        assert fleet.instances["a"].healthy
+        await health.check_now("a")
+        assert not fleet.instances["a"].healthy  # two in a row
     finally:
         await router.stop()
 

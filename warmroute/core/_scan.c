@@ -34,12 +34,23 @@ static inline PyObject *field(PyObject *obj, int f) {
     return PyObject_GetAttr(obj, *field_names[f]);
 }
 
+/* obj's field f where it is a slot of an exact Instance that is set, borrowed (no Python code runs while it is
+ * read); else NULL, and the caller goes through field(). */
+static inline PyObject *peek(PyObject *obj, int f) {
+    return offsets[f] >= 0 && Py_IS_TYPE(obj, inst_type) ? *(PyObject **)((char *)obj + offsets[f]) : NULL;
+}
+
 static inline double as_double(PyObject *v) {
     return PyFloat_CheckExact(v) ? PyFloat_AS_DOUBLE(v) : PyFloat_AsDouble(v);
 }
 
-static int field_double(PyObject *obj, int f, double *out) {
-    PyObject *v = field(obj, f);
+static inline int field_double(PyObject *obj, int f, double *out) {
+    PyObject *v = peek(obj, f);
+    if (v != NULL && PyFloat_CheckExact(v)) {  /* the usual case: a float in its slot, read in place */
+        *out = PyFloat_AS_DOUBLE(v);
+        return 0;
+    }
+    v = field(obj, f);
     if (v == NULL) return -1;
     *out = as_double(v);
     Py_DECREF(v);
@@ -56,11 +67,74 @@ typedef struct {
     double rate;
 } Row;
 
+/* Rows a and b change places (compacting the kept rows to the front; most rows stay where they are). */
+static inline void swap_rows(Row *rows, Py_ssize_t a, Py_ssize_t b) {
+    if (a != b) {
+        Row tmp = rows[a];
+        rows[a] = rows[b];
+        rows[b] = tmp;
+    }
+}
+
 static int get_double(PyObject *obj, PyObject *attr, double *out) {
     PyObject *v = PyObject_GetAttr(obj, attr);
     if (v == NULL) return -1;
     *out = as_double(v);
     Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* The miss weights of a prompt held by a few instances, taken out of the dict once: each instance's name is then
+ * compared with these few keys (by identity, then hash and value, as a dict compares str keys), which costs less
+ * than a dict lookup per instance. */
+#define FEW_MISSES 8
+typedef struct {
+    PyObject *name;  /* a new reference */
+    Py_hash_t hash;
+    double weight;
+} Miss;
+
+/* miss's entries into few (their count), or -1 where the dict is asked per instance instead: more than
+ * FEW_MISSES entries, a key that is not an exact str, or a weight that is not an exact float. */
+static Py_ssize_t few_misses(PyObject *miss, Miss *few) {
+    if (PyDict_GET_SIZE(miss) > FEW_MISSES) return -1;
+    Py_ssize_t pos = 0, k = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(miss, &pos, &key, &value)) {
+        Py_hash_t h = PyUnicode_CheckExact(key) && PyFloat_CheckExact(value) ? PyObject_Hash(key) : -1;
+        if (h == -1) {  /* (a str's hash cannot fail) */
+            for (Py_ssize_t j = 0; j < k; j++) Py_DECREF(few[j].name);
+            return -1;
+        }
+        few[k++] = (Miss){Py_NewRef(key), h, PyFloat_AS_DOUBLE(value)};
+    }
+    return k;
+}
+
+/* The miss weight of the instance named `name`: its entry in few (k of them), else miss_all; the dict's entry
+ * where k is -1 or the name is not an exact str. -1 with an exception set on an error. */
+static int miss_weight(PyObject *miss, const Miss *few, Py_ssize_t k, PyObject *name, double miss_all,
+                       double *out) {
+    *out = miss_all;
+    if (k >= 0 && PyUnicode_CheckExact(name)) {
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (few[j].name == name) {
+                *out = few[j].weight;
+                return 0;
+            }
+        }
+        Py_hash_t h = PyObject_Hash(name);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (few[j].hash == h && PyUnicode_Compare(few[j].name, name) == 0) {
+                *out = few[j].weight;
+                return 0;
+            }
+        }
+        return 0;
+    }
+    PyObject *got = PyDict_GetItemWithError(miss, name);  /* borrowed */
+    if (got == NULL) return PyErr_Occurred() ? -1 : 0;
+    *out = as_double(got);
     return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
@@ -101,6 +175,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "no instances");
         return NULL;
     }
+    Miss few[FEW_MISSES];
+    Py_ssize_t n_few = 0;
     Row stack_rows[128];
     Row *rows = n <= 128 ? stack_rows : PyMem_Malloc(n * sizeof(Row));
     if (rows == NULL) return PyErr_NoMemory();
@@ -140,7 +216,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     Py_ssize_t m = 0;  /* candidates are compacted to the front of rows (their order kept) */
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!(rows[i].load >= cap)) {
-            Row tmp = rows[m]; rows[m] = rows[i]; rows[i] = tmp;
+            swap_rows(rows, m, i);
             m++;
         }
     }
@@ -158,7 +234,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             Py_ssize_t k = 0;
             for (Py_ssize_t i = 0; i < m; i++) {
                 if (rows[i].recent <= share_cap) {
-                    Row tmp = rows[k]; rows[k] = rows[i]; rows[i] = tmp;
+                    swap_rows(rows, k, i);
                     k++;
                 }
             }
@@ -168,6 +244,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
 
     /* Costs: (queued prefill [+ engine backlog] + miss) / rate; the cheapest, and everything within a block. */
     double best = INFINITY, slowest = INFINITY;
+    n_few = PyDict_GET_SIZE(miss) > 0 ? few_misses(miss, few) : 0;
     for (Py_ssize_t i = 0; i < m; i++) {
         Row *r = &rows[i];
         double queued, extra, miss_here = miss_all;
@@ -176,17 +253,12 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             if (backlog(r->engine, r->inst, prompt, mean, &extra) < 0) goto done;
             queued = queued + extra;
         }
-        if (PyDict_GET_SIZE(miss) > 0) {
+        if (n_few != 0) {
             PyObject *name = field(r->inst, F_NAME);
             if (name == NULL) goto done;
-            PyObject *got = PyDict_GetItemWithError(miss, name);  /* borrowed */
+            int err = miss_weight(miss, few, n_few, name, miss_all, &miss_here);
             Py_DECREF(name);
-            if (got != NULL) {
-                miss_here = as_double(got);
-                if (miss_here == -1.0 && PyErr_Occurred()) goto done;
-            } else if (PyErr_Occurred()) {
-                goto done;
-            }
+            if (err < 0) goto done;
         }
         if (field_double(r->inst, F_RATE, &r->rate) < 0) goto done;
         r->cost = (queued + miss_here) / r->rate;
@@ -198,7 +270,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     long least = LONG_MAX;  /* least_slack may be inf: the step is not in the pipeline, every tie stays */
     for (Py_ssize_t i = 0; i < m; i++) {
         if (rows[i].cost <= limit) {
-            Row tmp = rows[tied]; rows[tied] = rows[i]; rows[i] = tmp;
+            swap_rows(rows, tied, i);
             if (rows[tied].inflight < least) least = rows[tied].inflight;
             tied++;
         }
@@ -207,7 +279,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         Py_ssize_t k = 0;
         for (Py_ssize_t i = 0; i < tied; i++) {
             if ((double)rows[i].inflight <= (double)least + least_slack) {
-                Row tmp = rows[k]; rows[k] = rows[i]; rows[i] = tmp;
+                swap_rows(rows, k, i);
                 k++;
             }
         }
@@ -222,6 +294,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < tied; i++) PyList_SET_ITEM(result, i, Py_NewRef(rows[i].inst));
 
 done:
+    for (Py_ssize_t j = 0; j < n_few; j++) Py_DECREF(few[j].name);
     for (Py_ssize_t i = 0; i < filled && i < n; i++) Py_XDECREF(rows[i].engine);
     if (rows != stack_rows) PyMem_Free(rows);
     return result;
@@ -303,9 +376,31 @@ static PyObject *top(PyObject *self, PyObject *args) {
     return Py_NewRef(best != NULL ? best : Py_None);
 }
 
+/* text_hash(text, n, seed) -> int | None: what xxhash.xxh3_64_intdigest(text[:n].encode(), seed) gives, for an
+ * ASCII str (its characters are its UTF-8 bytes: hashed where they are, without the slice and its encoding);
+ * None where xxh3 is not called directly, the text is not an exact ASCII str, n is negative or the seed is not
+ * 64 bits: the caller computes it then. */
+static PyObject *text_hash(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *text, *seed;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OnO!", &text, &n, &PyLong_Type, &seed)) return NULL;
+    if (native_xxh3 == NULL || n < 0 || !PyUnicode_CheckExact(text) || !PyUnicode_IS_COMPACT_ASCII(text))
+        Py_RETURN_NONE;
+    unsigned long long s64 = PyLong_AsUnsignedLongLong(seed);
+    if (s64 == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t len = PyUnicode_GET_LENGTH(text);
+    return PyLong_FromUnsignedLongLong(native_xxh3(PyUnicode_DATA(text), (size_t)(n < len ? n : len), s64));
+}
+
 /* Truth of obj's field f: 1, 0, or -1 with an exception set. */
-static int field_true(PyObject *obj, int f) {
-    PyObject *v = field(obj, f);
+static inline int field_true(PyObject *obj, int f) {
+    PyObject *v = peek(obj, f);
+    if (v == Py_True || v == Py_False) return v == Py_True;  /* the usual case: a bool in its slot */
+    v = field(obj, f);
     if (v == NULL) return -1;
     int t = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
     Py_DECREF(v);
@@ -435,6 +530,7 @@ static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "cache_aware's filters, scorer and tie-breaking (see stages/compiled.py)."},
     {"top", top, METH_VARARGS, "The instance rendezvous.top(seed, their names) picks (see rendezvous.py)."},
     {"routable", routable, METH_VARARGS, "Fleet.routable's filter over a dict of instances."},
+    {"text_hash", text_hash, METH_VARARGS, "xxh3 of an ASCII str's first n characters (None: not done here)."},
     {"configure", configure, METH_VARARGS, "Instance's slot offsets and rendezvous's weight function."},
     {"native_weights", native_weights, METH_NOARGS, "Whether top() calls xxh3 directly."},
     {NULL, NULL, 0, NULL},

@@ -130,6 +130,17 @@ class Fleet:
         serving = self.serving(model) if model is not None else None
         return routable_of(self.instances, serving)
 
+    def sole_server(self, name: str) -> bool:
+        """Whether `name` is routable and taking it out would leave the fleet, or a model it serves, with no
+        routable instance (an instance with no model list may serve any model)."""
+        inst = self.instances.get(name)
+        if inst is None or not inst.routable:
+            return False
+        others = [i for i in self.routable() if i.name != name]
+        if inst.models is None:
+            return not others
+        return any(not any(o.models is None or model in o.models for o in others) for model in inst.models)
+
     def start_ramp(self, name: str, now: float) -> None:
         """`name` just became routable (joined, or healthy again) while the fleet serves: it takes traffic
         gradually from `now` (slow start). Its count of recent requests restarts, so its share is measured from

@@ -6,7 +6,9 @@ Rules (an ejected instance gets no new requests; only a passing health check bri
   - a 5xx answer to a proxied request, a connect or first-byte timeout, a connection dropped before the answer,
     or a health check that times out: one failure; `failures_before_ejection` consecutive failures eject (an
     overloaded instance is slow, not gone: ejecting it at once moved its load onto the others, or left none);
-  - any other answer from the instance resets its failure count.
+  - any other answer from the instance resets its failure count;
+  - failures never eject the last routable instance (of the fleet, or of a model it serves): slow is better than
+    none, as Envoy's outlier detection never ejects past its max_ejection_percent. A refusal still ejects it.
 """
 
 from __future__ import annotations
@@ -105,9 +107,15 @@ class Health(Poller):
             self._failures[name] = 0
 
     def failed(self, name: str, why: str) -> None:
-        self._failures[name] = self._failures.get(name, 0) + 1
-        if self._failures[name] >= self.settings.failures_before_ejection:
-            self._eject(name, f"{why} ({self._failures[name]} consecutive failures)")
+        count = self._failures[name] = self._failures.get(name, 0) + 1
+        if count < self.settings.failures_before_ejection:
+            return
+        if self.fleet.sole_server(name):
+            if count == self.settings.failures_before_ejection:  # said once per run of failures
+                log.warning("instance %s kept although failing (%s): no other instance could take its requests",
+                            name, why)
+            return
+        self._eject(name, f"{why} ({count} consecutive failures)")
 
     # -- active: GET /health on every instance every interval -----------------------------------------------
     async def round(self) -> None:
@@ -128,8 +136,11 @@ class Health(Poller):
         except (TimeoutError, aiohttp.ServerTimeoutError):
             self.failed(name, "health check timed out")
             return
-        except (aiohttp.ClientError, OSError):
+        except aiohttp.ClientConnectorError:  # nothing listens there (or no route to it)
             self._eject(name, "health check could not connect")
+            return
+        except (aiohttp.ClientError, OSError) as exc:  # connected, then cut: a busy instance can be slow, not gone
+            self.failed(name, f"health check failed: {exc.__class__.__name__}")
             return
         if 200 <= status < 300:
             self._restore(name)

@@ -294,7 +294,7 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     """Check https:// instances' certificates and host names (turn off only for testing)."""
     failures_before_ejection: int = Field(3, ge=1, le=100)
     """Consecutive 5xx responses, timeouts (connect, first byte, health check) or failed health checks that eject an
-    instance (a refused connection ejects at once)."""
+    instance (a refused connection ejects at once); never the last instance that could take its requests."""
     max_body_bytes: Annotated[int, Field(ge=KiB, le=GiB)] = 32 * MiB
     """Largest request body accepted (accepts 32MiB, ...); larger gets 413."""
     decision_headers: bool = True
@@ -773,7 +773,8 @@ def configuration_markdown() -> str:
         "  `kv_events_replay_endpoint` (`tcp://HOST:PORT`). See docs/precise.md.",
         "- Membership at run time (`backends_file`, `dns_refresh_interval`, `admin_token`): docs/deployment.md.",
         "- Health: a refused connection ejects an instance at once; `failures_before_ejection` consecutive",
-        "  5xx answers or timeouts eject it; only a passing `GET /health` brings it back.",
+        "  5xx answers or timeouts eject it, unless no other instance could take its requests; only a passing",
+        "  `GET /health` brings it back.",
         "",
     ]
     return "\n".join(lines)

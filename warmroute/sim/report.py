@@ -229,7 +229,7 @@ def autoscale_table(rows: list[AutoscaleSummary], slo: str = "") -> str:
            f"{'TTFT p99':>9} {'SLO met':>7} {'hit rate':>8} {'scale-ins':>9} {'hit lost':>8}"
     lines = ([f"SLO: {slo}"] if slo else []) + [head, "-" * len(head)]
     for s in rows:
-        lines.append(f"{s.strategy:<12} {s.signal:<12} {s.target:6.2f} {s.scale_in:<11} {s.instance_seconds:8.0f} "
+        lines.append(f"{s.strategy:<12} {s.signal:<12} {s.target:6.3g} {s.scale_in:<11} {s.instance_seconds:8.0f} "
                      f"{s.peak_instances:4d} {fmt(s.ttft_p50_ms, '7.0f')}ms {fmt(s.ttft_p99_ms, '7.0f')}ms "
                      f"{fmt(s.slo_attainment, '7.0%')} {s.hit_rate:8.1%} {s.scale_ins:9d} "
                      f"{fmt(None if s.hit_rate_lost is None else s.hit_rate_lost * 100, '6.2f')}pp")

@@ -11,7 +11,7 @@ from warmroute.core import rendezvous
 from warmroute.core.decision import AFFINITY, OVERLOAD_SPILL, UNHEALTHY_FALLBACK
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.pipeline import Picker, Request
-from warmroute.core.stages.compiled import top
+from warmroute.core.stages.compiled import prefix_hash, top
 from warmroute.core.stages.load_guard import least_loaded
 
 
@@ -41,14 +41,14 @@ def affinity_choice(hash_key: int, fleet: Fleet, threshold: int, model: str | No
 
 def prefix_key(prefix_length: int) -> Callable[[Request], int]:
     """The rendezvous key of `prefix`: the first PrefixLength characters."""
-    return lambda req: req.key.prefix_hash(prefix_length)
+    return lambda req: prefix_hash(req.key, prefix_length)
 
 
 def session_key(prefix_length: int) -> Callable[[Request], int]:
     """The rendezvous key of `session`: the session id (x-session-id or `user`), else as `prefix`."""
     def key(req: Request) -> int:
         session = req.key.session
-        return hash_text(session) if session else req.key.prefix_hash(prefix_length)
+        return hash_text(session) if session else prefix_hash(req.key, prefix_length)
     return key
 
 

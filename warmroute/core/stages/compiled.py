@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from warmroute.core import rendezvous
 from warmroute.core.fleet import Instance
+from warmroute.core.routing_key import RoutingKey
 
 if TYPE_CHECKING:
     from warmroute.core.pipeline import FastPath, Pipeline, Request
@@ -59,6 +60,14 @@ def top_python(seed: int, tied: list[Instance]) -> Instance:
 
 
 top = _scan.top if _scan is not None else top_python
+_text_hash = getattr(_scan, "text_hash", None)  # (a build from before it: every key hashed in Python)
+
+
+def prefix_hash(key: RoutingKey, prefix_length: int) -> int:
+    """key.prefix_hash(prefix_length), the rendezvous seed; an ASCII text's characters hashed in place by _scan
+    (the same xxh3 of the same bytes, without copying the prefix twice to get them)."""
+    got = _text_hash(key.prefix_units, prefix_length, key.seed) if _text_hash is not None else None
+    return key.prefix_hash(prefix_length) if got is None else got
 
 
 def compiled_path(pipeline: Pipeline) -> FastPath | None:

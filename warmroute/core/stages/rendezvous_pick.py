@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from warmroute.core.fleet import Instance
 from warmroute.core.pipeline import Picker, Request
-from warmroute.core.stages.compiled import top
+from warmroute.core.stages.compiled import prefix_hash, top
 
 
 class RendezvousPick(Picker):
@@ -15,4 +15,4 @@ class RendezvousPick(Picker):
         self.prefix_length = prefix_length
 
     def pick(self, req: Request, candidates: list[Instance]) -> Instance:
-        return top(req.key.prefix_hash(self.prefix_length), candidates)
+        return top(prefix_hash(req.key, self.prefix_length), candidates)
