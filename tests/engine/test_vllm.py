@@ -44,8 +44,10 @@ class Setup:
     router_child: Child  # its log explains a failed assertion
 
     def router_warnings(self) -> str:
-        """The router's warning lines (ejections, restorations), for an assertion's message."""
-        return "\n".join(ln for ln in self.router_child.log_text().splitlines() if " WARNING " in ln)
+        """The router's warning lines (ejections, restorations) and its access log's failed requests (the
+        instance tried last, how many were tried), for an assertion's message."""
+        return "\n".join(ln for ln in self.router_child.log_text().splitlines()
+                         if " WARNING " in ln or (ln.startswith("{") and '"status":200' not in ln))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def setup(tmp_path_factory) -> Iterator[Setup]:
         asyncio.run(fleet.wait_ready(timeout_s=900))
         engines = {i.name: i.url for i in fleet.instances}
         port = free_ports(1, fleet.instances[-1].port + 1)
-        argv = ["serve", "--port", str(port), "--strategy", "cache_aware", "--admin-token", ADMIN_TOKEN,
+        argv = ["serve", "--port", str(port), "--strategy", "cache_aware", "--admin-token", ADMIN_TOKEN, "--access-log",
                 "--health-interval", "0.5", "--engine-metrics-interval", "0.5",
                 *(a for name, url in engines.items() for a in ("--backend", f"{name}={url}"))]
         with Child("router", argv, base / "logs") as router:
@@ -258,8 +260,10 @@ async def test_an_instance_killed_mid_run_costs_no_retryable_request(setup: Setu
             metrics = await r.text()
         retried = {n: sum(float(v) for v in re.findall(rf'^warmroute_retries_total{{backend="{n}"[^}}]*}} (\S+)$',
                                                         metrics, re.M)) for n in setup.engines}
+    failures = [ln for ln in metrics.splitlines() if ln.startswith(("warmroute_upstream_errors_total{",
+                                                                       "warmroute_retries_total{"))]
     assert [s for s, _ in results + after] == [200] * 12, \
-        f"victim {victim}; errors: {errors}; router warnings:\n{setup.router_warnings()}"
+        f"victim {victim}; errors: {errors}; router warnings:\n{setup.router_warnings()}\n" + "\n".join(failures)
     assert {i for _, i in results + after} >= {survivor} and victim not in {i for _, i in after}
     # Each request cut on the victim was sent again once: those on it when it was frozen, and any sent there
     # after that count, before it was ejected (the after-requests start once it is: the cut requests eject it).
