@@ -58,23 +58,16 @@ class PrefixMatch(Facts):
             if req.key.token_data is not None:
                 depths, req.precise = exact_depths(self.exact, req.key, len(blocks), depths)
                 req.depths = depths
-        if len(depths) == 1:  # the usual warm case (one instance holds a conversation): no max, no comprehension
-            ((holder, deepest),) = depths.items()
-        else:
-            deepest = max(depths.values()) if depths else 0
-        req.deepest = deepest
+        req.deepest = max(depths.values()) if depths else 0
         alpha, req.holder = self.miss_weight_for(req)
         req.alpha = alpha
         prompt = req.prompt
         # α x the prompt's uncached tokens: all of them, except on the (few) instances holding its first blocks.
         miss_all = req.miss_all = alpha * prompt
-        if len(depths) == 1:
-            req.miss = {holder: alpha * max(0, prompt - deepest * req.block_tokens) if deepest else miss_all}
-        elif depths:
+        if depths:  # else no holder: Request.miss's default (empty) stands
             block_tokens = req.block_tokens
             req.miss = {name: alpha * max(0, prompt - depth * block_tokens) if depth else miss_all
                         for name, depth in depths.items()}
-        # else: no holder, and Request.miss's default is empty
 
     def miss_weight_for(self, req: Request) -> tuple[float, str]:
         depths = req.depths
