@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from warmroute.bench.processes import Child, free_ports
+from warmroute.prometheus_text import read_samples, sample_sum
 from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, VllmMissing, find_vllm_python, \
     shared_tiny_model
 from warmroute.workloads.text import filler, rng_for
@@ -82,10 +83,10 @@ def long_text(words: int) -> str:
 
 
 async def engine_counter(client: aiohttp.ClientSession, engine: str, name: str) -> float:
-    """A counter from an instance's own /metrics, summed over its series."""
+    """A sample from an instance's own /metrics, summed over its series (0 where it has none)."""
     async with client.get(engine + "/metrics") as r:
         text = await r.text()
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sample_sum(text, name) or 0.0
 
 
 async def test_models_are_vllms_served_model(setup: Setup) -> None:
@@ -251,10 +252,10 @@ async def test_an_instance_killed_mid_run_costs_no_retryable_request(setup: Setu
         after = await asyncio.gather(*(ask(long_text(100)) for _ in range(6)))
         async with client.get(setup.router + "/metrics") as r:
             metrics = await r.text()
-        retried = {n: sum(float(v) for v in re.findall(rf'^warmroute_retries_total{{backend="{n}"[^}}]*}} (\S+)$',
-                                                        metrics, re.M)) for n in setup.engines}
-    failures = [ln for ln in metrics.splitlines() if ln.startswith(("warmroute_upstream_errors_total{",
-                                                                       "warmroute_retries_total{"))]
+        counters = read_samples(metrics, ("warmroute_retries_total", "warmroute_upstream_errors_total"))
+    retried = {n: sum(v for labels, v in counters.get("warmroute_retries_total", []) if labels["backend"] == n)
+               for n in setup.engines}
+    failures = [f"{name}{labels} {v}" for name, series in counters.items() for labels, v in series]
     assert [s for s, _ in results + after] == [200] * 12, \
         f"victim {victim}; errors: {errors}; router warnings:\n{setup.router_warnings()}\n" + "\n".join(failures)
     assert {i for _, i in results + after} >= {survivor} and victim not in {i for _, i in after}
