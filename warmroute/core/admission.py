@@ -230,7 +230,7 @@ class Admission:
         tenant_pending of anyone's do."""
         s = self.settings
         active = self._active
-        if (s.tenant_queue_share <= 0 and s.prefill_budget <= 0) or len(active) - (tenant in active) < 1:
+        if not self.caps_queues or len(active) - (tenant in active) < 1:
             return None
         if s.prefill_budget > 0 and self._prefill.get(inst.name, 0.0) >= s.prefill_budget \
                 and not self.under_share(tenant):
