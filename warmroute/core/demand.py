@@ -159,9 +159,10 @@ class PrefillRate:
 class TokenRate:
     """A rate per second of something counted at given times (tokens routed to an instance), fading with a time
     constant: an exponentially weighted sum over `tau_s`. Times come from the caller (virtual or wall clock);
-    `start` is when counting began. Until a full `tau_s` has passed, the rate is what was counted over `tau_s`:
-    a young meter errs low, never high, because an autoscaler scales up on one high reading and down only after
-    a window of low ones (a few long prompts in a meter's first seconds would read as a surge)."""
+    `start` is when counting began. Until a full `tau_s` has passed, the sum is divided by what a steady rate
+    would have summed over a full `tau_s`: a young meter errs low, never high, because an autoscaler scales up on
+    one high reading and down only after a window of low ones (a few long prompts in a meter's first seconds would
+    read as a surge)."""
 
     def __init__(self, tau_s: float = 30.0, start: float = 0.0) -> None:
         self.tau_s = tau_s
