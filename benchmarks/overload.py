@@ -183,7 +183,7 @@ async def offer(stack: Stack, streams: dict[str, tuple[Iterator[Session], list[P
         async def arrivals(tenant: str, sessions: Iterator[Session], phases: list[Phase]) -> None:
             rng, t = random.Random(hash((seed, tenant)) & 0xFFFF), 0.0
             for ph in phases:
-                while True:
+                while ph.rate > 0:  # a phase at rate 0: nobody arrives until it ends
                     t += rng.expovariate(ph.rate / per_session[tenant])
                     if t >= ph.until_s:
                         t = ph.until_s
@@ -192,6 +192,7 @@ async def offer(stack: Stack, streams: dict[str, tuple[Iterator[Session], list[P
                     task = asyncio.create_task(session(next(sessions)))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                t = max(t, ph.until_s)
 
         async def counters() -> list[CacheCounters | None]:
             out = []
@@ -268,6 +269,12 @@ FAIR = ("a", "b", "c")  # the fair tenants (the noisy one: "noisy")
 def tenant_rates(cap: float, share: float, noisy: bool) -> dict[str, float]:
     """Three fair tenants at `share` of the capacity each, and the noisy one at 5x that."""
     return {**{t: cap * share for t in FAIR}, **({"noisy": 5 * cap * share} if noisy else {})}
+
+
+def noisy_from(args: argparse.Namespace, tenant: str) -> float:
+    """When `tenant` starts sending: the fair ones at once, the noisy one at --noisy-from (set it to --warmup for a
+    tenant joining a fleet the others warmed, its arrival measured)."""
+    return 0.0 if tenant in FAIR else args.noisy_from
 
 
 def tail_split(recs: list[tuple[str, float, float | None, float]], warmup: float, who: tuple[str, ...]) -> dict:
@@ -347,7 +354,8 @@ async def tenants(args: argparse.Namespace, contender: Contender, cap: float, no
                   seed: int) -> tuple[dict, list[float]]:
     rates = tenant_rates(cap, args.fair_share, noisy)
     async with Stack(contender, args, slo=args.slo) as stack:
-        streams = {t: (tagged(mixed(seed + i).sessions(), t), [Phase(args.duration, r)])
+        streams = {t: (tagged(mixed(seed + i).sessions(), t),
+                       [Phase(noisy_from(args, t), 0.0), Phase(args.duration, r)])
                    for i, (t, r) in enumerate(rates.items())}
         recs, cache = await offer(stack, streams, seed, [args.warmup, args.duration])
     d = (cache[1] - cache[0]) if cache[0] and cache[1] else None
@@ -367,7 +375,8 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
     """The noisy-tenant run in the simulator: the same fleet (4 instances of the 8b profile, max_running 256,
     the threshold), workloads and rates, in virtual time (no machine noise); strategy cache_aware."""
     rates = tenant_rates(cap, args.fair_share, noisy)
-    streams = tuple(TenantStream(t, mixed(seed + i), r) for i, (t, r) in enumerate(rates.items()))
+    streams = tuple(TenantStream(t, mixed(seed + i), r, start_s=noisy_from(args, t))
+                    for i, (t, r) in enumerate(rates.items()))
     workload = Tenants(streams=streams, duration_s=args.duration)
     sim = Simulation(sim_settings(args, admission, seed=seed), workload, "cache_aware")
     if args.fair_lend is not None:
@@ -452,6 +461,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "shared machine must drive")
     p.add_argument("--fair-share", type=float, default=0.25,
                    help="tenants: each fair tenant's rate, as a share of the capacity (the noisy one: 5x that)")
+    p.add_argument("--noisy-from", type=float, default=0.0,
+                   help="tenants: seconds after the start at which the noisy tenant joins (default: at once)")
     p.add_argument("--fair-lend", type=float, help="sim-tenants: the admission queue's fair_lend (default: its own)")
     p.add_argument("--tenant-queue-share", type=float,
                    help="warmroute's --tenant-queue-share (flow contenders and the simulator; default: its own)")

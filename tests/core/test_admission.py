@@ -575,6 +575,84 @@ def test_an_instance_past_its_prefill_budget_holds_the_tenants_past_their_share(
     assert _waiter(adm, a, tenant="noisy", tokens=1).why == PREFILL
 
 
+def test_a_tenants_share_is_what_it_asks_for_not_the_slots_it_holds():
+    """Under a prefill budget, whether a tenant is under its share goes by its share of the requests arriving
+    lately: a tenant asking for a fifth of them is under its share (half, between two) though it holds every slot,
+    a burst asking for the rest is not though it holds none; tenants asking alike both are (none is held for the
+    other); without a budget nobody is."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=4, prefill_budget=1000)
+    for name in (a, a, b, b):
+        adm.started("quiet", name)
+    adm.started("burst", a)
+    for i in range(40):
+        _waiter(adm, a, tenant="quiet" if i % 5 == 0 else "burst")
+    assert adm.under_share("quiet") and not adm.under_share("burst")
+    for i in range(400):
+        _waiter(adm, a, tenant="quiet" if i % 2 else "burst")
+    assert adm.under_share("quiet") and adm.under_share("burst")
+    assert not _adm(f, concurrency_threshold=4).under_share("quiet")
+
+
+def test_a_tenant_under_its_share_passes_the_prefill_budget_only_while_its_own_prefill_there_is_under_it():
+    """A tenant that has just arrived asks for nothing yet, so it is under its share; it must not flood an engine's
+    queue meanwhile. With prefill_budget 1000 and two active tenants, a tenant under its share passes an instance's
+    full budget while its own prefill queued there is under the budget, and is held (PREFILL) past that; the other
+    tenant, with nothing of its own queued there, still passes."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=8, prefill_budget=1000)
+    for i in range(20):  # both ask alike: both under their share
+        assert _waiter(adm, b, tenant="new" if i % 2 else "quiet") is None
+    adm.started("quiet", b, 10)
+    adm.started("new", a, 1200)  # the instance's whole budget, and more, is the newcomer's
+    assert adm.under_share("new") and adm.under_share("quiet")
+    assert _waiter(adm, a, tenant="quiet", tokens=300) is None
+    adm.started("quiet", a, 300)
+    held = _waiter(adm, a, tenant="new", tokens=300)
+    assert held is not None and held.why == PREFILL
+    adm.first_token("new", a, 1200)  # its own prefill there drains: 300 queued (the quiet one's), under the budget
+    assert _waiter(adm, a, tenant="new", tokens=300) is None
+    adm.ended("quiet", b, got_first_token=False, uncached_tokens=10)
+    adm.ended("quiet", a, got_first_token=False, uncached_tokens=300)
+    adm.ended("new", a, got_first_token=True)
+    assert adm.idle() and not adm.active_tenants
+
+
+def test_a_tenant_under_its_share_goes_at_once_on_a_lent_slot_and_takes_a_slot_freed_anywhere():
+    """Under a prefill budget (3 slots per instance, fair_lend 1), instance a full with a burst's requests while b has
+    room: a request of a tenant under its share for a goes at once on a slot lent to a (the fleet has a free one),
+    while the burst's next request for a waits. With the fleet full its next request waits; when b frees a slot and
+    nobody waits for b, a takes it on a lent slot, before the burst's older request. Without a budget nobody is
+    under a share: it waits for a."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=3, prefill_budget=1000, fair_lend=1.0)
+    for _ in range(20):
+        _waiter(adm, b, tenant="burst")
+    for name in (a, a, a, b):
+        adm.started("burst", name)
+        f.instances[name].inflight += 1
+    assert _waiter(_adm(f, concurrency_threshold=3, fair_lend=1.0), a, tenant="quiet") is not None  # no budget
+    assert _waiter(adm, a, tenant="quiet", blocks=(22,)) is None  # lent: b's free slots pay for it
+    adm.started("quiet", a)
+    f.instances[a].inflight += 1
+    burst = _waiter(adm, a, tenant="burst", blocks=(11,))
+    assert burst is not None and burst.why == BUSY
+    assert _waiter(adm, b, tenant="burst") is None
+    adm.started("burst", b)
+    f.instances[b].inflight += 1  # the fleet is full: 4 + 2 of 6
+    quiet = _waiter(adm, a, now=0.1, tenant="quiet", blocks=(23,))
+    assert quiet is not None and quiet.why == BUSY
+    adm.offer(burst)
+    adm.offer(quiet)
+    adm.ended("burst", b, got_first_token=True)
+    f.instances[b].inflight -= 1
+    (got,), _ = adm.pump(0.2)
+    assert (got, got.instance) == (quiet, a)
+
+
 @pytest.mark.parametrize("budget", [0, 1000])
 def test_with_a_prefill_budget_a_tenant_under_its_share_gets_the_next_slot_lent_to_its_instance(budget):
     """Both instances full (2 slots each), noisy holding all 4; a noisy request waits for b, then a quiet one for

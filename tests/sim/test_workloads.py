@@ -250,6 +250,25 @@ def test_real_mooncake_trace_prefixes_are_shared():
 
 
 # -- several tenants ----------------------------------------------------------------------------------------
+def test_a_tenant_stream_with_a_start_joins_then_at_its_rate():
+    """A tenant joining a running fleet (`start_s`): none of its sessions before its start, then its rate; the
+    others' unchanged; a negative start is refused."""
+    from warmroute.workloads.tenants import Tenants, TenantStream
+
+    quiet = TenantStream("quiet", make_workload("mixed", seed=1), 2.0)
+    late = Tenants(seed=0, duration_s=200.0, streams=(quiet, TenantStream("noisy", make_workload("mixed", seed=2),
+                                                                          10.0, start_s=150.0)))
+    at_once = Tenants(seed=0, duration_s=200.0, streams=(quiet, TenantStream("noisy", make_workload("mixed", seed=2),
+                                                                             10.0)))
+    noisy = [s.arrival_s for s in late.sessions() if s.requests[0].tenant == "noisy"]
+    assert noisy and min(noisy) >= 150.0
+    assert 0.6 * 500 < sum(len(s.requests) for s in late.sessions() if s.requests[0].tenant == "noisy") < 1.4 * 500
+    assert [s.arrival_s for s in late.sessions() if s.requests[0].tenant == "quiet"] == \
+        [s.arrival_s for s in at_once.sessions() if s.requests[0].tenant == "quiet"]
+    with pytest.raises(ValueError):
+        Tenants(streams=(TenantStream("x", make_workload("mixed", seed=1), 1.0, start_s=-1.0),)).validate()
+
+
 def test_tenants_interleave_each_at_its_own_rate_in_arrival_order():
     """Each tenant's own workload at its own Poisson rate, every request marked with its tenant, the sessions of
     all in arrival order and within the duration; the same seed gives the same stream."""

@@ -30,10 +30,12 @@ total stays under the sum of the thresholds). Optionally (`tenant_queue_share`),
 tenant has at most its share of the requests awaiting their first token at an instance; past it, its requests
 wait here (unless that engine's queue is shorter than `tenant_pending`): engines prefill first come first served,
 so one tenant's backlog in them would delay every other tenant's first tokens however fair the order here.
-Likewise (`prefill_budget`), while several tenants are active an instance takes no more requests of the tenants
-holding their share of the fleet's slots once that many uncached prompt tokens sent there await their first token:
-its queue of prefill stays short, the fair order here, not arrival at the engine, decides whose prefill comes
-next, and a tenant under its share goes first. The
+Likewise (`prefill_budget`), while several tenants are active an instance takes no more requests of tenants
+asking for their share or more once that many uncached prompt tokens sent there await their first token: its
+queue of prefill stays short, and the fair order here, not arrival at the engine, decides whose prefill comes
+next. A tenant asking for less than its share (of the requests arriving lately: `under_share`) goes first: at
+once, on a slot lent to its instance if that one is full, and past the budget while its own prefill queued there
+is under it (a tenant that has just arrived asks for nothing yet, and must not flood the engines meanwhile). The
 queue is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
 deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator (virtual
 time) drive the same object with their own clocks.
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from warmroute.core.fleet import Fleet, Instance
+from warmroute.core.popularity import Popularity
 from warmroute.core.routing_key import RoutingKey
 from warmroute.core.strategies import (OVERLOAD_SPILL, UNHEALTHY_FALLBACK, Decision, Strategy, StrategySettings,
                                        kv_pressure)
@@ -65,8 +68,12 @@ KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation:
 SHARE = "share"  # its tenant had its share of its instance's queue (tenant_queue_share) while others were active
 PREFILL = "prefill"  # its instance had its prefill_budget awaiting first tokens while several tenants were active
 WAIT_REASONS = (BUSY, KV, SHARE, PREFILL)
-UNBOUNDED = 1 << 30
-MAX_TENANTS_TRACKED = 10_000  # the strategy's threshold while admission owns the real one
+UNBOUNDED = 1 << 30  # the strategy's threshold while admission owns the real one
+MAX_TENANTS_TRACKED = 10_000
+# A tenant asking for less than this many times its weighted share of the requests arriving lately counts as under
+# its share: tenants asking alike all do (none is held for the others), a burst does not.
+SHARE_TOLERANCE = 1.25
+ARRIVALS_WINDOW = 1  # the arrivals a tenant's share is measured over, in the fleet's thresholds (one: ~a second)
 
 
 def strategy_threshold(admission: bool, concurrency_threshold: int) -> int:
@@ -111,10 +118,10 @@ class AdmissionSettings:
     # token (0: never): the engine is not left idle for want of its work.
     tenant_pending: int = 0
     # While several tenants are active, an instance with at least this many uncached prompt tokens sent there and
-    # awaiting their first token takes no more requests of tenants at or past their share of the fleet's slots
-    # (0: no budget); they wait here, where the fair order picks who goes when its prefill drains, while a tenant
-    # under its share goes first (on a slot lent to its instance if need be: `under_share`). The engine prefills
-    # first come first served: the budget bounds the prefill a quiet tenant's request finds queued ahead of it.
+    # awaiting their first token takes no more requests of tenants asking for their share or more (0: no budget);
+    # they wait here, where the fair order picks who goes when its prefill drains, while a tenant asking for less
+    # goes first (`under_share`, `exempt`). The engine prefills first come first served: the budget bounds the
+    # prefill a quiet tenant's request finds queued ahead of it.
     prefill_budget: int = 0
     # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
     # books do when a request is sent (the shells set it to the strategy's records_prefixes).
@@ -146,6 +153,16 @@ class Waiter:
     assigned_tokens: int = 0  # its uncached prompt tokens at `instance`, counted in the prefill budget until dispatched
     shed: str | None = None  # set when refused: one of SHED_REASONS
     payload: object = None  # the shell's (the router's future, the simulator's request)
+
+
+def _add(books: dict, key: Any, tokens: float) -> None:
+    """Adds `tokens` to `books[key]`, dropping the key when nothing is left (float sums of whole tokens: below half
+    a token is nothing)."""
+    left = books.get(key, 0.0) + tokens
+    if left > 0.5:
+        books[key] = left
+    else:
+        books.pop(key, None)
 
 
 def admission_settings(routing: StrategySettings, enabled: bool, **queue: Any) -> AdmissionSettings:
@@ -186,8 +203,10 @@ class Admission:
         self._waiting: dict[str, int] = {}  # per tenant: requests waiting
         self._held: dict[str, dict[str, int]] = {}  # per tenant, per instance: assigned or awaiting a first token
         self._prefill: dict[str, float] = {}  # per instance: uncached prompt tokens assigned or awaiting a first token
+        self._own_prefill: dict[tuple[str, str], float] = {}  # the same per (tenant, instance)
         self._active: dict[str, int] = {}  # per tenant with any: requests in flight, assigned or waiting
         self._active_weight = 0.0  # their tenants' weights added up
+        self._arrivals = Popularity(MAX_TENANTS_TRACKED)  # each tenant's share of the requests arriving lately
         self._seq = itertools.count()
 
     # -- room ----------------------------------------------------------------------------------------------
@@ -233,7 +252,7 @@ class Admission:
         if not self.caps_queues or len(active) - (tenant in active) < 1:
             return None
         if s.prefill_budget > 0 and self._prefill.get(inst.name, 0.0) >= s.prefill_budget \
-                and not self.under_share(tenant):
+                and not self.exempt(tenant, inst.name):
             return PREFILL
         if s.tenant_queue_share <= 0:
             return None
@@ -243,6 +262,12 @@ class Admission:
         if self._held.get(tenant, {}).get(inst.name, 0) < cap:
             return None
         return None if inst.pending + self.reserved.get(inst.name, 0) < s.tenant_pending else SHARE
+
+    def exempt(self, tenant: str, name: str) -> bool:
+        """Whether `tenant` may pass instance `name`'s full prefill budget: it asks for less than its share
+        (`under_share`) and its own prefill queued there is under the budget (a tenant that has just arrived asks
+        for nothing yet: this bounds what it queues in each engine until its rate shows)."""
+        return self.under_share(tenant) and self._own_prefill.get((tenant, name), 0.0) < self.settings.prefill_budget
 
     def started(self, tenant: str, name: str, uncached_tokens: float = 0.0) -> None:
         """The shell sent a request of `tenant` to instance `name` (with or without waiting here), with
@@ -262,11 +287,8 @@ class Admission:
 
     def _hold(self, tenant: str, name: str, n: int, tokens: float = 0.0) -> None:
         if tokens:
-            left_tokens = self._prefill.get(name, 0.0) + n * tokens
-            if left_tokens > 0.5:  # float sums of whole tokens: below half a token is nothing
-                self._prefill[name] = left_tokens
-            else:
-                self._prefill.pop(name, None)
+            _add(self._prefill, name, n * tokens)
+            _add(self._own_prefill, (tenant, name), n * tokens)
         held = self._held.setdefault(tenant, {})
         left = held.get(name, 0) + n
         if left > 0:
@@ -301,9 +323,12 @@ class Admission:
                    size_bytes: int = 0, model: str | None = None) -> Waiter | None:
         """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
         s = self.settings
+        if s.enabled and s.prefill_budget > 0:  # each tenant's share of the requests arriving lately (`under_share`)
+            self._arrivals.add(tenant, ARRIVALS_WINDOW * s.concurrency_threshold * len(self.fleet.instances))
         inst = self.fleet.instances.get(decision.instance)
         capped = self.capped(tenant, inst) if s.enabled and inst is not None else None
-        if not s.enabled or inst is None or (capped is None and self.has_room(inst, decision.kv_tokens)):
+        if not s.enabled or inst is None or (capped is None and (self.has_room(inst, decision.kv_tokens)
+                                                                  or self._lent_at_once(tenant, inst, decision))):
             if s.enabled and self.waiters:
                 self._charge(tenant)  # its share of capacity, while others wait for theirs
             return None
@@ -318,6 +343,16 @@ class Admission:
         if why == KV and decision.private:
             waiter.keep_until = now + min(s.patience_s, s.hold_keep * self.fleet.mean_ttft_s)
         return waiter
+
+    def _lent_at_once(self, tenant: str, inst: Instance, decision: Decision) -> bool:
+        """Whether a request of a tenant under its share, its instance full, goes there at once on a slot lent by
+        the fleet (as `best_for` lends one when a slot frees): the fleet has a free slot, and its instance room
+        within fair_lend x the threshold past it. Else it would wait for a slot its share entitles it to, held by
+        the requests of a tenant past its share."""
+        if not self.under_share(tenant) or self.fleet_spare() <= 0:
+            return False
+        lend = math.ceil(self.settings.fair_lend * self.settings.concurrency_threshold)
+        return self._fits(inst, decision.kv_tokens, True, lend, tenant)
 
     def _depths(self, decision: Decision) -> dict[str, int]:
         """Matched tokens per instance holding the start of its prompt (the strategy's chain)."""
@@ -490,7 +525,12 @@ class Admission:
         finish = self.finish_times() if tenants else {w.seq: float(w.seq) for w in self.waiters.values()}
         under = self._tenants_under_share() if tenants else set()
         for local, remote in self._bands(inst, now):
-            if not local:
+            if not local:  # nobody here to serve: a tenant under its share waiting elsewhere may borrow the slot
+                lendable = [w for w in remote if w.tenant in under and self._may_borrow(w, now)]
+                if lendable:
+                    lent = min(lendable, key=lambda w: finish[w.seq])
+                    assert lent.pin is not None
+                    return lent, lent.pin
                 continue
             first = min(finish[w.seq] for w in local)
             present = {w.tenant for w in local}
@@ -512,16 +552,16 @@ class Admission:
         return {t for t in self._waiting if self.under_share(t)} if self.settings.prefill_budget > 0 else set()
 
     def under_share(self, tenant: str) -> bool:
-        """With a prefill budget: whether `tenant` has fewer requests in flight (or assigned) than its weighted
-        share, among the active tenants, of the fleet's slots. Its requests go first (`best_for`), on a slot lent
-        to their instance if need be, and the budget does not hold them: a tenant within its share is not kept
-        waiting by another's backlog, in the router or in the engine."""
+        """With a prefill budget: whether `tenant` asks for less than its weighted share, among the active tenants,
+        of the requests arriving lately (within SHARE_TOLERANCE). Its requests go first (`best_for`), at once on a
+        slot lent to their instance if need be (`_lent_at_once`), and the budget does not hold them (`exempt`): a
+        tenant within its share is not kept waiting by another's backlog, in the router or in the engine. What it
+        asks for, not what it was sent nor the slots it holds: both shrink or grow with the others' backlog (a
+        throttled burst is sent little; everyone's requests take longer, so hold more slots)."""
         if self.settings.prefill_budget <= 0:
             return False
-        inflight = self._active.get(tenant, 0) - self._waiting.get(tenant, 0)
         weight = self.settings.tenant_weights.get(tenant, 1.0)
-        slots = self.settings.concurrency_threshold * len(self.fleet.routable())
-        return inflight + 1 <= slots * weight / max(self._active_weight, weight)
+        return self._arrivals.share(tenant) < SHARE_TOLERANCE * weight / max(self._active_weight, weight)
 
     def finish_times(self) -> dict[int, float]:
         """Each waiter's virtual finish time, by seq: its tenant's virtual time plus its place among that tenant's

@@ -224,11 +224,12 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     the cap."""
     prefill_budget: int = Field(AdmissionSettings.prefill_budget, ge=0, le=1 << 30)
     """While several tenants have requests in flight or waiting, an instance with at least this many uncached prompt
-    tokens sent to it and awaiting their first token takes no more requests of tenants holding their weighted share of
-    the fleet's slots; those wait in the router, where the fair shares pick whose goes next as its prefill drains,
-    while a tenant under its share goes first (on a slot lent to its instance if need be). Engines prefill first come
-    first served, so this bounds the prefill a quiet tenant's request finds queued ahead of it. 0: no budget. One
-    tenant alone is never held."""
+    tokens sent to it and awaiting their first token takes no more requests of tenants asking for their weighted
+    share of the arriving requests or more; those wait in the router, where the fair shares pick whose goes next as
+    its prefill drains, while a tenant asking for less goes first (at once, on a slot lent to its instance if need
+    be, and past the budget while its own prefill queued there is under it). Engines prefill first come first
+    served, so this bounds the prefill a quiet tenant's request finds queued ahead of it. 0: no budget. One tenant
+    alone is never held."""
     priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$")
     """Request header carrying a request's priority (an integer, -1000..1000; higher first, lower refused first)."""
     tenant_header: str = Field("x-tenant", pattern=r"^[A-Za-z0-9-]{1,64}$")

@@ -20,6 +20,7 @@ class TenantStream:
     tenant: str
     workload: Workload
     rate: float  # requests per second (sessions arrive at rate / the workload's turns per session)
+    start_s: float = 0.0  # its first session arrives this long after the run starts (a tenant joining a warm fleet)
 
 
 def tagged(sessions: Iterator[Session], tenant: str) -> Iterator[Session]:
@@ -44,8 +45,8 @@ class Tenants(Workload):
     duration_s: float = 60.0  # sessions start within this many seconds
 
     def validate(self) -> None:
-        if not self.streams or any(s.rate <= 0 for s in self.streams):
-            raise ValueError("streams must be non-empty, each with a rate > 0")
+        if not self.streams or any(s.rate <= 0 or s.start_s < 0 for s in self.streams):
+            raise ValueError("streams must be non-empty, each with a rate > 0 and a start >= 0")
 
     def sessions(self) -> Iterator[Session]:
         return heapq.merge(*(self._arrivals(s) for s in self.streams), key=lambda s: s.arrival_s or 0.0)
@@ -54,7 +55,7 @@ class Tenants(Workload):
         """One tenant's sessions, each starting at its Poisson arrival time (its later turns follow their turn)."""
         rng = rng_for(self.seed, self.name, stream.tenant)
         session_rate = stream.rate / turns_per_session(stream.workload)
-        t = rng.expovariate(session_rate)
+        t = stream.start_s + rng.expovariate(session_rate)
         for s in tagged(stream.workload.sessions(), stream.tenant):
             if t >= self.duration_s:
                 return
