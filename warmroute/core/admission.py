@@ -349,10 +349,8 @@ class Admission:
         the fleet (as `best_for` lends one when a slot frees): the fleet has a free slot, and its instance room
         within fair_lend x the threshold past it. Else it would wait for a slot its share entitles it to, held by
         the requests of a tenant past its share."""
-        if not self.under_share(tenant) or self.fleet_spare() <= 0:
-            return False
-        lend = math.ceil(self.settings.fair_lend * self.settings.concurrency_threshold)
-        return self._fits(inst, decision.kv_tokens, True, lend, tenant)
+        return (self.under_share(tenant) and self.fleet_spare() > 0
+                and self._fits_lent(inst, decision.kv_tokens, True, tenant))
 
     def _depths(self, decision: Decision) -> dict[str, int]:
         """Matched tokens per instance holding the start of its prompt (the strategy's chain)."""
@@ -526,20 +524,16 @@ class Admission:
         under = self._tenants_under_share() if tenants else set()
         for local, remote in self._bands(inst, now):
             if not local:  # nobody here to serve: a tenant under its share waiting elsewhere may borrow the slot
-                lendable = [w for w in remote if w.tenant in under and self._may_borrow(w, now)]
-                if lendable:
-                    lent = min(lendable, key=lambda w: finish[w.seq])
-                    assert lent.pin is not None
-                    return lent, lent.pin
+                lent = self._earliest_borrower([w for w in remote if w.tenant in under], finish, now)
+                if lent is not None:
+                    return lent
                 continue
             first = min(finish[w.seq] for w in local)
             present = {w.tenant for w in local}
-            behind = [w for w in remote if tenants and w.tenant not in present
-                      and (finish[w.seq] < first - slack or w.tenant in under) and self._may_borrow(w, now)]
-            if behind:
-                lent = min(behind, key=lambda w: finish[w.seq])
-                assert lent.pin is not None
-                return lent, lent.pin
+            lent = self._earliest_borrower([w for w in remote if tenants and w.tenant not in present
+                                            and (finish[w.seq] < first - slack or w.tenant in under)], finish, now)
+            if lent is not None:
+                return lent
             floor = min(served.get(w.tenant, 0.0) for w in local)
             fair = [w for w in local if w.tenant in under] or \
                 [w for w in local if served.get(w.tenant, 0.0) <= floor + slack]
@@ -547,6 +541,17 @@ class Admission:
             return max(fair, key=lambda w: (self.gain(w, name) + aging * (now - w.enqueued), -finish[w.seq],
                                             -w.seq)), name
         return None
+
+    def _earliest_borrower(self, candidates: list[Waiter], finish: dict[int, float],
+                           now: float) -> tuple[Waiter, str] | None:
+        """Of `candidates`, the earliest by virtual finish time that its own instance may take on a lent slot, and
+        that instance."""
+        borrowers = [w for w in candidates if self._may_borrow(w, now)]
+        if not borrowers:
+            return None
+        lent = min(borrowers, key=lambda w: finish[w.seq])
+        assert lent.pin is not None
+        return lent, lent.pin
 
     def _tenants_under_share(self) -> set[str]:
         return {t for t in self._waiting if self.under_share(t)} if self.settings.prefill_budget > 0 else set()
@@ -577,10 +582,14 @@ class Admission:
         return out
 
     def _may_borrow(self, w: Waiter, now: float) -> bool:
-        """Whether the instance `w` waits for may take it on a lent slot (fair_lend x the threshold past it)."""
+        """Whether the instance `w` waits for may take it on a lent slot."""
         inst = self.fleet.instances.get(w.pin or "")
+        return inst is not None and self._fits_lent(inst, w.kv_tokens, now < w.strict_until, w.tenant)
+
+    def _fits_lent(self, inst: Instance, kv_tokens: int, strict_kv: bool, tenant: str) -> bool:
+        """`_fits` on a slot lent to `inst` (up to fair_lend x the threshold past it)."""
         lend = math.ceil(self.settings.fair_lend * self.settings.concurrency_threshold)
-        return inst is not None and self._fits(inst, w.kv_tokens, now < w.strict_until, lend, w.tenant)
+        return self._fits(inst, kv_tokens, strict_kv, lend, tenant)
 
     @staticmethod
     def uncached_at(w: Waiter, name: str) -> int:
