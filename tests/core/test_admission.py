@@ -530,9 +530,10 @@ def test_the_books_of_tenants_requests_return_to_zero():
 
 
 def test_an_instance_past_its_prefill_budget_holds_the_tenants_past_their_share():
-    """prefill_budget 1000 while two tenants are active (2 instances of 4 slots: a share of 4 slots each): an
-    instance with 1000 uncached prompt tokens awaiting their first token takes no more requests from a tenant at
-    its share (why PREFILL) though it has a slot, while a tenant under its share goes at once; as the prefill
+    """prefill_budget 1000 while two tenants are active (2 instances of 4 slots; noisy asked for nearly every
+    request: past its share): an instance with 1000 uncached prompt tokens awaiting their first token takes no more
+    requests from a tenant past its share (why PREFILL) though it has a slot, while a tenant under its share (quiet,
+    its own prefill there under the budget) goes at once; as the prefill
     drains below the budget the held requests go, one at a time (one may take it past the budget). Alone, a
     tenant is never held; the books return to zero."""
     f = fleet(2)
@@ -541,7 +542,7 @@ def test_an_instance_past_its_prefill_budget_holds_the_tenants_past_their_share(
     for _ in range(3):  # alone: no budget
         assert _waiter(adm, a, tenant="noisy", tokens=600) is None
         adm.started("noisy", a, 600)
-    adm.started("noisy", b)  # 4 in flight: its share once another tenant is active
+    adm.started("noisy", b)  # 4 in flight
     adm.started("quiet", b, 10)
     f.instances[a].inflight = 3
     burst = [_waiter(adm, a, now=0.01 * i, tenant="noisy", tokens=600, blocks=(11,)) for i in range(2)]
@@ -568,7 +569,7 @@ def test_an_instance_past_its_prefill_budget_holds_the_tenants_past_their_share(
         adm.ended(t, name, got_first_token=True)
     assert adm.idle() and not adm.active_tenants
     adm.started("quiet", b, 10)
-    for _ in range(4):  # noisy at its share again, at an instance where nothing awaits: the books are back to 0
+    for _ in range(4):  # noisy, past its share, at an instance where nothing awaits: the books are back to 0
         assert _waiter(adm, a, tenant="noisy", tokens=5000) is None
         adm.started("noisy", b)
     adm.started("noisy", a, 5000)  # one request past the budget
@@ -655,14 +656,16 @@ def test_a_tenant_under_its_share_goes_at_once_on_a_lent_slot_and_takes_a_slot_f
 
 @pytest.mark.parametrize("budget", [0, 1000])
 def test_with_a_prefill_budget_a_tenant_under_its_share_gets_the_next_slot_lent_to_its_instance(budget):
-    """Both instances full (2 slots each), noisy holding all 4; a noisy request waits for b, then a quiet one for
-    a. When b frees a slot, with a prefill budget set the quiet tenant (under its share of 2 slots) gets it, lent
-    to a (its cache), rather than the noisy tenant's older request at b; without one, the fair order alone
-    gives it to the older request, the two tenants being level."""
+    """Both instances full (2 slots each), noisy holding all 4 (it asked for 5 of the 6 requests lately); a noisy
+    request waits for b, then a quiet one for a. When b frees a slot, with a prefill budget set the quiet tenant
+    (under its share of the requests asked for) gets it, lent to a (its cache), rather than the noisy tenant's
+    older request at b; without one, the fair order alone gives it to the older request, the two tenants being
+    level."""
     f = fleet(2)
     a, b = sorted(f.instances)
     adm = _adm(f, concurrency_threshold=2, prefill_budget=budget, fair_lend=0.5)
     for name in (a, a, b, b):
+        assert _waiter(adm, name, tenant="noisy") is None
         adm.started("noisy", name)
         f.instances[name].inflight += 1
     noisy = _waiter(adm, b, tenant="noisy", blocks=(11,))
