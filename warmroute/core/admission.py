@@ -34,8 +34,9 @@ Likewise (`prefill_budget`), while several tenants are active an instance takes 
 asking for their share or more once that many uncached prompt tokens sent there await their first token: its
 queue of prefill stays short, and the fair order here, not arrival at the engine, decides whose prefill comes
 next. A tenant asking for less than its share (of the requests arriving lately: `under_share`) goes first: at
-once, on a slot lent to its instance if that one is full, and past the budget while its own prefill queued there
-is under it (a tenant that has just arrived asks for nothing yet, and must not flood the engines meanwhile). The
+once, on a slot lent to its instance if that one is full, and past the budget (while it has been active only
+briefly, only while its own prefill queued there is under it: a tenant that has just arrived asks for nothing yet,
+and must not flood the engines meanwhile). The
 queue is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
 deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator (virtual
 time) drive the same object with their own clocks.
@@ -73,6 +74,7 @@ MAX_TENANTS_TRACKED = 10_000
 # A tenant asking for less than this many times its weighted share of the requests arriving lately counts as under
 # its share: tenants asking alike all do (none is held for the others), a burst does not.
 SHARE_TOLERANCE = 1.25
+ESTABLISHED_S = 2.0  # a tenant active this long has shown its rate: `exempt` no longer bounds its own prefill
 ARRIVALS_WINDOW = 1  # the arrivals a tenant's share is measured over, in the fleet's thresholds (one: ~a second)
 
 
@@ -207,6 +209,8 @@ class Admission:
         self._active: dict[str, int] = {}  # per tenant with any: requests in flight, assigned or waiting
         self._active_weight = 0.0  # their tenants' weights added up
         self._arrivals = Popularity(MAX_TENANTS_TRACKED)  # each tenant's share of the requests arriving lately
+        self._since: dict[str, float] = {}  # per active tenant: when it last became active
+        self._now = 0.0  # the shell's clock at its latest arrival or pump (the core reads none)
         self._seq = itertools.count()
 
     # -- room ----------------------------------------------------------------------------------------------
@@ -265,9 +269,14 @@ class Admission:
 
     def exempt(self, tenant: str, name: str) -> bool:
         """Whether `tenant` may pass instance `name`'s full prefill budget: it asks for less than its share
-        (`under_share`) and its own prefill queued there is under the budget (a tenant that has just arrived asks
-        for nothing yet: this bounds what it queues in each engine until its rate shows)."""
-        return self.under_share(tenant) and self._own_prefill.get((tenant, name), 0.0) < self.settings.prefill_budget
+        (`under_share`), and it has been active for ESTABLISHED_S or its own prefill queued there is under the
+        budget (a tenant that has just arrived asks for nothing yet: this bounds what it queues in each engine
+        until its rate shows)."""
+        if not self.under_share(tenant):
+            return False
+        if self._now - self._since.get(tenant, self._now) >= ESTABLISHED_S:
+            return True
+        return self._own_prefill.get((tenant, name), 0.0) < self.settings.prefill_budget
 
     def started(self, tenant: str, name: str, uncached_tokens: float = 0.0) -> None:
         """The shell sent a request of `tenant` to instance `name` (with or without waiting here), with
@@ -299,14 +308,17 @@ class Admission:
                 del self._held[tenant]
 
     def _activity(self, tenant: str, n: int) -> None:
-        """`n` more requests held or waiting for `tenant`; keeps the active tenants' weights added up."""
+        """`n` more requests held or waiting for `tenant`; keeps the active tenants' weights added up, and when each
+        became active."""
         left = self._active.get(tenant, 0) + n
         if left > 0:
             if tenant not in self._active:
                 self._active_weight += self.settings.tenant_weights.get(tenant, 1.0)
+                self._since[tenant] = self._now
             self._active[tenant] = left
         elif tenant in self._active:
             del self._active[tenant]
+            self._since.pop(tenant, None)
             self._active_weight = self._active_weight - self.settings.tenant_weights.get(tenant, 1.0) \
                 if self._active else 0.0
 
@@ -323,6 +335,7 @@ class Admission:
                    size_bytes: int = 0, model: str | None = None) -> Waiter | None:
         """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
         s = self.settings
+        self._now = now
         if s.enabled and s.prefill_budget > 0:  # each tenant's share of the requests arriving lately (`under_share`)
             self._arrivals.add(tenant, ARRIVALS_WINDOW * s.concurrency_threshold * len(self.fleet.instances))
         inst = self.fleet.instances.get(decision.instance)
@@ -458,6 +471,7 @@ class Admission:
         """Give every instance with room the waiters it should take (their `instance` set, a slot reserved),
         and refuse those past their deadline or with no healthy instance left (their `shed` set). Returns
         (assigned, shed)."""
+        self._now = now
         shed = self._expire(now)
         assigned: list[Waiter] = []
         if not self.waiters:
