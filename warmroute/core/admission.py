@@ -74,7 +74,6 @@ MAX_TENANTS_TRACKED = 10_000
 # A tenant asking for less than this many times its weighted share of the requests arriving lately counts as under
 # its share: tenants asking alike all do (none is held for the others), a burst does not.
 SHARE_TOLERANCE = 1.25
-ESTABLISHED_S = 2.0  # a tenant active this long has shown its rate: `exempt` no longer bounds its own prefill
 ARRIVALS_WINDOW = 1  # the arrivals a tenant's share is measured over, in the fleet's thresholds (one: ~a second)
 
 
@@ -209,8 +208,8 @@ class Admission:
         self._active: dict[str, int] = {}  # per tenant with any: requests in flight, assigned or waiting
         self._active_weight = 0.0  # their tenants' weights added up
         self._arrivals = Popularity(MAX_TENANTS_TRACKED)  # each tenant's share of the requests arriving lately
-        self._since: dict[str, float] = {}  # per active tenant: when it last became active
-        self._now = 0.0  # the shell's clock at its latest arrival or pump (the core reads none)
+        self._arrived = 0  # requests arrived (counted while a budget is set)
+        self._since: dict[str, int] = {}  # per active tenant: `_arrived` when it last became active
         self._seq = itertools.count()
 
     # -- room ----------------------------------------------------------------------------------------------
@@ -269,12 +268,12 @@ class Admission:
 
     def exempt(self, tenant: str, name: str) -> bool:
         """Whether `tenant` may pass instance `name`'s full prefill budget: it asks for less than its share
-        (`under_share`), and it has been active for ESTABLISHED_S or its own prefill queued there is under the
-        budget (a tenant that has just arrived asks for nothing yet: this bounds what it queues in each engine
-        until its rate shows)."""
+        (`under_share`), and it has been active over a whole window of arrivals (its share is then measured) or
+        its own prefill queued there is under the budget (a tenant that has just arrived asks for nothing yet: this
+        bounds what it queues in each engine until its rate shows)."""
         if not self.under_share(tenant):
             return False
-        if self._now - self._since.get(tenant, self._now) >= ESTABLISHED_S:
+        if self._arrived - self._since.get(tenant, self._arrived) >= self._arrivals_window():
             return True
         return self._own_prefill.get((tenant, name), 0.0) < self.settings.prefill_budget
 
@@ -314,7 +313,7 @@ class Admission:
         if left > 0:
             if tenant not in self._active:
                 self._active_weight += self.settings.tenant_weights.get(tenant, 1.0)
-                self._since[tenant] = self._now
+                self._since[tenant] = self._arrived
             self._active[tenant] = left
         elif tenant in self._active:
             del self._active[tenant]
@@ -335,9 +334,9 @@ class Admission:
                    size_bytes: int = 0, model: str | None = None) -> Waiter | None:
         """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
         s = self.settings
-        self._now = now
         if s.enabled and s.prefill_budget > 0:  # each tenant's share of the requests arriving lately (`under_share`)
-            self._arrivals.add(tenant, ARRIVALS_WINDOW * s.concurrency_threshold * len(self.fleet.instances))
+            self._arrivals.add(tenant, self._arrivals_window())
+            self._arrived += 1
         inst = self.fleet.instances.get(decision.instance)
         capped = self.capped(tenant, inst) if s.enabled and inst is not None else None
         if not s.enabled or inst is None or (capped is None and (self.has_room(inst, decision.kv_tokens)
@@ -471,7 +470,6 @@ class Admission:
         """Give every instance with room the waiters it should take (their `instance` set, a slot reserved),
         and refuse those past their deadline or with no healthy instance left (their `shed` set). Returns
         (assigned, shed)."""
-        self._now = now
         shed = self._expire(now)
         assigned: list[Waiter] = []
         if not self.waiters:
@@ -569,6 +567,10 @@ class Admission:
 
     def _tenants_under_share(self) -> set[str]:
         return {t for t in self._waiting if self.under_share(t)} if self.settings.prefill_budget > 0 else set()
+
+    def _arrivals_window(self) -> float:
+        """The arrivals a tenant's share is measured over: ARRIVALS_WINDOW x the fleet's thresholds."""
+        return ARRIVALS_WINDOW * self.settings.concurrency_threshold * len(self.fleet.instances)
 
     def under_share(self, tenant: str) -> bool:
         """With a prefill budget: whether `tenant` asks for less than its weighted share, among the active tenants,
