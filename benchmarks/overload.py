@@ -366,7 +366,8 @@ async def tenants(args: argparse.Namespace, contender: Contender, cap: float, no
             refused[r.tenant] = refused.get(r.tenant, 0) + 1
     split = [(r.tenant, r.start_s, r.ttft_s if r.ok else None, r.queued_s or 0.0) for r in recs]
     hit = round(d.hits / d.queries, 4) if d and d.queries else None
-    return ({"hit_rate": hit, **tenant_stats(args, rates, done, refused),
+    behind = round(d.behind_s, 1) if d else None  # emulated engines' lag on this host, summed, over the window
+    return ({"hit_rate": hit, "engines_behind_s": behind, **tenant_stats(args, rates, done, refused),
              "fair_tail": tail_split(split, args.warmup, FAIR)}, fair_ttfts(args, done))
 
 

@@ -29,6 +29,8 @@ from warmroute.bench.stats import BenchResult, RequestRecord, hit_rate
 from warmroute.errors import UsageError
 from warmroute.workloads import Session, Workload, WorkloadRequest
 
+BEHIND_WARNING = 0.01  # emulated engines behind their modelled speed for this share of the window: a warning
+
 
 @dataclass
 class BenchSettings:
@@ -142,10 +144,23 @@ class _Run:
             for task in (feeder, *self.tasks):
                 task.cancel()
         fleet = hit_rate((after - before).hits, (after - before).queries) if before and after else None
+        window = max(1e-9, end - self.warm_end)
+        if before and after:
+            self._warn_if_behind((after - before).behind_s, window)
         measured = [r for m, r in self.records if m]
         return BenchResult(self.s.label or self.workload.name, self.target, self.workload.name,
-                           self.s.mode(self.workload), max(1e-9, end - self.warm_end), measured, fleet,
-                           len(self.s.engine_metrics), self.warnings)
+                           self.s.mode(self.workload), window, measured, fleet, len(self.s.engine_metrics),
+                           self.warnings)
+
+    def _warn_if_behind(self, behind_s: float, window_s: float) -> None:
+        """Emulated engines that fell behind their modelled speed for over 1% of the window: say so, since their
+        timings (and so these results) are then the host's, not the engines' they model."""
+        instances = max(1, len(self.s.engine_metrics))
+        if behind_s > BEHIND_WARNING * window_s * instances:
+            self.warnings.append(f"the emulated engines fell {behind_s:.1f} s behind their modelled speed over the "
+                                 f"{window_s:.0f}-s window (summed over {instances} instance"
+                                 f"{'s' if instances > 1 else ''}): this host was too busy for them, so their "
+                                 "timings are slower than modelled")
 
     # -- offering load -------------------------------------------------------------------------------------
     async def _feed(self, sessions: Iterator[Session]) -> None:

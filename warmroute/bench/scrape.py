@@ -1,4 +1,5 @@
-"""Read the engines' Prometheus /metrics: their prefix-cache counters give the fleet's hit rate."""
+"""Read the engines' Prometheus /metrics: their prefix-cache counters give the fleet's hit rate; an emulated engine's
+also says how far this host made it fall behind its modelled speed."""
 
 from __future__ import annotations
 
@@ -11,27 +12,29 @@ from warmroute.prometheus_text import sample_sum
 
 HITS = "vllm:prefix_cache_hits_total"  # tokens served from the prefix cache
 QUERIES = "vllm:prefix_cache_queries_total"  # prompt tokens looked up
+BEHIND = "warmroute_emulation_behind_seconds_total"  # an emulated engine's lag on a busy host (others: absent)
 
 
 @dataclass(frozen=True)
 class CacheCounters:
     hits: float
     queries: float
+    behind_s: float = 0.0  # summed over the emulated instances: seconds they ran behind their modelled speed
 
     def __sub__(self, other: CacheCounters) -> CacheCounters:
-        return CacheCounters(self.hits - other.hits, self.queries - other.queries)
+        return CacheCounters(self.hits - other.hits, self.queries - other.queries, self.behind_s - other.behind_s)
 
 
 async def scrape(session: aiohttp.ClientSession, urls: list[str], timeout_s: float = 5.0) -> CacheCounters:
     """Fleet-wide counters: the sum over every instance's /metrics. Raises OSError naming a failing URL."""
     texts = await fetch_metrics(session, urls, timeout_s)
-    hits = queries = 0.0
+    hits = queries = behind = 0.0
     for url, text in zip(urls, texts):
         h, q = _sum(url, text, HITS), _sum(url, text, QUERIES)
         if h is None or q is None:
             raise OSError(f"{url} has no {HITS} / {QUERIES}")
-        hits, queries = hits + h, queries + q
-    return CacheCounters(hits, queries)
+        hits, queries, behind = hits + h, queries + q, behind + (_sum(url, text, BEHIND) or 0.0)
+    return CacheCounters(hits, queries, behind)
 
 
 def _sum(url: str, text: str, name: str) -> float | None:

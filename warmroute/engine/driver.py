@@ -3,7 +3,8 @@
 One asyncio task per instance: take a step, sleep its modelled duration × time_scale, deliver the tokens.
 Sleeping against a running deadline (not "duration after the previous wake-up") keeps the emulated
 throughput right even when the event loop is late by a little; when it is late by a lot (an overloaded
-host), the lag is dropped rather than repaid in a burst.
+host), the lag is dropped rather than repaid in a burst, and counted (`behind_s`, exported as
+warmroute_emulation_behind_seconds_total): the emulation then ran slower than the engine it models.
 
 Pure-decode stretches are fused into one model call and one sleep (few wake-ups on a busy 2-core host),
 capped at MAX_FUSED_S of real time so that streams still receive tokens steadily. A new request cuts a
@@ -57,6 +58,7 @@ class EngineDriver:
         self._arrival = asyncio.Event()
         self._incoming: dict[int, tuple[Sequence[int], int, int]] = {}
         self._task: asyncio.Task[None] | None = None
+        self.behind_s = 0.0  # real seconds the host made it fall behind its schedule, skipped rather than repaid
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-driver")
@@ -103,13 +105,21 @@ class EngineDriver:
                     await self._arrival.wait()
                     deadline = loop.time()  # idle time is not owed to anyone
                 self._hand_over()
-                deadline = max(deadline, loop.time() - MAX_LAG_S)
+                deadline = self._forgive(deadline, loop.time())
                 result, deadline = await self._advance(deadline)
                 self._deliver(result)
         except Exception:
             log.exception("engine driver stopped")
             self._fail_all()
             raise
+
+    def _forgive(self, deadline: float, now: float) -> float:
+        """The deadline moved up to within MAX_LAG_S of `now`, the lag dropped counted in behind_s."""
+        floor = now - MAX_LAG_S
+        if deadline >= floor:
+            return deadline
+        self.behind_s += floor - deadline
+        return floor
 
     async def _advance(self, deadline: float) -> tuple[StepResult, float]:
         """Take one step (or a fused decode stretch) and sleep until it ends; returns it and the new deadline."""

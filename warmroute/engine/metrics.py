@@ -6,7 +6,7 @@ in prometheus_client's global registry.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,9 +17,10 @@ from warmroute.engine.model import EngineModel
 
 
 class _ModelCollector(Collector):
-    def __init__(self, model: EngineModel, model_name: str) -> None:
+    def __init__(self, model: EngineModel, model_name: str, behind_s: Callable[[], float] | None = None) -> None:
         self.model = model
         self.model_name = model_name
+        self.behind_s = behind_s
 
     def collect(self) -> Iterator[Metric]:
         m, stats, name = self.model, self.model.stats, [self.model_name]
@@ -51,14 +52,18 @@ class _ModelCollector(Collector):
                                  labels=["model_name", "block_size", "num_gpu_blocks"])
         info.add_metric([self.model_name, str(m.config.block_size), str(m.config.capacity_blocks)], 1)
         yield info
+        if self.behind_s is not None:  # ours, not vLLM's: how far the emulation fell short of the modelled speed
+            yield counter("warmroute_emulation_behind_seconds", "Real seconds this emulated engine fell behind its "
+                          "modelled schedule and skipped (its host was too busy): it ran that much slower than the "
+                          "engine it models.", self.behind_s())
 
 
 class EngineMetrics:
     content_type = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes
 
-    def __init__(self, model: EngineModel, model_name: str) -> None:
+    def __init__(self, model: EngineModel, model_name: str, behind_s: Callable[[], float] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_ModelCollector(model, model_name))
+        self.registry.register(_ModelCollector(model, model_name, behind_s))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

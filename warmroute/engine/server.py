@@ -47,7 +47,7 @@ class EngineServer:
         self.kv_events = kv_events  # where it publishes what its cache stores and evicts (vLLM's format)
         self.model = EngineModel(config, kv_events)
         self.driver = EngineDriver(self.model, time_scale)
-        self.metrics = EngineMetrics(self.model, model_name)
+        self.metrics = EngineMetrics(self.model, model_name, lambda: self.driver.behind_s)
         self.url = ""
         self._runner: web.AppRunner | None = None
 
