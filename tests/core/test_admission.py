@@ -576,6 +576,36 @@ def test_an_instance_past_its_prefill_budget_holds_the_tenants_past_their_share(
     assert _waiter(adm, a, tenant="noisy", tokens=1).why == PREFILL
 
 
+def test_a_budget_of_one_token_holds_a_tenant_past_its_share_while_anything_awaits_a_first_token_there():
+    """prefill_budget 1 (strict isolation): a request the router predicts wholly cached still awaits a prefill step
+    (and the prediction may be wrong), so it counts as one token; while it awaits its first token, the next request
+    of a tenant past its share waits (PREFILL) even if predicted wholly cached too, and goes once it came."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    adm = _adm(f, concurrency_threshold=8, prefill_budget=1)
+    adm.started("quiet", b, 10)
+    adm.started("noisy", b, 10)
+    for i in range(20):  # noisy asks for nearly every request: past its share
+        _waiter(adm, b, tenant="quiet" if i % 10 == 0 else "noisy")
+    assert not adm.under_share("noisy")
+    assert _waiter(adm, a, tenant="noisy", tokens=0) is None  # nothing awaits a first token at a
+    adm.started("noisy", a, 0)
+    held = _waiter(adm, a, tenant="noisy", tokens=0)
+    assert held is not None and held.why == PREFILL
+    adm.offer(held)
+    assert adm.pump(0.1) == ([], [])
+    adm.first_token("noisy", a, 0)
+    assert adm.pump(0.2) == ([held], [])
+    adm.dispatched(held)
+    adm.started("noisy", a, 0)
+    adm.ended("noisy", a, got_first_token=False, uncached_tokens=0)
+    adm.ended("noisy", a, got_first_token=True, uncached_tokens=0)
+    assert _waiter(adm, a, tenant="noisy", tokens=0) is None  # a's books are back to zero (both still active)
+    adm.ended("quiet", b, got_first_token=False, uncached_tokens=10)
+    adm.ended("noisy", b, got_first_token=False, uncached_tokens=10)
+    assert adm.idle() and not adm.active_tenants
+
+
 def test_a_tenants_share_is_what_it_asks_for_not_the_slots_it_holds():
     """Under a prefill budget, whether a tenant is under its share goes by its share of the requests arriving
     lately: a tenant asking for a fifth of them is under its share (half, between two) though it holds every slot,

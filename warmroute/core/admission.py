@@ -122,7 +122,7 @@ class AdmissionSettings:
     # awaiting their first token takes no more requests of tenants asking for their share or more (0: no budget);
     # they wait here, where the fair order picks who goes when its prefill drains, while a tenant asking for less
     # goes first (`under_share`, `exempt`). The engine prefills first come first served: the budget bounds the
-    # prefill a quiet tenant's request finds queued ahead of it.
+    # prefill a quiet tenant's request finds queued ahead of it. A request counts at least one token (1: strict).
     prefill_budget: int = 0
     # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
     # books do when a request is sent (the shells set it to the strategy's records_prefixes).
@@ -294,9 +294,11 @@ class Admission:
         self._activity(tenant, -1)
 
     def _hold(self, tenant: str, name: str, n: int, tokens: float = 0.0) -> None:
-        if tokens:
-            _add(self._prefill, name, n * tokens)
-            _add(self._own_prefill, (tenant, name), n * tokens)
+        # At least one token each: a request predicted wholly cached still takes a prefill step before its first
+        # token (and the prediction may be wrong), so a budget of 1 means nothing awaits a first token there.
+        tokens = max(1.0, tokens)
+        _add(self._prefill, name, n * tokens)
+        _add(self._own_prefill, (tenant, name), n * tokens)
         held = self._held.setdefault(tenant, {})
         left = held.get(name, 0) + n
         if left > 0:

@@ -228,8 +228,9 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     share of the arriving requests or more; those wait in the router, where the fair shares pick whose goes next as
     its prefill drains, while a tenant asking for less goes first (at once, on a slot lent to its instance if need
     be, and past the budget while its own prefill queued there is under it). Engines prefill first come first
-    served, so this bounds the prefill a quiet tenant's request finds queued ahead of it. 0: no budget. One tenant
-    alone is never held."""
+    served, so this bounds the prefill a quiet tenant's request finds queued ahead of it. A request counts at least one
+    token, so 1 is strict: nothing may await a first token there (the heaviest isolation, at a latency cost to the
+    heavy tenant even below overload; docs/deployment.md). 0: no budget. One tenant alone is never held."""
     priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$")
     """Request header carrying a request's priority (an integer, -1000..1000; higher first, lower refused first)."""
     tenant_header: str = Field("x-tenant", pattern=r"^[A-Za-z0-9-]{1,64}$")
