@@ -21,7 +21,9 @@ contenders `flow` (cache_aware, admission on: the default), `no-flow` (cache_awa
            and the three alone, for their TTFT p99 without the noisy one. --fair-share sets the fair rate.
            --repeat N runs it N times (seeds --seed, --seed+1, ...) and pools the three fair tenants' TTFTs over
            the runs: a p99 of one tenant in one run rests on a handful of requests, the pooled one on
-           `tail_n` (printed, with the runs' spread).
+           `tail_n` (printed, with the runs' spread). Each run also reports `engines_behind_s`: how far the
+           emulated engines fell behind their modelled speed over the window (above 0, this host was too busy
+           for them and the timings are partly its own).
   sim-tenants  the same in the simulator (virtual time: seconds, no machine noise): `flow` with this checkout's
            defaults, and, where tenant cap flags are given, `flow+caps` with them (side by side in one run);
            `no-flow` (admission off) where --contenders names it.
