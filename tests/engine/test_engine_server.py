@@ -254,8 +254,8 @@ async def test_an_engine_held_up_by_its_host_says_how_far_it_fell_behind(http: a
     fleet = await start_fleet(1, config=EngineConfig.from_profile("8b", kv_capacity_tokens=64_000), time_scale=0.5)
     try:
         url = fleet.urls[0]
-        async with http.post(url + "/v1/chat/completions", json=chat("go", max_tokens=100, stream=True)) as resp:
-            await resp.content.readline()  # its first token: ~0.6 s of decoding left
+        async with http.post(url + "/v1/chat/completions", json=chat("go", max_tokens=300, stream=True)) as resp:
+            await resp.content.readline()  # its first token: ~1.8 s of decoding left
             time.sleep(0.5)  # the event loop, the engine's driver included, held up as on an overloaded host
             await resp.read()
         assert resp.status == 200
