@@ -294,11 +294,12 @@ class Admission:
         self._activity(tenant, -1)
 
     def _hold(self, tenant: str, name: str, n: int, tokens: float = 0.0) -> None:
-        # At least one token each: a request predicted wholly cached still takes a prefill step before its first
-        # token (and the prediction may be wrong), so a budget of 1 means nothing awaits a first token there.
-        tokens = max(1.0, tokens)
-        _add(self._prefill, name, n * tokens)
-        _add(self._own_prefill, (tenant, name), n * tokens)
+        if self.settings.prefill_budget > 0:  # the prefill books are read only by the budget (`capped`, `exempt`)
+            # At least one token each: a request predicted wholly cached still takes a prefill step before its first
+            # token (and the prediction may be wrong), so a budget of 1 means nothing awaits a first token there.
+            tokens = max(1.0, tokens)
+            _add(self._prefill, name, n * tokens)
+            _add(self._own_prefill, (tenant, name), n * tokens)
         held = self._held.setdefault(tenant, {})
         left = held.get(name, 0) + n
         if left > 0:

@@ -114,7 +114,8 @@ class EngineDriver:
             raise
 
     def _forgive(self, deadline: float, now: float) -> float:
-        """The deadline moved up to within MAX_LAG_S of `now`, the lag dropped counted in behind_s."""
+        """The deadline, moved up to MAX_LAG_S before `now` if it was further behind (the skipped lag is added to
+        behind_s)."""
         floor = now - MAX_LAG_S
         if deadline >= floor:
             return deadline
