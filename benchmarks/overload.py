@@ -179,8 +179,10 @@ async def offer(stack: Stack, streams: dict[str, tuple[Iterator[Session], list[P
     per_session = {t: turns_per_session(mixed(seed)) for t in streams}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         async def session(sess: Session) -> None:
-            for req in sess.requests:
-                records.append(await send(http, stack.target, req, model=stack.model, t0=t0, timeout_s=120.0))
+            for req in sess.requests:  # a refused turn ends the conversation (warmroute/bench/loadgen.py)
+                records.append(rec := await send(http, stack.target, req, model=stack.model, t0=t0, timeout_s=120.0))
+                if not rec.ok:
+                    return
 
         async def arrivals(tenant: str, sessions: Iterator[Session], phases: list[Phase]) -> None:
             rng, t = random.Random(hash((seed, tenant)) & 0xFFFF), 0.0

@@ -120,6 +120,7 @@ class FakeEngine:
     def __init__(self, tokens: int = 3, status: int = 200) -> None:
         self.tokens, self.status = tokens, status
         self.hits = self.queries = 0
+        self.turns: list[int] = []  # messages in each request received
         self.upstream = Upstream("engine-1", ("fake-model",))
         self.upstream.behaviour = self.answer
 
@@ -133,6 +134,7 @@ class FakeEngine:
         body = await request.json()
         assert body["stream"] and body["stream_options"] == {"include_usage": True}
         assert body["model"] == "fake-model"
+        self.turns.append(len(body["messages"]))
         if self.status != 200:
             return web.json_response({"error": {"message": "busy"}}, status=self.status)
         resp = web.StreamResponse(headers={"x-warmroute-instance": "engine-1"})
@@ -185,6 +187,15 @@ async def test_bench_counts_errors_by_kind(fake_engine):
                              BenchSettings(rate=50, duration_s=0.3, warmup_s=0))
     assert result.summary()["requests"] == 0 and result.errors["http_503"] > 3
     assert result.duration_s == pytest.approx(0.3, abs=0.02)  # the window, though no arrival ends it
+
+
+async def test_a_refused_turn_ends_its_conversation(fake_engine):
+    # The next turn's history would hold an answer that never came: a prefix no instance computed.
+    engine, url = await fake_engine(status=429)
+    chats = make_workload("chat", system_tokens=20, user_tokens=5, reply_tokens=5, min_turns=3, max_turns=3)
+    result = await run_bench(url, chats, BenchSettings(rate=40, duration_s=0.5, warmup_s=0))
+    assert result.errors["http_429"] == len(engine.turns) > 3
+    assert set(engine.turns) == {2}  # system + first question, never a later turn
 
 
 async def test_trace_replay_follows_timestamps_and_ends_with_the_trace(fake_engine, tmp_path):

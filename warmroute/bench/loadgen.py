@@ -4,7 +4,9 @@ Three ways to offer load:
   * closed loop (`concurrency`): that many sessions in flight; a driver starts the next as one ends;
   * open loop (`rate`): sessions arrive as a Poisson process (seeded), however slow the server;
   * trace time (neither, on a workload whose sessions carry `arrival_s`): at arrival_s / speedup.
-In every mode a session's turns run in order, each after the previous one completed.
+In every mode a session's turns run in order, each after the previous one completed; a turn that fails (a 429,
+an error) ends its session, as in the simulator: the next turn's history holds an answer that never came, so
+sending it would ask the engine for a prefix no instance computed.
 
 Requests started during the warm-up are sent but not measured. At the end of the window no new request
 starts; those in flight get `drain_s` to finish, then they are cancelled and counted as "unfinished"
@@ -216,11 +218,11 @@ class _Run:
 
     async def _session(self, session: Session) -> None:
         for req in session.requests:
-            if not self._open():
+            if not self._open() or not await self._request(req):
                 return
-            await self._request(req)
 
-    async def _request(self, req: WorkloadRequest) -> None:
+    async def _request(self, req: WorkloadRequest) -> bool:
+        """Send one turn and record it; whether it was answered."""
         measured = self.now() >= self.warm_end
         start = self.now()
         try:
@@ -230,6 +232,7 @@ class _Run:
             self.records.append((measured, RequestRecord(req.tag, start, error="unfinished")))
             raise
         self.records.append((measured, rec))
+        return rec.ok
 
     # -- the window ----------------------------------------------------------------------------------------
     async def _wait_window(self, feeder: asyncio.Task, ticker: Ticker) -> bool:
