@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -28,8 +27,10 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from warmroute.bench.client import send  # noqa: E402
+from warmroute.bench.formats import markdown_table  # noqa: E402
 from warmroute.bench.processes import Child, free_ports  # noqa: E402
 from warmroute.bench.record import OUT, command_line, now_utc, tree_state, write_outputs  # noqa: E402
+from warmroute.bench.stats import percentile  # noqa: E402
 from warmroute.engine.kv_hash import block_hashes  # noqa: E402
 from warmroute.engine.model import EngineConfig, EngineModel  # noqa: E402
 from warmroute.engine.tokenizer import load_tokenizer  # noqa: E402
@@ -102,19 +103,15 @@ def main() -> None:
     sent, http = zip(*asyncio.run(over_http(reqs, args.rate, args.time_scale)))
     virtual = in_virtual_time(reqs, list(sent))
 
-    def pct(xs: list[float], q: int) -> float:
-        return round(1000 * statistics.quantiles(xs, n=100)[q - 1], 1)
-
     rows = {"over HTTP": list(http), "model, virtual time": virtual,
             "difference per request": [h - v for h, v in zip(http, virtual)]}
-    table = ["| TTFT, modelled ms | p50 | p90 | p99 |", "| --- | ---: | ---: | ---: |"]
-    table += [f"| {name} | {pct(xs, 50)} | {pct(xs, 90)} | {pct(xs, 99)} |" for name, xs in rows.items()]
+    ms = {name: [round(1000 * percentile(xs, q), 1) for q in (50, 90, 99)] for name, xs in rows.items()}
+    table = markdown_table(["TTFT, modelled ms", "p50", "p90", "p99"], "lrrr",
+                           ([name, *map(str, v)] for name, v in ms.items()))
     head = (f"`{command_line(__file__, sys.argv[1:])}` ({now_utc()}, {tree_state()}): {len(reqs)} {args.workload} "
             f"requests at {args.rate:g}/s, time scale {args.time_scale:g}")
     print(head, *table, sep="\n")
-    write_outputs(args.json, {"argv": sys.argv[1:], "ttft_ms": {k: [pct(v, q) for q in (50, 90, 99)]
-                                                                 for k, v in rows.items()}},
-                  "\n".join([head, "", *table]))
+    write_outputs(args.json, {"argv": sys.argv[1:], "ttft_ms": ms}, "\n".join([head, "", *table]))
 
 
 if __name__ == "__main__":

@@ -154,8 +154,7 @@ def capacity(args: argparse.Namespace) -> float:
     short closed loop over HTTP would measure the fleet's cold start instead (about half of it)."""
     if args.capacity:
         return args.capacity
-    modelled = argparse.Namespace(**{**vars(args), "slo": args.slo / args.time_scale})  # parse_args scaled it
-    rps = sim_capacity(modelled) / args.time_scale
+    rps = sim_capacity(args) / args.time_scale
     print(f"capacity: {rps:.1f} req/s at time scale {args.time_scale:g}", flush=True)
     return rps
 
@@ -400,7 +399,7 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
 
 def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -> SimSettings:
     routing = StrategySettings(concurrency_threshold=args.threshold or 32)
-    s = SimSettings(instances=INSTANCES, max_running=256, admission=admission, queue_timeout_s=args.slo,
+    s = SimSettings(instances=INSTANCES, max_running=256, admission=admission, queue_timeout_s=args.slo / args.time_scale,
                     routing=routing, requests=10**7, seed=args.seed)
     return dataclasses.replace(s, **changes)
 
