@@ -180,9 +180,9 @@ def simulation(name: str, base: SimSettings, workload) -> Simulation:
         settings = settings.changed(setting, value)
     strategy: str | Strategy = "cache_aware" if name in TUNED else name
     if name == "survival discount":
-        strategy = SurvivalDiscount(settings.strategy_settings())
+        strategy = SurvivalDiscount(settings.routing)
     elif name.startswith("count release"):
-        strategy = count_release(float(name.split()[2].rstrip("x")), settings.strategy_settings())
+        strategy = count_release(float(name.split()[2].rstrip("x")), settings.routing)
     return Simulation(settings, workload, strategy)
 
 

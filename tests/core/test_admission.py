@@ -4,14 +4,19 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from warmroute.core.admission import (BUSY, DEADLINE, KV, NO_INSTANCE, PREEMPTED, PREFILL, SHARE, UNBOUNDED,
-                                      Admission, AdmissionSettings, QueueFull, decide_at, strategy_threshold)
+                                      Admission, AdmissionSettings, QueueFull, decide_at)
 from warmroute.core.strategies import (CACHE_HIT, COLD, OVERLOAD_SPILL, Decision, StrategySettings,
                                        make_strategy)
 
 from fleet_helpers import SYSTEM, conversation_on_the_first_of_two, fleet, key
 
 
-def _adm(f, **kw) -> Admission:
+def _adm(f, capacity=None, **kw) -> Admission:
+    """The queue over fleet `f` whose engines each run `capacity` requests at once (default: the threshold given,
+    as the tests of the queue's rules have it; None there too: unknown, the router never holds for them)."""
+    capacity = capacity if capacity is not None else kw.get("concurrency_threshold")
+    for inst in f.instances.values():
+        inst.capacity.stated = capacity
     return Admission(AdmissionSettings(**kw), f)
 
 
@@ -96,8 +101,16 @@ def test_a_pinned_waiter_goes_elsewhere_once_its_pin_runs_out():
     assert d.instance == b and d.reason == OVERLOAD_SPILL
 
 
-def test_admission_owns_the_threshold():
-    assert strategy_threshold(True, 32) == UNBOUNDED and strategy_threshold(False, 32) == 32
+def test_an_engine_of_unknown_capacity_is_never_held_for():
+    """No engine_capacity and nothing learned: whatever the ConcurrencyThreshold, the router sends at once (an
+    engine batching 256 is not capped at 32)."""
+    f = fleet(1)
+    (a,) = f.instances
+    adm = Admission(AdmissionSettings(concurrency_threshold=32), f)
+    _fill(f, a, 500)
+    assert adm.spare(f.instances[a]) == UNBOUNDED and _waiter(adm, a) is None
+    f.instances[a].capacity.stated = 500
+    assert _waiter(adm, a) is not None  # stated: at 500 in flight it is full
 
 
 def test_a_request_whose_instance_is_busy_waits_for_it_rather_than_spill_onto_a_busy_one():
@@ -107,8 +120,7 @@ def test_a_request_whose_instance_is_busy_waits_for_it_rather_than_spill_onto_a_
     frees, before an older request it holds nothing of."""
     f = fleet(2)
     a, b = sorted(f.instances)
-    s = make_strategy("cache_aware", StrategySettings().model_copy(
-        update={"concurrency_threshold": strategy_threshold(True, 8)}))  # out of the settings' range, on purpose
+    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=1024))  # the engines fill first
     adm = _adm(f, concurrency_threshold=8, spill_headroom=0.25, aging_tokens_per_s=200.0)
     k = key(SYSTEM)
     f.index.record(a, k.blocks())

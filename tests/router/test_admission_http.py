@@ -31,7 +31,10 @@ def _chat(doc: int, question: int, max_tokens: int = 8) -> dict:
 @contextlib.asynccontextmanager
 async def _stack(count: int = 2, time_scale: float = 1.0, **settings):
     """Emulated engines, a router in front and a client; once the test's body is done, the books must return to
-    zero (no request in flight, no slot reserved, nothing queued)."""
+    zero (no request in flight, no slot reserved, nothing queued). The router is told each engine runs
+    concurrency_threshold requests at once (engine_capacity), unless the test says otherwise."""
+    if "concurrency_threshold" in settings:
+        settings.setdefault("engine_capacity", settings["concurrency_threshold"])
     fleet = await start_fleet(count, config=EngineConfig.from_profile("8b", kv_capacity_tokens=KV_TOKENS),
                               time_scale=time_scale)
     router = None
@@ -75,12 +78,13 @@ async def test_overload_waits_in_the_router_and_every_request_is_answered():
             *(_post(client, router.url, _chat(q % 2, q)) for q in range(24))), 60)
         assert all(status == 200 for status, _, _ in answers)
         queued = [h["x-warmroute-reason"] for _, h, _ in answers if "; queued=" in h["x-warmroute-reason"]]
-        assert len(queued) >= 12 and all(float(r.split("queued=")[1].rstrip("s")) > 0 for r in queued)
+        assert len(queued) >= 12 and all(r.endswith("s; engine_full") for r in queued)
+        assert all(float(r.split("queued=")[1].split("s;")[0]) > 0 for r in queued)
         homes = {}
         for (_, h, _), q in zip(answers, range(24)):
             homes.setdefault(q % 2, set()).add(h["x-warmroute-instance"])
         assert all(len(v) == 1 for v in homes.values())  # affinity kept under overload: no spill
-        assert _metric(router, "warmroute_admissions_total", how="busy") >= 12
+        assert _metric(router, "warmroute_admissions_total", how="engine_full") >= 12
 
 
 async def test_a_full_queue_answers_429_with_retry_after_and_leaks_nothing():

@@ -238,7 +238,7 @@ async def test_hold_kv_limit_1000_or_admission_off_never_waits():
 
 
 async def test_a_full_fleet_queues_then_refuses_with_429_past_its_bounds_and_deadline():
-    router = make_router(concurrency_threshold=1, queue_max_requests=1, queue_timeout=0.3)
+    router = make_router(concurrency_threshold=1, engine_capacity=1, queue_max_requests=1, queue_timeout=0.3)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
     key = router.key_of("/v1/chat/completions", body, None)
     tickets = [router.dispatch(Decision(n, CACHE_HIT)) for n in "ab"]  # a and b each at the threshold
@@ -258,7 +258,7 @@ async def test_a_full_fleet_queues_then_refuses_with_429_past_its_bounds_and_dea
 
 
 async def test_a_higher_priority_request_takes_a_lower_ones_place_in_a_full_queue():
-    router = make_router(concurrency_threshold=1, queue_max_requests=1)
+    router = make_router(concurrency_threshold=1, engine_capacity=1, queue_max_requests=1)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
     key = router.key_of("/v1/chat/completions", body, None)
     tickets = [router.dispatch(Decision(n, CACHE_HIT)) for n in "ab"]
@@ -276,7 +276,7 @@ async def test_a_higher_priority_request_takes_a_lower_ones_place_in_a_full_queu
 
 
 async def test_waiters_get_503_when_every_instance_goes_down():
-    router = make_router(concurrency_threshold=1)
+    router = make_router(concurrency_threshold=1, engine_capacity=1)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
     key = router.key_of("/v1/chat/completions", body, None)
     for n in "ab":

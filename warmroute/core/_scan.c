@@ -1,11 +1,9 @@
-/* cache_aware's filters, scorer and tie-breaking in one pass (see warmroute/core/stages/compiled.py).
- *
- * scan(up, params) -> Instance | list[Instance] | None, params a stages.compiled.ScanParams: the stages
- * load_guard, hot_share, estimated_ttft, tie_slack and least_loaded_ties, computing the same values in the same
- * order of floating-point operations as they do, so both decide alike (tests/core/test_choose_equivalence.py).
+/* The primitives of a routing decision that run compiled (see warmroute/core/stages/compiled.py): the
+ * rendezvous top of a tie, the rendezvous seed of an ASCII prompt, and the routable filter. Each has one meaning
+ * and a Python twin; no routing policy lives here.
  * Attributes are read as Python reads them, except that for an exact Instance (a dataclass with __slots__, see
- * configure) the fields are read at their slot's offset, which is what makes this pass worth compiling. An empty
- * slot, or any other object, goes through getattr and raises as Python would.
+ * configure) the fields are read at their slot's offset. An empty slot, or any other object, goes through getattr
+ * and raises as Python would.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -14,16 +12,13 @@
 #include <stdint.h>
 #include <string.h>
 
-static PyObject *s_inflight, *s_engine, *s_queued, *s_rate, *s_name, *s_recent, *s_capacity, *s_healthy,
-    *s_draining;
-static PyObject *s_foreign_requests, *s_foreign_waiting, *s_kv_usage;
+static PyObject *s_name, *s_healthy, *s_draining;
 
 /* The Instance class and its fields' slot offsets (configure); NULL / -1: read with getattr. */
 static PyTypeObject *inst_type = NULL;
-enum { F_INFLIGHT, F_ENGINE, F_QUEUED, F_RATE, F_NAME, F_RECENT, F_CAPACITY, F_HEALTHY, F_DRAINING, F_COUNT };
-static Py_ssize_t offsets[F_COUNT] = {-1, -1, -1, -1, -1, -1, -1, -1, -1};
-static PyObject **field_names[F_COUNT] = {&s_inflight, &s_engine, &s_queued, &s_rate, &s_name, &s_recent,
-                                          &s_capacity, &s_healthy, &s_draining};
+enum { F_NAME, F_HEALTHY, F_DRAINING, F_COUNT };
+static Py_ssize_t offsets[F_COUNT] = {-1, -1, -1};
+static PyObject **field_names[F_COUNT] = {&s_name, &s_healthy, &s_draining};
 
 /* A new reference to obj's field (or NULL with an exception set, as getattr). */
 static inline PyObject *field(PyObject *obj, int f) {
@@ -38,266 +33,6 @@ static inline PyObject *field(PyObject *obj, int f) {
  * read); else NULL, and the caller goes through field(). */
 static inline PyObject *peek(PyObject *obj, int f) {
     return offsets[f] >= 0 && Py_IS_TYPE(obj, inst_type) ? *(PyObject **)((char *)obj + offsets[f]) : NULL;
-}
-
-static inline double as_double(PyObject *v) {
-    return PyFloat_CheckExact(v) ? PyFloat_AS_DOUBLE(v) : PyFloat_AsDouble(v);
-}
-
-static inline int field_double(PyObject *obj, int f, double *out) {
-    PyObject *v = peek(obj, f);
-    if (v != NULL && PyFloat_CheckExact(v)) {  /* the usual case: a float in its slot, read in place */
-        *out = PyFloat_AS_DOUBLE(v);
-        return 0;
-    }
-    v = field(obj, f);
-    if (v == NULL) return -1;
-    *out = as_double(v);
-    Py_DECREF(v);
-    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
-}
-
-typedef struct {
-    PyObject *inst;    /* borrowed from the list */
-    PyObject *engine;  /* new reference, or NULL for None */
-    double load;       /* in flight as the guard counts it */
-    long inflight;
-    double recent;     /* read only for a hot prefix */
-    double cost;
-    double rate;
-} Row;
-
-/* Rows a and b change places (compacting the kept rows to the front; most rows stay where they are). */
-static inline void swap_rows(Row *rows, Py_ssize_t a, Py_ssize_t b) {
-    if (a != b) {
-        Row tmp = rows[a];
-        rows[a] = rows[b];
-        rows[b] = tmp;
-    }
-}
-
-static int get_double(PyObject *obj, PyObject *attr, double *out) {
-    PyObject *v = PyObject_GetAttr(obj, attr);
-    if (v == NULL) return -1;
-    *out = as_double(v);
-    Py_DECREF(v);
-    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* The miss weights of a prompt held by a few instances, taken out of the dict once: each instance's name is then
- * compared with these few keys (by identity, then hash and value, as a dict compares str keys), which costs less
- * than a dict lookup per instance. */
-#define FEW_MISSES 8
-typedef struct {
-    PyObject *name;  /* a new reference */
-    Py_hash_t hash;
-    double weight;
-} Miss;
-
-/* miss's entries into few (their count), or -1 where the dict is asked per instance instead: more than
- * FEW_MISSES entries, a key that is not an exact str, or a weight that is not an exact float. */
-static Py_ssize_t few_misses(PyObject *miss, Miss *few) {
-    if (PyDict_GET_SIZE(miss) > FEW_MISSES) return -1;
-    Py_ssize_t pos = 0, k = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(miss, &pos, &key, &value)) {
-        Py_hash_t h = PyUnicode_CheckExact(key) && PyFloat_CheckExact(value) ? PyObject_Hash(key) : -1;
-        if (h == -1) {  /* (a str's hash cannot fail) */
-            for (Py_ssize_t j = 0; j < k; j++) Py_DECREF(few[j].name);
-            return -1;
-        }
-        few[k++] = (Miss){Py_NewRef(key), h, PyFloat_AS_DOUBLE(value)};
-    }
-    return k;
-}
-
-/* The miss weight of the instance named `name`: its entry in few (k of them), else miss_all; the dict's entry
- * where k is -1 or the name is not an exact str. -1 with an exception set on an error. */
-static int miss_weight(PyObject *miss, const Miss *few, Py_ssize_t k, PyObject *name, double miss_all,
-                       double *out) {
-    *out = miss_all;
-    if (k >= 0 && PyUnicode_CheckExact(name)) {
-        for (Py_ssize_t j = 0; j < k; j++) {
-            if (few[j].name == name) {
-                *out = few[j].weight;
-                return 0;
-            }
-        }
-        Py_hash_t h = PyObject_Hash(name);
-        for (Py_ssize_t j = 0; j < k; j++) {
-            if (few[j].hash == h && PyUnicode_Compare(few[j].name, name) == 0) {
-                *out = few[j].weight;
-                return 0;
-            }
-        }
-        return 0;
-    }
-    PyObject *got = PyDict_GetItemWithError(miss, name);  /* borrowed */
-    if (got == NULL) return PyErr_Occurred() ? -1 : 0;
-    *out = as_double(got);
-    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* engine_load.backlog_tokens: foreign waiting x mean, plus the part of the prompt beyond the free KV. */
-static int backlog(PyObject *engine, PyObject *inst, double prompt, double mean, double *out) {
-    double waiting, capacity, usage;
-    if (get_double(engine, s_foreign_waiting, &waiting) < 0) return -1;
-    double extra = waiting * mean;
-    PyObject *kv = PyObject_GetAttr(engine, s_kv_usage);
-    if (kv == NULL) return -1;
-    if (kv != Py_None) {
-        usage = PyFloat_AsDouble(kv);
-        Py_DECREF(kv);
-        if (usage == -1.0 && PyErr_Occurred()) return -1;
-        if (field_double(inst, F_CAPACITY, &capacity) < 0) return -1;
-        double over = prompt - (1.0 - usage) * capacity;
-        extra += over > 0.0 ? over : 0.0;  /* max(0.0, over): 0.0 unless over > 0.0 */
-    } else {
-        Py_DECREF(kv);
-    }
-    *out = extra;
-    return 0;
-}
-
-static PyObject *scan(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *up, *params, *miss, *result = NULL;
-    double balance_factor, hot_factor, hot_slack, miss_all, prompt, mean, slack_tokens, least_slack;
-    long threshold, balance_slack;
-    int hot;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &up, &PyTuple_Type, &params)) return NULL;
-    /* ScanParams's fields, in its order */
-    if (!PyArg_ParseTuple(params, "ldlpddO!ddddd", &threshold, &balance_factor, &balance_slack, &hot, &hot_factor,
-                          &hot_slack, &PyDict_Type, &miss, &miss_all, &prompt, &mean, &slack_tokens, &least_slack))
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(up);
-    if (n == 0) {
-        PyErr_SetString(PyExc_ValueError, "no instances");
-        return NULL;
-    }
-    Miss few[FEW_MISSES];
-    Py_ssize_t n_few = 0;
-    Row stack_rows[128];
-    Row *rows = n <= 128 ? stack_rows : PyMem_Malloc(n * sizeof(Row));
-    if (rows == NULL) return PyErr_NoMemory();
-    Py_ssize_t filled = 0;
-
-    /* The guard: in flight (plus the engine's foreign requests) against min(threshold, ceil((1+e)(sum+1)/n)+k).
-     * Sums are taken in the list's order, as Python's sum() does. */
-    double total = 0.0, sent = 0.0;
-    for (Py_ssize_t i = 0; i < n; i++, filled++) {
-        Row *r = &rows[i];
-        r->inst = PyList_GET_ITEM(up, i);
-        r->engine = NULL;
-        PyObject *v = field(r->inst, F_INFLIGHT);
-        if (v == NULL) goto done;
-        r->inflight = PyLong_AsLong(v);
-        Py_DECREF(v);
-        if (r->inflight == -1 && PyErr_Occurred()) goto done;
-        r->load = (double)r->inflight;
-        PyObject *engine = field(r->inst, F_ENGINE);
-        if (engine == NULL) goto done;
-        if (engine == Py_None) {
-            Py_DECREF(engine);
-        } else {
-            r->engine = engine;
-            double foreign;
-            if (get_double(engine, s_foreign_requests, &foreign) < 0) { filled++; goto done; }
-            r->load += foreign;
-        }
-        total += r->load;
-        if (hot) {
-            if (field_double(r->inst, F_RECENT, &r->recent) < 0) { filled++; goto done; }
-            sent += r->recent;
-        }
-    }
-    double cap = ceil((1.0 + balance_factor) * (total + 1.0) / (double)n) + (double)balance_slack;
-    if ((double)threshold < cap) cap = (double)threshold;
-    Py_ssize_t m = 0;  /* candidates are compacted to the front of rows (their order kept) */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!(rows[i].load >= cap)) {
-            swap_rows(rows, m, i);
-            m++;
-        }
-    }
-    if (m == 0) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-
-    /* A hot prefix: not onto an instance sent more than its share of recent requests (unless all were). */
-    if (hot) {  /* HotShare.cap: (1+d) x the mean over all routable instances + slack */
-        double share_cap = (1.0 + hot_factor) * sent / (double)n + hot_slack;
-        Py_ssize_t fair = 0;
-        for (Py_ssize_t i = 0; i < m; i++) fair += rows[i].recent <= share_cap;
-        if (fair > 0) {
-            Py_ssize_t k = 0;
-            for (Py_ssize_t i = 0; i < m; i++) {
-                if (rows[i].recent <= share_cap) {
-                    swap_rows(rows, k, i);
-                    k++;
-                }
-            }
-            m = k;
-        }
-    }
-
-    /* Costs: (queued prefill [+ engine backlog] + miss) / rate; the cheapest, and everything within a block. */
-    double best = INFINITY, slowest = INFINITY;
-    n_few = PyDict_GET_SIZE(miss) > 0 ? few_misses(miss, few) : 0;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        Row *r = &rows[i];
-        double queued, extra, miss_here = miss_all;
-        if (field_double(r->inst, F_QUEUED, &queued) < 0) goto done;
-        if (r->engine != NULL) {
-            if (backlog(r->engine, r->inst, prompt, mean, &extra) < 0) goto done;
-            queued = queued + extra;
-        }
-        if (n_few != 0) {
-            PyObject *name = field(r->inst, F_NAME);
-            if (name == NULL) goto done;
-            int err = miss_weight(miss, few, n_few, name, miss_all, &miss_here);
-            Py_DECREF(name);
-            if (err < 0) goto done;
-        }
-        if (field_double(r->inst, F_RATE, &r->rate) < 0) goto done;
-        r->cost = (queued + miss_here) / r->rate;
-        if (r->cost < best) best = r->cost;
-        if (r->rate < slowest) slowest = r->rate;
-    }
-    double limit = best + slack_tokens / slowest;
-    Py_ssize_t tied = 0;
-    long least = LONG_MAX;  /* least_slack may be inf: the step is not in the pipeline, every tie stays */
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (rows[i].cost <= limit) {
-            swap_rows(rows, tied, i);
-            if (rows[tied].inflight < least) least = rows[tied].inflight;
-            tied++;
-        }
-    }
-    if (tied > 1 && !isinf(least_slack)) {  /* equal cost: the least loaded of them (and those close to it) */
-        Py_ssize_t k = 0;
-        for (Py_ssize_t i = 0; i < tied; i++) {
-            if ((double)rows[i].inflight <= (double)least + least_slack) {
-                swap_rows(rows, k, i);
-                k++;
-            }
-        }
-        tied = k;
-    }
-    if (tied == 1) {
-        result = Py_NewRef(rows[0].inst);
-        goto done;
-    }
-    result = PyList_New(tied);
-    if (result == NULL) goto done;
-    for (Py_ssize_t i = 0; i < tied; i++) PyList_SET_ITEM(result, i, Py_NewRef(rows[i].inst));
-
-done:
-    for (Py_ssize_t j = 0; j < n_few; j++) Py_DECREF(few[j].name);
-    for (Py_ssize_t i = 0; i < filled && i < n; i++) Py_XDECREF(rows[i].engine);
-    if (rows != stack_rows) PyMem_Free(rows);
-    return result;
 }
 
 /* rendezvous.py's weight function (xxh3 of the name's bytes, seeded by the key), its cache of names' bytes and
@@ -527,7 +262,6 @@ static PyObject *native_weights(PyObject *self, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"scan", scan, METH_VARARGS, "cache_aware's filters, scorer and tie-breaking (see stages/compiled.py)."},
     {"top", top, METH_VARARGS, "The instance rendezvous.top(seed, their names) picks (see rendezvous.py)."},
     {"routable", routable, METH_VARARGS, "Fleet.routable's filter over a dict of instances."},
     {"text_hash", text_hash, METH_VARARGS, "xxh3 of an ASCII str's first n characters (None: not done here)."},
@@ -540,18 +274,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", NULL, -1, me
 
 PyMODINIT_FUNC PyInit__scan(void) {
     struct { PyObject **slot; const char *name; } names[] = {
-        {&s_inflight, "inflight"}, {&s_engine, "engine"}, {&s_queued, "queued_prefill_tokens"},
-        {&s_rate, "prefill_tokens_per_s"}, {&s_name, "name"}, {&s_recent, "recent"},
-        {&s_capacity, "kv_capacity_tokens"}, {&s_healthy, "healthy"}, {&s_draining, "draining"},
-        {&s_foreign_requests, "foreign_requests"},
-        {&s_foreign_waiting, "foreign_waiting"}, {&s_kv_usage, "kv_usage"},
+        {&s_name, "name"}, {&s_healthy, "healthy"}, {&s_draining, "draining"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].name);
         if (*names[i].slot == NULL) return NULL;
     }
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "API", 2) < 0) {  /* stages/compiled.py's API */
+    if (m != NULL && PyModule_AddIntConstant(m, "API", 3) < 0) {  /* stages/compiled.py's API */
         Py_DECREF(m);
         return NULL;
     }

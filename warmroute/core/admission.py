@@ -1,45 +1,35 @@
 """Admission control: which requests go to an instance now, which wait in the router, and who goes next.
 
-With admission on, the router owns the ConcurrencyThreshold: the strategy chooses as if it were unbounded
-(`strategy_threshold`), for the cache, and a request goes at once only when the instance chosen has room for
-it: fewer requests in flight than the threshold, and the KV cache its requests in flight need, with this one,
-under `kv_limit` x its capacity (or nothing in flight there). Otherwise it waits here, rather than queue in an
-engine (whose cache would evict its prefix before its turn) or spill onto an instance that does not hold its
-prefix (when every instance is busy, moving it only costs its cache; the reference router moves a request
-only to an instance with more spare capacity):
+The strategy chooses with the ConcurrencyThreshold as the reference router applies it: at the threshold a request
+spills to the instance its strategy ranks next among those under it. A request waits here only when the engine
+chosen for it is full: as many requests in flight as the engine runs at once (`Instance.capacity`: the operator's
+`engine_capacity`, or learned from the engine's reported queue; unknown, it never waits for room), or, with
+`kv_limit` set, its KV demand with this one over that share of its cache. Sent on, it would queue in the engine,
+holding KV blocks while its prefix may be evicted before its turn; here it keeps its place and its prefix:
 
   * waiting for its instance (`Waiter.pin`, the instance the strategy chose for its cache). Another instance
     takes it when the aging term (`aging_tokens_per_s` x seconds waited) outweighs the cached match it would
     lose there (away from its instance, at least its whole prompt), or at once when that instance has ample room
-    (`spill_headroom` x the threshold free; not for a request waiting on KV demand). A request waiting on KV
-    demand (the former hold) may go elsewhere once `patience_s` is over, and a conversation (`Decision.private`)
-    keeps its instance `hold_keep` x the fleet's mean time to first token first.
+    (`spill_headroom` x its capacity free; not for a request waiting on KV demand). A request waiting on KV
+    demand may go elsewhere once `patience_s` is over, and a conversation (`Decision.private`) keeps its instance
+    `hold_keep` x the fleet's mean time to first token first.
   * waiting for any instance with room (a strategy that knows nothing of caches).
 
 A waiting request's chain is recorded in the prefix index at the instance it waits for, so the requests
 sharing its prefix that arrive meanwhile wait there too instead of scattering.
 
-When an instance has room (a request finished there, or it came back), `pump` gives it, of the waiters it may
-take, the highest priority first; within a priority, the tenants that have had no more than their fair share
-(start-time fair queuing in requests, by tenant weight, within `fair_slack`); among those, the one losing
-least of its predicted cached match there (its match there less its deepest anywhere) plus aging, and on a
-tie the earliest virtual finish time (a burst queues behind itself). Fairness holds fleet-wide, not only among
-the requests waiting for one instance: a tenant behind its share gets the freed slot, lent to the instance
-its request waits for (cache kept; that instance may go `fair_lend` x the threshold past it, and the fleet's
-total stays under the sum of the thresholds). Optionally (`tenant_queue_share`), while other tenants are active a
-tenant has at most its share of the requests awaiting their first token at an instance; past it, its requests
-wait here (unless that engine's queue is shorter than `tenant_pending`): engines prefill first come first served,
-so one tenant's backlog in them would delay every other tenant's first tokens however fair the order here.
-Likewise (`prefill_budget`), while several tenants are active an instance takes no more requests of tenants
-asking for their share or more once that many uncached prompt tokens sent there await their first token: its
-queue of prefill stays short, and the fair order here, not arrival at the engine, decides whose prefill comes
-next. A tenant asking for less than its share (of the requests arriving lately: `under_share`) goes first: at
-once, on a slot lent to its instance if that one is full, and past the budget (while it has been active only
-briefly, only while its own prefill queued there is under it: a tenant that has just arrived asks for nothing yet,
-and must not flood the engines meanwhile). The
-queue is bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a
-deadline; the shell answers those with 429. All of it is pure: the router (asyncio) and the simulator (virtual
-time) drive the same object with their own clocks.
+When an instance has room (a request finished there, it came back, or its capacity grew), `pump` gives it, of the
+waiters it may take, the highest priority first; within a priority, the tenants that have had no more than their
+fair share (start-time fair queuing in requests, by tenant weight, within `fair_slack`); among those, the one
+losing least of its predicted cached match there plus aging, and on a tie the earliest virtual finish time (a
+burst queues behind itself). Fairness holds fleet-wide: a tenant behind its share gets the freed slot, lent to the
+instance its request waits for (up to `fair_lend` x its capacity past it). Optionally (`tenant_queue_share`,
+`prefill_budget`) a tenant's requests awaiting their first token at an instance are capped while others are active:
+engines prefill first come first served, so one tenant's backlog in them would delay every other tenant's first
+tokens however fair the order here; a tenant asking for less than its share (`under_share`) goes first. The queue is
+bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a deadline; the
+shell answers those with 429. All of it is pure: the router (asyncio) and the simulator (virtual time) drive the
+same object with their own clocks.
 """
 
 from __future__ import annotations
@@ -64,12 +54,12 @@ NO_INSTANCE = "no_instance"  # no healthy instance may serve it any more (503)
 SHED_REASONS = (QUEUE_FULL, PREEMPTED, DEADLINE, NO_INSTANCE)
 # Why a request waited (Waiter.why; the label values of the admissions metric besides IMMEDIATE).
 IMMEDIATE = "immediate"
-BUSY = "busy"  # its instance was at the ConcurrencyThreshold
+BUSY = "engine_full"  # its instance's engine was full (as many in flight as it runs at once)
 KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
 SHARE = "share"  # its tenant had its share of its instance's queue (tenant_queue_share) while others were active
 PREFILL = "prefill"  # its instance had its prefill_budget awaiting first tokens while several tenants were active
 WAIT_REASONS = (BUSY, KV, SHARE, PREFILL)
-UNBOUNDED = 1 << 30  # the strategy's threshold while admission owns the real one
+UNBOUNDED = 1 << 30  # the room of an instance whose capacity is unknown: the router never holds requests for it
 MAX_TENANTS_TRACKED = 10_000
 # A tenant asking for less than this many times its weighted share of the requests arriving lately counts as under
 # its share: tenants asking alike all do (none is held for the others), a burst does not.
@@ -77,16 +67,10 @@ SHARE_TOLERANCE = 1.25
 ARRIVALS_WINDOW = 1  # the arrivals a tenant's share is measured over, in the fleet's thresholds (one: ~a second)
 
 
-def strategy_threshold(admission: bool, concurrency_threshold: int) -> int:
-    """The ConcurrencyThreshold a strategy should apply: none of its own while admission control applies it
-    (a strategy would spill past it; the queue waits for the instance instead)."""
-    return UNBOUNDED if admission else concurrency_threshold
-
-
 @dataclass(kw_only=True)
 class AdmissionSettings:
     enabled: bool = True
-    concurrency_threshold: int = 32  # the strategy's: an instance has room under it
+    concurrency_threshold: int = 32  # the strategy's: sizes the tenant caps and the window of arrivals
     # KV demand (kv_pressure, with the request) an instance may reach and still take a request: cache_aware's
     # hold_kv_limit, applied to every request (1000: off, as that setting's default).
     kv_limit: float = 1000.0
@@ -99,15 +83,14 @@ class AdmissionSettings:
     # A conversation waiting on KV demand keeps its instance this many times the fleet's mean time to first
     # token (StrategySettings.hold_keep), then any instance may take it.
     hold_keep: float = 1.5
-    # An instance with at least this share of the threshold free takes any waiter (the reference's spill to an
-    # instance with more spare capacity); a busier one only those that lose nothing there, or (aging) have
-    # waited long enough. Idle-only by default: under sustained overload any looser rule moves many waiters and
-    # scatters their prefixes (docs/benchmarks.md, Overload). Nothing starves: timeout_s bounds every wait.
+    # An instance with at least this share of its capacity free takes any waiter; a busier one only those that lose
+    # nothing there, or (aging) have waited long enough. Idle-only by default: under sustained overload any looser
+    # rule moves many waiters and scatters their prefixes. Nothing starves: timeout_s bounds every wait.
     spill_headroom: float = 1.0
     aging_tokens_per_s: float = 0.0  # matched tokens a waiter is willing to lose elsewhere per second waited
     fair_slack: float = 4.0  # requests a tenant may be ahead of the least-served waiting tenant
-    # Slots past its threshold an instance may take, as a share of it, for a tenant behind its fair share (lent
-    # by the instances serving tenants ahead of theirs: the fleet's total stays under the sum of thresholds).
+    # Slots past its capacity an instance may take, as a share of it, for a tenant behind its fair share (lent
+    # by the instances serving tenants ahead of theirs: the fleet's total stays under the sum of capacities).
     fair_lend: float = 0.5
     tenant_weights: dict[str, float] = field(default_factory=dict)  # 1.0 for tenants not listed
     # While other tenants are active (requests in flight or waiting), a tenant may have at most this many times
@@ -176,13 +159,13 @@ def admission_settings(routing: StrategySettings, enabled: bool, **queue: Any) -
 
 def decide_at(strategy: Strategy, key: RoutingKey, fleet: Fleet, name: str, first: str | None = None) -> Decision:
     """The strategy's decision for `key` when only `name` may take it: where the queue sent a waiter, with the
-    strategy's own reason, predicted match and books. A waiter moved off its healthy `first` choice went elsewhere
-    because that instance was full: an overload spill (the strategy, seeing its choice masked, would call it a
-    fallback from an unhealthy instance)."""
+    strategy's own reason, predicted match and books. While its healthy `first` choice is routable, whatever the
+    strategy saw masked was full, not down: an overload spill (the strategy would call it a fallback from an
+    unhealthy instance)."""
     with fleet.only(name):
         decision = strategy.choose(key, fleet)
     chosen = fleet.instances.get(first) if first is not None else None
-    if decision.reason == UNHEALTHY_FALLBACK and name != first and chosen is not None and chosen.routable:
+    if decision.reason == UNHEALTHY_FALLBACK and chosen is not None and chosen.routable:
         decision.reason = OVERLOAD_SPILL
     return decision
 
@@ -213,18 +196,32 @@ class Admission:
         self._seq = itertools.count()
 
     # -- room ----------------------------------------------------------------------------------------------
+    def limit(self, inst: Instance) -> int | None:
+        """Requests `inst`'s engine runs at once: the operator's figure, else what it was seen running when it
+        queued but never below the ConcurrencyThreshold (an engine queueing below it is busy computing prefill, not
+        out of batch slots: holding requests for it would only delay them); None while unknown."""
+        cap = inst.capacity
+        if cap.stated is not None or cap.learned is None:
+            return cap.stated
+        return max(cap.learned, self.settings.concurrency_threshold)
+
     def spare(self, inst: Instance) -> int:
-        return self.settings.concurrency_threshold - inst.inflight - self.reserved.get(inst.name, 0)
+        """Requests `inst`'s engine takes before it is full: its limit less what is in flight there (other routers'
+        too, where it reports them) and the slots reserved for waiters; UNBOUNDED where the limit is unknown."""
+        limit = self.limit(inst)
+        if limit is None:
+            return UNBOUNDED
+        return limit - int(inst.load) - self.reserved.get(inst.name, 0)
 
     def has_room(self, inst: Instance, kv_tokens: int, strict_kv: bool = True) -> bool:
-        """Under the ConcurrencyThreshold (counting reserved slots), with the fleet's total under the sum of the
-        thresholds (`fleet_spare`), and, if `strict_kv`, under the KV limit with this request's `kv_tokens`
+        """Under its engine's capacity (counting reserved slots), with the fleet's total under the sum of the
+        capacities (`fleet_spare`), and, if `strict_kv`, under the KV limit with this request's `kv_tokens`
         (unless nothing is in flight there: an idle instance takes anything)."""
         return self.fleet_spare() > 0 and self._fits(inst, kv_tokens, strict_kv)
 
     def _fits(self, inst: Instance, kv_tokens: int, strict_kv: bool, lent: int = 0,
               tenant: str | None = None) -> bool:
-        """has_room at one instance, `lent` slots past its threshold, for `tenant` (None: anyone) within its cap."""
+        """has_room at one instance, `lent` slots past its capacity, for `tenant` (None: anyone) within its cap."""
         if not (inst.healthy and not inst.draining) or self.spare(inst) + lent <= 0:
             return False
         if tenant is not None and not self.within_cap(tenant, inst):
@@ -326,11 +323,20 @@ class Admission:
 
     def fleet_spare(self) -> int:
         """Free slots over the routable instances: fewer than theirs added up while an instance serves past its
-        threshold on a slot lent to a tenant behind its share (`best_for`), so the fleet's total stays bounded."""
+        capacity on a slot lent to a tenant behind its share (`best_for`), so the fleet's total stays bounded."""
         return sum(self.spare(i) for i in self.fleet.routable())
 
-    def _headroom(self) -> int:
-        return max(1, math.ceil(self.settings.spill_headroom * self.settings.concurrency_threshold))
+    def _ample_room(self, inst: Instance) -> bool:
+        """Whether `inst` has spill_headroom x its capacity free, so that any waiter may move there; an instance of
+        unknown capacity only when idle (its room is not known to be ample, only not known to be short)."""
+        if self.limit(inst) is None:
+            return inst.load == 0 and not self.reserved.get(inst.name)
+        return self.spare(inst) >= max(1, self._share_of_capacity(inst, self.settings.spill_headroom))
+
+    def _share_of_capacity(self, inst: Instance, share: float) -> int:
+        """`share` x the requests `inst`'s engine runs at once (0 where that is unknown)."""
+        limit = self.limit(inst)
+        return math.ceil(share * limit) if limit is not None else 0
 
     # -- arrival -------------------------------------------------------------------------------------------
     def waiter_for(self, decision: Decision, now: float, priority: int = 0, tenant: str = "",
@@ -362,7 +368,7 @@ class Admission:
     def _lent_at_once(self, tenant: str, inst: Instance, decision: Decision) -> bool:
         """Whether a request of a tenant under its share, its instance full, goes there at once on a slot lent by
         the fleet (as `best_for` lends one when a slot frees): the fleet has a free slot, and its instance room
-        within fair_lend x the threshold past it. Else it would wait for a slot its share entitles it to, held by
+        within fair_lend x its capacity past it. Else it would wait for a slot its share entitles it to, held by
         the requests of a tenant past its share."""
         return (self.under_share(tenant) and self.fleet_spare() > 0
                 and self._fits_lent(inst, decision.kv_tokens, True, tenant))
@@ -606,9 +612,8 @@ class Admission:
         return inst is not None and self._fits_lent(inst, w.kv_tokens, now < w.strict_until, w.tenant)
 
     def _fits_lent(self, inst: Instance, kv_tokens: int, strict_kv: bool, tenant: str) -> bool:
-        """`_fits` on a slot lent to `inst` (up to fair_lend x the threshold past it)."""
-        lend = math.ceil(self.settings.fair_lend * self.settings.concurrency_threshold)
-        return self._fits(inst, kv_tokens, strict_kv, lend, tenant)
+        """`_fits` on a slot lent to `inst` (up to fair_lend x its capacity past it)."""
+        return self._fits(inst, kv_tokens, strict_kv, self._share_of_capacity(inst, self.settings.fair_lend), tenant)
 
     @staticmethod
     def uncached_at(w: Waiter, name: str) -> int:
@@ -634,7 +639,7 @@ class Admission:
     def _bands(self, inst: Instance, now: float) -> Iterator[tuple[list[Waiter], list[Waiter]]]:
         """The waiters `inst` can serve (its model, room for their KV), by priority, highest first: (those its
         pin rules let it take, those waiting for another instance)."""
-        free = self.spare(inst) >= self._headroom()
+        free = self._ample_room(inst)
         by_priority: dict[int, tuple[list[Waiter], list[Waiter]]] = {}
         serving_cache: dict[str | None, bool] = {}
         for w in self.waiters.values():

@@ -48,6 +48,7 @@ class Decision:
     # Precise mode: whether the chosen instance's match came from its engine's KV events ("precise") or from the
     # router's cache model ("approximate"); "" where precise mode is off.
     match: str = ""
+    waited_for: str = ""  # why it waited in the router's queue (core/admission.py's WAIT_REASONS); "": it did not
 
     @property
     def uncached_tokens(self) -> int:

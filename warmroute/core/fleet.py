@@ -13,7 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from warmroute.core import feedback as fb
-from warmroute.core.engine_load import EngineLoad, observe
+from warmroute.core.engine_capacity import EngineCapacity
+from warmroute.core.engine_load import EngineLoad, foreign_requests, observe
 from warmroute.core.fading import FadingUnit
 from warmroute.core.block_hash import BLOCK_BYTES_DEFAULT
 from warmroute.core.prefix_index import BYTES_PER_ENTRY, PrefixIndex
@@ -25,7 +26,7 @@ MEAN_DECAY = 0.01  # weight of one request in the running mean of uncached promp
 RECENT_WINDOW = 64  # requests per instance over which `Instance.recent` fades (by 1/e)
 
 
-@dataclass(slots=True)  # slots: the compiled cost scan reads its fields at their offsets (core/_scan.c)
+@dataclass(slots=True)  # slots: the compiled routable filter reads its fields at their offsets (core/_scan.c)
 class Instance:
     name: str
     kv_capacity_tokens: int
@@ -43,6 +44,15 @@ class Instance:
     recent: float = 0.0  # requests sent here lately, fading (in units of Fleet.recent_unit.value)
     engine: EngineLoad | None = None  # load the engine itself reports (scraped /metrics); None: unknown
     models: frozenset[str] | None = None  # the models it serves (its /v1/models, or configured); None: unknown
+    # Requests the engine runs before it queues them (stated, or learned from its scrapes): the admission queue's
+    # room; unknown, the router never holds a request back for it.
+    capacity: EngineCapacity = field(default_factory=EngineCapacity)
+
+    @property
+    def load(self) -> float:
+        """Requests in flight at the engine as far as the router knows: its own, and other routers' where the engine
+        reports them."""
+        return self.inflight + foreign_requests(self.engine)
 
     @property
     def routable(self) -> bool:  # Fleet.routable() spells this out for speed: change both together
@@ -59,7 +69,7 @@ def routable_python(instances: dict[str, Instance], serving: frozenset[str] | No
 
 # Compiled where a C compiler was found (core/_scan.c), because it runs on every decision: it reads the two fields
 # at their slots once stages/compiled.py has configured _scan with Instance's layout (before that, through getattr:
-# slower, same answer). The same list in the same order (tests/core/test_choose_equivalence.py).
+# slower, same answer). The same list in the same order (tests/core/test_compiled_primitives.py).
 try:
     if os.environ.get("WARMROUTE_PURE_PYTHON") == "1":  # to run (and test) the fallback where the C one exists
         raise ImportError("WARMROUTE_PURE_PYTHON=1")
@@ -106,7 +116,8 @@ class Fleet:
 
     # -- membership -------------------------------------------------------------------------------------
     def add(self, name: str, kv_capacity_tokens: int | None = None,
-            prefill_tokens_per_s: float | None = None) -> Instance:
+            prefill_tokens_per_s: float | None = None, engine_capacity: int | None = None) -> Instance:
+        """Adds (or updates) an instance; `engine_capacity`: the requests it runs at once, if the operator said."""
         s = self.settings
         inst = self.instances.get(name)
         if inst is None:
@@ -115,6 +126,8 @@ class Fleet:
                 prefill_tokens_per_s or s.default_prefill_tokens_per_s)
         elif kv_capacity_tokens:
             inst.kv_capacity_tokens = kv_capacity_tokens
+        if engine_capacity is not None:
+            inst.capacity.stated = engine_capacity
         self.index.add_instance(name, self.estimated_capacity_tokens(name) // self.block_tokens)
         self._serving.clear()
         return inst
@@ -260,6 +273,14 @@ class Fleet:
             inst.engine = None
         else:
             inst.engine = observe(waiting, running, kv_usage, inst.inflight, inst.pending)
+        self.observe_capacity(name, waiting, running)
+
+    def observe_capacity(self, name: str, waiting: int | None, running: int | None) -> None:
+        """A scrape's queue and batch, for the requests the engine runs before it queues (EngineCapacity)."""
+        inst = self.instances.get(name)
+        if inst is not None:
+            learned = inst.capacity.learned
+            inst.capacity.observe(waiting, running, learned is not None and inst.load >= learned)
 
     def feedback(self, name: str, blocks: Sequence[int], predicted_tokens: int, cached_tokens: int,
                  engine_prompt_tokens: int | None = None, prompt_tokens: int | None = None,

@@ -16,15 +16,14 @@ The reason of the decision comes from the stages: each may `explain` the chosen 
 filters, scorers, pickers, in that order); the first that does gives the reason.
 
 Stages are registered by name in `warmroute.core.stages`; strategies (`warmroute.core.strategies`) are lists
-of stage names. A pipeline of exactly cache_aware's stages runs compiled where `core/_scan.c` was built
-(`stages.compiled`); tests/core/test_choose_equivalence.py checks both ways decide alike.
+of stage names.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.routing_key import RoutingKey
@@ -71,7 +70,7 @@ class Facts(Stage):
 
 class Filter(Stage):
     def prepare(self, req: Request) -> None:
-        """Per-request values computed before any filtering (also read by the compiled path)."""
+        """Per-request values computed before any filtering."""
 
     def filter(self, req: Request, candidates: list[Instance]) -> list[Instance]:
         raise NotImplementedError
@@ -100,19 +99,12 @@ class Picker(Stage):
         raise NotImplementedError
 
 
-# A compiled replacement for the filters, scorers and narrowing pickers: the candidates left (one instance, or
-# several for the last picker), None when a filter left none, or False for a request it does not model (the
-# stages then run one by one; see stages/compiled.py).
-FastPath = Callable[[Request], Instance | list[Instance] | Literal[False] | None]
-
-
 class Pipeline:
     def __init__(self, facts: Sequence[Facts] = (), filters: Sequence[Filter] = (), scorers: Sequence[Scorer] = (),
-                 pickers: Sequence[Picker] = (), fast: FastPath | None = None) -> None:
+                 pickers: Sequence[Picker] = ()) -> None:
         if not pickers:
             raise ValueError("a pipeline needs a picker")
         self.facts, self.filters, self.scorers, self.pickers = list(facts), list(filters), list(scorers), list(pickers)
-        self.fast = fast
         self._stages = [*self.facts, *self.filters, *self.scorers, *self.pickers]
         # Bound methods of the stages that do something there, looked up once: this runs on every decision.
         self._observers = [f.observe for f in self.facts]
@@ -124,10 +116,7 @@ class Pipeline:
     def replaced(self, name: str, stage: Stage) -> Pipeline:
         """A copy with the stage registered as `name` replaced by `stage` (of the same kind), to try a variant."""
         swap = lambda stages: [stage if s.name == name else s for s in stages]  # noqa: E731
-        out = Pipeline(swap(self.facts), swap(self.filters), swap(self.scorers), swap(self.pickers))
-        if [type(s) for s in out._stages] == [type(s) for s in self._stages]:
-            out.fast = self.fast  # the compiled path reads only the request (and the unchanged filters)
-        return out
+        return Pipeline(swap(self.facts), swap(self.filters), swap(self.scorers), swap(self.pickers))
 
     def stage(self, name: str) -> Any:
         """The stage registered under `name` in this pipeline (KeyError if none)."""
@@ -142,12 +131,10 @@ class Pipeline:
             observe(req)
         for prepare in self._preparers:
             prepare(req)
-        found = self.fast(req) if self.fast is not None else False
-        if found is False:
-            found = self.narrow(req)
+        found = self.narrow(req)
         if found is None:  # a filter left nobody: it decides
             return self._emptied_by(req).when_empty(req)
-        chosen = found if isinstance(found, Instance) else self._pick(req, found)
+        chosen = self._pick(req, found)
         for explain in self._explainers:
             why = explain(req, chosen)
             if why is not None:
@@ -155,8 +142,8 @@ class Pipeline:
         raise RuntimeError("no stage explained the decision")  # the last picker always should
 
     def narrow(self, req: Request) -> list[Instance] | None:
-        """Filters, scorers and all pickers but the last, stage by stage: what the compiled path computes (which
-        returns a lone candidate as itself, and leaves the last picker out then)."""
+        """Filters, scorers and all pickers but the last: the candidates left for the last picker (None when a filter
+        left none)."""
         candidates = req.up
         if not self.scorers and not self.filters and not self._narrowers:  # a one-picker pipeline: all of them
             return candidates
@@ -180,7 +167,7 @@ class Pipeline:
         return total
 
     def _emptied_by(self, req: Request) -> Filter:
-        """The filter that left no candidate (re-run stage by stage: the compiled path says only that one did)."""
+        """The filter that left no candidate (re-run: `narrow` says only that one did)."""
         candidates = req.up
         for f in self.filters:
             candidates = f.filter(req, candidates)

@@ -33,7 +33,7 @@ from warmroute.core.popularity import Popularity
 from warmroute.core.routing_key import RoutingKey
 from warmroute.core.settings_model import SettingsModel
 from warmroute.core.stages import SCORERS, STAGES, Handles
-from warmroute.core.stages.compiled import _scan, compiled_path
+from warmroute.core.stages.compiled import _scan
 from warmroute.core.stages.prefix_match import PRIVATE, SHARED, SWAMPED, kv_pressure
 from warmroute.core.stages.routable import routable
 
@@ -95,8 +95,7 @@ class CacheAwareSettings(SettingsModel):
     scorers: dict[str, float] = Field(
         default_factory=lambda: {"estimated_ttft": 1.0},
         description="The scorers that cost each instance, with their weights (NAME=WEIGHT,...; in YAML a "
-                    "mapping); their costs are added. Registered: " + ", ".join(SCORERS) + ". Only the "
-                    "default runs compiled.")
+                    "mapping); their costs are added. Registered: " + ", ".join(SCORERS) + ".")
 
     @field_validator("scorers", mode="before")
     @classmethod
@@ -253,7 +252,6 @@ class StrategySpec:
             made += stage if isinstance(stage, list) else [] if stage is None else [stage]
         pipeline = Pipeline([s for s in made if isinstance(s, Facts)], [s for s in made if isinstance(s, Filter)],
                             [s for s in made if isinstance(s, Scorer)], [s for s in made if isinstance(s, Picker)])
-        pipeline.fast = compiled_path(pipeline)
         return self.cls(name, settings, pipeline, self.records_prefixes)
 
 

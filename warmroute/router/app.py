@@ -276,7 +276,8 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[SCRAPER] = scraper = EngineScraper(router.fleet, upstreams, ScrapeSettings.of(settings), metrics_)
     app[CATALOG] = catalog = ModelCatalog(router.fleet, upstreams, CatalogSettings.of(settings), router.lora_adapters)
     app[KV_EVENTS] = kv_events = _kv_events(settings, router, metrics_, upstreams)
-    app[MEMBERSHIP] = membership = Membership(router.fleet, settings.backends, settings.capacity_configured)
+    app[MEMBERSHIP] = membership = Membership(router.fleet, settings.backends, settings.capacity_configured,
+                                              settings.engine_capacity)
     membership.subscribe(metrics_, replay=False)  # built with the configured backends, as the fleet was
     for follower in (catalog, scraper, kv_events, proxy, health_):  # health last: it checks a new instance
         if follower is not None:

@@ -101,17 +101,23 @@ def check_backends_file(settings: RouterSettings) -> None:
 
 class FleetMembers:
     """The core's fleet following membership, first of all followers: a new instance takes no traffic until its
-    first health check passes."""
+    first health check passes. `engine_capacity`: the fleet's (RouterSettings.engine_capacity), for instances
+    without their own."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, engine_capacity: int | None = None) -> None:
         self.fleet = fleet
+        self.engine_capacity = engine_capacity
+
+    def _capacity(self, member: Member) -> int | None:
+        own = member.backend.engine_capacity
+        return own if own is not None else self.engine_capacity
 
     def added(self, member: Member) -> None:
-        self.fleet.add(member.name, member.backend.kv_capacity_tokens).healthy = False
+        self.fleet.add(member.name, member.backend.kv_capacity_tokens,
+                       engine_capacity=self._capacity(member)).healthy = False
 
     def changed(self, member: Member) -> None:
-        if member.backend.kv_capacity_tokens:
-            self.fleet.add(member.name, member.backend.kv_capacity_tokens)
+        self.fleet.add(member.name, member.backend.kv_capacity_tokens or None, engine_capacity=self._capacity(member))
 
     def removed(self, name: str) -> None:
         self.fleet.remove(name)
@@ -121,14 +127,15 @@ class Membership:
     """Adds, drains and removes instances, and tells every follower (members.py) of each change.
 
     `backends`: the configured instances, which the fleet and the metrics were built with; `capacity_configured`
-    says whether the user gave a backend's KV capacity (RouterSettings.capacity_configured)."""
+    says whether the user gave a backend's KV capacity (RouterSettings.capacity_configured); `engine_capacity` is
+    the fleet's requests per engine at once, if the user gave it."""
 
     def __init__(self, fleet: Fleet, backends: Sequence[Backend],
-                 capacity_configured: Callable[[Backend], bool]) -> None:
+                 capacity_configured: Callable[[Backend], bool], engine_capacity: int | None = None) -> None:
         self.fleet = fleet
         self.capacity_configured = capacity_configured
         self.members = {b.name: Member(b, CONFIG, capacity_configured(b)) for b in backends}
-        self._listeners: list[MembershipListener] = [FleetMembers(fleet)]
+        self._listeners: list[MembershipListener] = [FleetMembers(fleet, engine_capacity)]
 
     def subscribe(self, listener: MembershipListener, replay: bool = True) -> None:
         """Tell `listener` of every change from now on, and (`replay`) of each instance already there as `added`;

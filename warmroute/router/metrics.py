@@ -118,7 +118,7 @@ class Metrics:
                                     ["priority", "tenant", "outcome"], buckets=_WAIT_BUCKETS, registry=r)
         self.admissions = Counter("warmroute_admissions",
                                   "Requests admitted, by how: immediate, or after waiting in the router because "
-                                  "their instance was busy (at concurrency_threshold), kv (over hold_kv_limit) or "
+                                  "their instance's engine was full (engine_full: its engine_capacity in flight), kv (over hold_kv_limit) or "
                                   "share (its tenant at its tenant_queue_share there) or prefill (its instance at its "
                                   "prefill_budget)",
                                   ["how"], registry=r)

@@ -249,10 +249,12 @@ class Proxy(Addresses):
             resp.content_length = upstream.content_length  # same bytes, same length
         if self.settings.decision_headers:
             resp.headers["x-warmroute-instance"] = decision.instance
-            # How the depth was known ("match=precise") and how long it waited in the router's queue, if it did:
-            # "cache_hit; match=precise; queued=0.153s".
+            # How the depth was known ("match=precise") and how long it waited in the router's queue and why, if it
+            # did: "cache_hit; match=precise; queued=0.153s; engine_full".
             reason = decision.reason if not decision.match else f"{decision.reason}; match={decision.match}"
-            resp.headers["x-warmroute-reason"] = reason if waited is None else f"{reason}; queued={waited:.3f}s"
+            if waited is not None:
+                reason = f"{reason}; queued={waited:.3f}s" + (f"; {decision.waited_for}" if decision.waited_for else "")
+            resp.headers["x-warmroute-reason"] = reason
             # what the router expects the engine to report cached, so a client can measure its prediction
             resp.headers["x-warmroute-predicted-hit"] = f"{decision.matched_ratio:.4f}"
         return resp

@@ -15,11 +15,12 @@ from typing import Any
 import msgspec
 
 from warmroute.core.admission import (DEADLINE, IMMEDIATE, NO_INSTANCE, PREEMPTED, QUEUE_FULL, Admission,
-                                      QueueFull, Waiter, admission_settings, decide_at, strategy_threshold)
+                                      QueueFull, Waiter, admission_settings, decide_at)
 from warmroute.core.exact_index import BYTES_PER_BLOCK, ExactIndex, token_seed
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
                                         key_for_json, key_for_raw)
+from warmroute.core.stages import Handles
 from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy
 from warmroute.router.autoscaling import FleetSignals
 from warmroute.router.errors import ApiError, bad_request, no_instance
@@ -56,10 +57,9 @@ class Router:
                                          default_kv_capacity_tokens=settings.kv_capacity_tokens,
                                          feedback=settings.engine_feedback))
         for b in settings.backends:
-            self.fleet.add(b.name, b.kv_capacity_tokens)
-        threshold = strategy_threshold(settings.admission, settings.concurrency_threshold)
-        self.strategy = make_strategy(settings.strategy, settings.strategy_settings().model_copy(
-            update={"concurrency_threshold": threshold}))  # admission owns the real one (may be out of range)
+            self.fleet.add(b.name, b.kv_capacity_tokens, engine_capacity=settings.engine_capacity_of(b))
+        self.strategy = make_strategy(settings.strategy, settings.strategy_settings(),
+                                      handles=Handles(admission=settings.admission))
         self._any = make_strategy("least_loaded")
         self.admission = Admission(admission_settings(
             settings, settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
@@ -210,6 +210,7 @@ class Router:
             decision = decide_at(self.strategy, key, self.fleet, name, waiter.first)
         except NoInstanceAvailable:
             decision = self.decide(key)
+        decision.waited_for = waiter.why
         return decision
 
     def pump(self) -> None:

@@ -52,6 +52,7 @@ class Backend(BaseModel):
     name: str
     url: str
     kv_capacity_tokens: int | None = Field(None, ge=256, le=10**10)
+    engine_capacity: int | None = Field(None, ge=1, le=1_000_000)  # requests it runs at once; unset: the fleet's
     models: list[str] | None = Field(None, min_length=1)  # what it serves; unset: read from its /v1/models
     # precise mode (kv_events): its KV-event publisher and replay socket; unset: the URL's host at kv_events_port
     kv_events_endpoint: str | None = Field(None, pattern=_ZMQ_ENDPOINT)
@@ -195,10 +196,10 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     strategy: StrategyName = "cache_aware"
     """Routing strategy."""
     admission: bool = True
-    """Admission control: a request whose instance has no room (concurrency_threshold in flight, or hold_kv_limit of KV
-    demand) waits in the router, in a bounded queue with priorities and fair shares per tenant, instead of queueing in
-    the engine; when an instance has room it takes the waiting request whose prefix it holds. Off: every request goes at
-    once."""
+    """Admission control: a request whose chosen engine is full (engine_capacity in flight, stated or learned from its
+    /metrics; or hold_kv_limit of KV demand) waits in the router, in a bounded queue with priorities and fair shares per
+    tenant, instead of queueing in the engine; when an engine has room it takes the waiting request whose prefix it
+    holds. An engine whose capacity is unknown is never held for. Off: every request goes at once."""
     queue_max_requests: int = Field(AdmissionSettings.max_requests, ge=1, le=1_000_000)
     """Most requests waiting in the router; beyond, 429 (the lowest priority waiting is refused first)."""
     queue_max_bytes: Annotated[int, Field(ge=KiB, le=64 * GiB)] = 256 * MiB
@@ -252,6 +253,13 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     """Memory cap of the prefix index (accepts 256MiB, 1GiB, ...). The compiled index takes at most 144 bytes a block:
     256 MiB hold about 1.86 million blocks, some 30 million tokens of distinct prompts across the fleet (the Python
     fallback: 400 bytes a block)."""
+    engine_capacity: int | None = Field(None, ge=1, le=1_000_000)
+    """Requests an engine runs at once before it queues them (vLLM's max_num_seqs, or less where its KV cache fills
+    first); per backend in YAML. A request whose chosen engine is that full waits in the router's queue (admission)
+    rather than in the engine's. Unset: learned from each engine's /metrics (once it reports requests waiting on two
+    scrapes in a row, the most it was seen running, never below concurrency_threshold), and until an engine reports a
+    queue the router never holds requests back for it. Not the concurrency_threshold, which only moves requests to
+    another instance with room."""
     kv_capacity_tokens: int = Field(1_000_000, ge=256, le=10**10)
     """Default KV-cache capacity of an instance in tokens (per backend in YAML). If not set, the engine's own figure
     from its /metrics replaces the default once scraped."""
@@ -448,6 +456,10 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
                              "backend is required (--backend URL or NAME=URL), or a source of them (--backends-file, "
                              "--kubernetes-service, --inference-pool, or --admin-token to add them through the admin API)")
         return self
+
+    def engine_capacity_of(self, backend: Backend) -> int | None:
+        """The requests the operator says this backend's engine runs at once (its own figure, else the fleet's)."""
+        return backend.engine_capacity if backend.engine_capacity is not None else self.engine_capacity
 
     def capacity_configured(self, backend: Backend) -> bool:
         """Whether the user gave this backend's KV capacity (else the engine's own figure is used once known)."""

@@ -46,8 +46,8 @@ def engine_depths(engines: dict[str, EngineModel]) -> DepthSource:
 ORACLE = StrategySpec(CACHE_AWARE.stages, CACHE_AWARE.cls, records_prefixes=False)  # it reads the truth
 
 
-def oracle(settings: StrategySettings, engines: dict[str, EngineModel]) -> Strategy:
-    return ORACLE.build("oracle", settings, Handles(depths=engine_depths(engines)))
+def oracle(settings: StrategySettings, engines: dict[str, EngineModel], admission: bool = False) -> Strategy:
+    return ORACLE.build("oracle", settings, Handles(depths=engine_depths(engines), admission=admission))
 
 
 class SglangLikePick(Picker):

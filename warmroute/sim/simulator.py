@@ -17,12 +17,12 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 
-from warmroute.core.admission import (Admission, AdmissionSettings, QueueFull, Waiter, admission_settings,
-                                      decide_at, strategy_threshold)
+from warmroute.core.admission import Admission, AdmissionSettings, QueueFull, Waiter, admission_settings, decide_at
 from warmroute.core.cache_value import CacheValue, scale_in_victim
 from warmroute.core.demand import DemandMeter, fleet_demand
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
+from warmroute.core.stages import Handles
 from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy,
                                        merge_layers)
 from warmroute.engine.model import EngineConfig, EngineModel
@@ -40,6 +40,9 @@ class SimSettings:
     router_kv_capacity_tokens: int | None = None  # the router's idea of it (misconfiguration); None: the truth
     feedback: bool = True  # correct the router's index from the cached tokens each engine reports
     max_running: int = 64
+    # The requests the router is told each engine runs at once (engine_capacity); None: learned from its scrapes.
+    engine_capacity: int | None = None
+    scrape_interval_s: float = 1.0  # the router's scrapes of each engine's load (engine_metrics_interval)
     max_batched_tokens: int = 8192
     # The router's strategy settings, as `warmroute serve` takes them (hold_kv_limit, hold_keep and hold_timeout
     # included: the admission queue applies them).
@@ -68,11 +71,6 @@ class SimSettings:
                          context_ms_per_token=t.context_ms_per_token / scale,
                          prefill_context_ms=t.prefill_context_ms / scale, decode_growth=t.decode_growth / scale)
         return replace(cfg, timing=timing, kv_capacity_tokens=cfg.kv_capacity_tokens * scale)
-
-    def strategy_settings(self) -> StrategySettings:
-        """The strategy's settings; with admission on, the queue owns the ConcurrencyThreshold (as in the router)."""
-        threshold = strategy_threshold(self.admission, self.routing.concurrency_threshold)
-        return self.routing.model_copy(update={"concurrency_threshold": threshold})
 
     def changed(self, name: str, value: object) -> SimSettings:
         """A copy with one setting changed: the simulator's own, or a strategy setting by its plain name."""
@@ -154,13 +152,14 @@ class Simulation:
         self.fleet = Fleet(FleetSettings(block_bytes=self.block_bytes, feedback=settings.feedback))
         self.instances: dict[str, _Instance] = {}
         self.strategy_name = "pooled" if pooled else (strategy if isinstance(strategy, str) else strategy.name)
+        # Not for the pooled reference (one ideal instance) nor the peer model (its router has no such queue).
+        self.admission_on = settings.admission and not pooled and self.strategy_name != "sglang_like"
         for _ in range(1 if pooled else settings.instances):
             self._add_instance()
         if pooled:
             self.strategy = make_strategy("least_loaded")
         elif isinstance(strategy, str):
-            self.strategy = make_strategy_for_sim(strategy, settings.strategy_settings(),
-                                                  settings.seed, self)
+            self.strategy = make_strategy_for_sim(strategy, settings.routing, settings.seed, self)
         else:
             self.strategy = strategy
         self._heap: list[tuple[float, int, int, object]] = []
@@ -173,8 +172,7 @@ class Simulation:
         self._rejected: dict[str, int] = {}  # per tenant
         self._last_instance_by_prefix: dict[int, str] = {}
         adm = settings.admission_settings()
-        # Not for the pooled reference (one ideal instance) nor the peer model (its router has no such queue).
-        adm.enabled = adm.enabled and not pooled and self.strategy_name != "sglang_like"
+        adm.enabled = self.admission_on
         adm.record_queued = self.strategy.records_prefixes
         self.admission = Admission(adm, self.fleet)
         self._queued = 0
@@ -203,7 +201,7 @@ class Simulation:
         inst = self.instances[name] = _Instance(name, EngineModel(self.cfg), created, joined)
         router_capacity = self.s.router_kv_capacity_tokens if not self.pooled else None
         self.fleet.add(name, router_capacity or self.cfg.kv_capacity_tokens,
-                       1000.0 / self.cfg.timing.prefill_ms_per_token)
+                       1000.0 / self.cfg.timing.prefill_ms_per_token, self.s.engine_capacity)
         return inst
 
     def _live(self) -> list[_Instance]:
@@ -256,6 +254,22 @@ class Simulation:
             self._apply(now, event[1])
         elif kind == "ready" and (created := self._starting.pop(event[1], None)) is not None:
             self._join(now, created)
+        elif kind == "scrape":
+            self._scrape(now)
+
+    def _scrape(self, now: float) -> None:
+        """The router reads each engine's running batch and queue, as it scrapes /metrics; it may then send more
+        of the requests waiting in its queue (the engines' capacity moved)."""
+        for i in self._live():
+            self.fleet.observe_capacity(i.name, i.model.num_waiting, i.model.num_running)
+        if self.admission.waiters:
+            self._pump(now)
+        if self._pending_work():
+            self._push(now + self.s.scrape_interval_s, self.ARRIVE, ("scrape",))
+
+    def _pending_work(self) -> bool:
+        """Whether a request is still to come or running (periodic events stop with the last of them)."""
+        return any(kind == self.STEP or not isinstance(p[0], str) for _, _, kind, p in self._heap)  # type: ignore
 
     def _tick(self, now: float) -> None:
         """One reading of the signal; the change it asks for happens reaction_delay_s later."""
@@ -266,7 +280,7 @@ class Simulation:
         self._sizes.append((now, len(live), provisioned))
         target = self.autoscaler.decide(now, len(live), provisioned, self._signal(now, live))
         self._push(now + a.reaction_delay_s, self.ARRIVE, ("apply", target))
-        if any(kind == self.STEP or not isinstance(p[0], str) for _, _, kind, p in self._heap):  # type: ignore[index]
+        if self._pending_work():
             self._push(now + a.interval_s, self.ARRIVE, ("tick",))  # until no request is left
 
     def _signal(self, now: float, live: list[_Instance]) -> float:
@@ -347,6 +361,8 @@ class Simulation:
             self._push(t, self.ARRIVE, ("scale", delta))
         if self.autoscaler is not None:
             self._push(self.s.autoscale.interval_s, self.ARRIVE, ("tick",))
+        if self.admission_on and self.s.engine_capacity is None:
+            self._push(self.s.scrape_interval_s, self.ARRIVE, ("scrape",))
         now = 0.0
         while self._heap:
             now, _, kind, payload = heapq.heappop(self._heap)
@@ -548,8 +564,8 @@ class Simulation:
 def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim: Simulation) -> Strategy:
     if name == "oracle":
         from warmroute.sim.references import oracle
-        return oracle(settings, {n: i.model for n, i in sim.instances.items()})
+        return oracle(settings, {n: i.model for n, i in sim.instances.items()}, sim.admission_on)
     if name == "sglang_like":
         from warmroute.sim.references import sglang_like
         return sglang_like(settings)
-    return make_strategy(name, settings, seed=seed)
+    return make_strategy(name, settings, handles=Handles(seed=seed, admission=sim.admission_on))

@@ -27,10 +27,12 @@ from warmroute.core.stages.tie_slack import TieSlack
 @dataclass
 class Handles:
     """What a stage may need beyond settings: a seed for random choices, where cached depths come from (the
-    router's index; the simulator's oracle passes the engines' real caches)."""
+    router's index; the simulator's oracle passes the engines' real caches), whether an admission queue holds the
+    requests whose engine is full (core/admission.py)."""
 
     seed: int | None = None
     depths: DepthSource = index_depths
+    admission: bool = False
 
 
 Factory = Callable[[Any, Handles], "Stage | list[Stage] | None"]
@@ -52,7 +54,7 @@ STAGES: dict[str, Factory] = {
     "prefix_match": lambda s, h: PrefixMatch(s.cache_aware.miss_weight, s.cache_aware.shared_miss_weight,
                                              s.cache_aware.sticky_kv_limit, h.depths),
     "load_guard": lambda s, h: LoadGuard(s.concurrency_threshold, s.cache_aware.balance_factor,
-                                         s.cache_aware.balance_slack),
+                                         s.cache_aware.balance_slack, h.admission),
     "hot_share": lambda s, h: HotShare(s.cache_aware.hot_balance_factor, s.cache_aware.hot_balance_slack),
     "slow_start": lambda s, h: (SlowStart(s.cache_aware.slow_start_window, s.cache_aware.slow_start_aggression,
                                           s.cache_aware.slow_start_min_weight)

@@ -31,8 +31,7 @@ class HotShare(Filter):
 
     def cap(self, req: Request) -> float:
         """The most recent requests an instance may have been sent and still take the hot prefix's next one:
-        (1+δ) x the mean over the routable instances + slack. Computed once per request, when first asked (the
-        compiled path computes it too, the same way, and asks only when it must explain)."""
+        (1+δ) x the mean over the routable instances + slack. Computed once per request, when first asked."""
         if req.share_cap != req.share_cap:  # NaN: not computed yet
             up = req.up
             req.share_cap = (1 + self.factor) * sum([i.recent for i in up]) / len(up) + self.slack_recent(req)

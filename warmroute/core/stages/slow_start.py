@@ -25,7 +25,7 @@ class SlowStart(Filter):
 
     def prepare(self, req: Request) -> None:
         """The cap on recent requests of each ramping routable instance (req.ramp_caps; empty, as almost always:
-        none is ramping, and the compiled path may run)."""
+        none is ramping)."""
         if not req.fleet.ramps:
             return
         elapsed = req.fleet.ramping(self.window)

@@ -1,0 +1,56 @@
+"""How many requests an engine runs at once before it queues them: stated by the operator, or learned from the
+load the engine reports; unknown means the router never holds a request back for that engine.
+
+The router's queue exists for engines that are full: a request sent to one waits in the engine's own queue, holding
+KV blocks, while its prefix may be evicted before its turn. Only the engine knows when it is full (its batch limit,
+its free KV blocks), so the limit is learned from its scrapes:
+  * until it reports requests waiting on SUSTAINED scrapes in a row, it has shown no limit: none is assumed;
+  * then its limit is the most requests it was seen running over the last PEAK_WINDOW scrapes. Not what it runs
+    while the queue shows: during a burst of long prompts an engine runs few requests because each step's token
+    budget goes to their prefill, not because its batch is full;
+  * it reports none waiting on SUSTAINED scrapes in a row while the router kept it at its learned limit: the limit
+    grows by GROWTH (at least one request), as the engine may have room it never got to show. An engine at its
+    true batch size then queues the few requests past it for a scrape or two: the price of never holding requests
+    an engine has room for.
+The admission queue never holds requests below the ConcurrencyThreshold for a learned limit (Admission.limit).
+Scrape-driven and clock-free: the router calls `observe` per scrape, the simulator per simulated scrape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+SUSTAINED = 2  # scrapes in a row that must agree before the limit moves: one scrape may catch a step in passing
+PEAK_WINDOW = 30  # scrapes over which the most requests running is the engine's batch
+GROWTH = 1.125  # the limit's growth when the engine showed no queue at it
+
+
+@dataclass(slots=True)
+class EngineCapacity:
+    stated: int | None = None  # the operator's figure (engine_capacity): never learned over
+    learned: int | None = None
+    _running: deque[int] = field(default_factory=lambda: deque(maxlen=PEAK_WINDOW))  # the last scrapes' batches
+    _queued: int = 0  # scrapes in a row that reported requests waiting
+    _clear: int = 0  # scrapes in a row at the learned limit that reported none waiting
+
+    def observe(self, waiting: int | None, running: int | None, at_limit: bool) -> None:
+        """One scrape of the engine; `at_limit`: the router had the learned limit's worth of requests there."""
+        if self.stated is not None or waiting is None or running is None:
+            return
+        self._running.append(running)
+        if waiting > 0:
+            self._clear = 0
+            self._queued += 1
+            if self._queued >= SUSTAINED:
+                self.learned = max(1, max(self._running))
+            return
+        self._queued = 0
+        if self.learned is None or not at_limit:
+            self._clear = 0
+            return
+        self._clear += 1
+        if self._clear >= SUSTAINED:
+            self.learned = max(self.learned + 1, math.ceil(self.learned * GROWTH))
+            self._clear = 0
