@@ -201,3 +201,40 @@ async def test_an_instance_at_its_prefill_budget_holds_requests_in_the_router_wh
         assert sum("; queued=" in h["x-warmroute-reason"] for _, h, _ in answers) == 5
         assert _metric(router, "warmroute_admissions_total", how="prefill") == 5
         assert (await quiet)[0] == 200
+
+
+async def _peak_running(client: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> int:
+    """The most requests the engine reported running (its /metrics) until `stop`."""
+    peak = 0
+    while not stop.is_set():
+        async with client.get(url + "/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith("vllm:num_requests_running"):
+                    peak = max(peak, int(float(line.split()[-1])))
+        await asyncio.sleep(0.05)
+    return peak
+
+
+async def test_one_engine_with_a_large_batch_is_never_capped_by_the_router_at_its_defaults():
+    """(d) #32: one engine that runs 256 at once behind a router at its default settings (threshold 32, admission
+    on, engine metrics scraped), 64 concurrent requests: none waits in the router, and the engine runs them
+    together, past the threshold."""
+    fleet = await start_fleet(1, config=EngineConfig.from_profile("8b", kv_capacity_tokens=KV_TOKENS), time_scale=0.5)
+    router = None
+    try:
+        router = await start_router(load_settings({"backends": [f"e0={fleet.urls[0]}"], "port": 0}, env={}))
+        async with aiohttp.ClientSession() as client:
+            stop = asyncio.Event()
+            peak = asyncio.create_task(_peak_running(client, fleet.urls[0], stop))
+            answers = await asyncio.wait_for(asyncio.gather(
+                *(_post(client, router.url, _chat(q % 4, q, max_tokens=300)) for q in range(64))), 120)
+            stop.set()
+            assert all(status == 200 for status, _, _ in answers)
+            assert not [h for _, h, _ in answers if "queued=" in h["x-warmroute-reason"]]
+            assert _metric(router, "warmroute_admissions_total", how="immediate") == 64
+            assert await peak > 32
+        await wait_for(lambda: _books_are_zero(router), timeout=10)
+    finally:
+        if router is not None:
+            await router.stop()
+        await fleet.close()

@@ -255,8 +255,8 @@ class StrategySpec:
         return self.cls(name, settings, pipeline, self.records_prefixes)
 
 
-CACHE_AWARE = StrategySpec(("prefix_match", "load_guard", "slow_start", "hot_share", "scorers", "tie_slack",
-                            "least_loaded_ties", "rendezvous"), CacheAwareStrategy, records_prefixes=True)
+CACHE_AWARE = StrategySpec(("prefix_match", "engine_room", "load_guard", "slow_start", "hot_share", "scorers",
+                            "tie_slack", "least_loaded_ties", "rendezvous"), CacheAwareStrategy, records_prefixes=True)
 STRATEGIES: dict[str, StrategySpec] = {
     "cache_aware": CACHE_AWARE,
     "prefix": StrategySpec(("prefix_affinity",)),

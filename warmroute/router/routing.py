@@ -58,8 +58,8 @@ class Router:
                                          feedback=settings.engine_feedback))
         for b in settings.backends:
             self.fleet.add(b.name, b.kv_capacity_tokens, engine_capacity=settings.engine_capacity_of(b))
-        self.strategy = make_strategy(settings.strategy, settings.strategy_settings(),
-                                      handles=Handles(admission=settings.admission))
+        full = (lambda i: self.admission.spare(i) <= 0) if settings.admission else None  # the queue is built below
+        self.strategy = make_strategy(settings.strategy, settings.strategy_settings(), handles=Handles(engine_full=full))
         self._any = make_strategy("least_loaded")
         self.admission = Admission(admission_settings(
             settings, settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,

@@ -18,7 +18,7 @@ And one peer, so the simulator can reproduce what the HTTP comparison with it sh
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from warmroute.core.decision import AFFINITY, OVERLOAD_SPILL
 from warmroute.core.fleet import Fleet, Instance
@@ -46,8 +46,9 @@ def engine_depths(engines: dict[str, EngineModel]) -> DepthSource:
 ORACLE = StrategySpec(CACHE_AWARE.stages, CACHE_AWARE.cls, records_prefixes=False)  # it reads the truth
 
 
-def oracle(settings: StrategySettings, engines: dict[str, EngineModel], admission: bool = False) -> Strategy:
-    return ORACLE.build("oracle", settings, Handles(depths=engine_depths(engines), admission=admission))
+def oracle(settings: StrategySettings, engines: dict[str, EngineModel],
+           engine_full: Callable[[Instance], bool] | None = None) -> Strategy:
+    return ORACLE.build("oracle", settings, Handles(depths=engine_depths(engines), engine_full=engine_full))
 
 
 class SglangLikePick(Picker):

@@ -154,6 +154,8 @@ class Simulation:
         self.strategy_name = "pooled" if pooled else (strategy if isinstance(strategy, str) else strategy.name)
         # Not for the pooled reference (one ideal instance) nor the peer model (its router has no such queue).
         self.admission_on = settings.admission and not pooled and self.strategy_name != "sglang_like"
+        # What the strategy sees of the queue: which engines are full (the queue is built below).
+        self.engine_full = (lambda i: self.admission.spare(i) <= 0) if self.admission_on else None
         for _ in range(1 if pooled else settings.instances):
             self._add_instance()
         if pooled:
@@ -564,8 +566,8 @@ class Simulation:
 def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim: Simulation) -> Strategy:
     if name == "oracle":
         from warmroute.sim.references import oracle
-        return oracle(settings, {n: i.model for n, i in sim.instances.items()}, sim.admission_on)
+        return oracle(settings, {n: i.model for n, i in sim.instances.items()}, sim.engine_full)
     if name == "sglang_like":
         from warmroute.sim.references import sglang_like
         return sglang_like(settings)
-    return make_strategy(name, settings, handles=Handles(seed=seed, admission=sim.admission_on))
+    return make_strategy(name, settings, handles=Handles(seed=seed, engine_full=sim.engine_full))

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from warmroute.core.pipeline import Stage
+from warmroute.core.fleet import Instance
 from warmroute.core.stages.affinity import Affinity, prefix_key, session_key
 from warmroute.core.stages.baselines import RandomPick, RoundRobinPick
+from warmroute.core.stages.engine_room import EngineRoom
 from warmroute.core.stages.estimated_ttft import EstimatedTtft
 from warmroute.core.stages.hot_share import HotShare
 from warmroute.core.stages.least_loaded import LeastLoaded, LeastLoadedTies
@@ -27,12 +29,16 @@ from warmroute.core.stages.tie_slack import TieSlack
 @dataclass
 class Handles:
     """What a stage may need beyond settings: a seed for random choices, where cached depths come from (the
-    router's index; the simulator's oracle passes the engines' real caches), whether an admission queue holds the
-    requests whose engine is full (core/admission.py)."""
+    router's index; the simulator's oracle passes the engines' real caches), and with an admission queue
+    (core/admission.py), which engines are full (it holds the requests for them)."""
 
     seed: int | None = None
     depths: DepthSource = index_depths
-    admission: bool = False
+    engine_full: Callable[[Instance], bool] | None = None  # None: no admission queue
+
+    @property
+    def admission(self) -> bool:
+        return self.engine_full is not None
 
 
 Factory = Callable[[Any, Handles], "Stage | list[Stage] | None"]
@@ -53,6 +59,7 @@ def _weighted(name: str, weight: float, s: Any, h: Handles) -> Stage:
 STAGES: dict[str, Factory] = {
     "prefix_match": lambda s, h: PrefixMatch(s.cache_aware.miss_weight, s.cache_aware.shared_miss_weight,
                                              s.cache_aware.sticky_kv_limit, h.depths),
+    "engine_room": lambda s, h: EngineRoom(h.engine_full) if h.engine_full is not None else None,
     "load_guard": lambda s, h: LoadGuard(s.concurrency_threshold, s.cache_aware.balance_factor,
                                          s.cache_aware.balance_slack, h.admission),
     "hot_share": lambda s, h: HotShare(s.cache_aware.hot_balance_factor, s.cache_aware.hot_balance_slack),

@@ -1,0 +1,136 @@
+"""When the router holds requests for an engine (#32): only once that engine is full, by its own account or the
+operator's; the ConcurrencyThreshold only moves requests to an instance with room."""
+
+from __future__ import annotations
+
+from warmroute.core.admission import BUSY, UNBOUNDED, Admission, AdmissionSettings
+from warmroute.core.decision import CACHE_HIT, OVERLOAD_SPILL
+from warmroute.core.engine_capacity import GROWTH, PEAK_WINDOW, SUSTAINED, EngineCapacity
+from warmroute.core.stages import Handles
+from warmroute.core.strategies import StrategySettings, make_strategy
+
+from fleet_helpers import SYSTEM, fleet, key
+
+
+def test_an_engine_shows_no_limit_until_it_queues_on_consecutive_scrapes():
+    cap = EngineCapacity()
+    cap.observe(waiting=0, running=200, at_limit=False)
+    cap.observe(waiting=3, running=250, at_limit=False)  # one scrape may catch a step in passing
+    assert cap.learned is None
+    cap.observe(waiting=0, running=10, at_limit=False)
+    cap.observe(waiting=3, running=40, at_limit=False)
+    assert cap.learned is None
+    cap.observe(waiting=2, running=60, at_limit=False)
+    assert cap.learned == 250  # the most it ran lately, not what it ran while prefill filled its steps
+
+
+def test_the_peak_is_taken_over_recent_scrapes_only():
+    cap = EngineCapacity()
+    cap.observe(waiting=0, running=500, at_limit=False)
+    for _ in range(PEAK_WINDOW):
+        cap.observe(waiting=0, running=30, at_limit=False)
+    for _ in range(SUSTAINED):
+        cap.observe(waiting=5, running=32, at_limit=False)
+    assert cap.learned == 32
+
+
+def test_a_learned_limit_grows_when_the_engine_shows_no_queue_at_it_and_falls_back_when_it_does():
+    cap = EngineCapacity()
+    for _ in range(SUSTAINED):
+        cap.observe(waiting=4, running=32, at_limit=False)
+    assert cap.learned == 32
+    cap.observe(waiting=0, running=32, at_limit=False)  # the router did not keep it full: no evidence
+    cap.observe(waiting=0, running=32, at_limit=False)
+    assert cap.learned == 32
+    for _ in range(SUSTAINED):
+        cap.observe(waiting=0, running=32, at_limit=True)
+    assert cap.learned == round(32 * GROWTH)
+    for _ in range(SUSTAINED):
+        cap.observe(waiting=2, running=32, at_limit=True)
+    assert cap.learned == 32
+
+
+def test_a_stated_capacity_is_never_learned_over():
+    cap = EngineCapacity(stated=64)
+    for _ in range(5):
+        cap.observe(waiting=10, running=8, at_limit=True)
+    assert cap.stated == 64 and cap.learned is None
+
+
+def test_a_learned_limit_never_holds_below_the_threshold():
+    f = fleet(1)
+    (a,) = f.instances
+    for _ in range(SUSTAINED):
+        f.engine_load(a, waiting=5, running=3, kv_usage=0.5)  # queueing at 3 running: busy with prefill
+    adm = Admission(AdmissionSettings(concurrency_threshold=32), f)
+    assert f.instances[a].capacity.learned == 3 and adm.limit(f.instances[a]) == 32
+
+
+def _cache_aware_with_queue(f, threshold: int, **adm):
+    """cache_aware as the router builds it with admission on: it sees which engines are full."""
+    queue = Admission(AdmissionSettings(concurrency_threshold=threshold, **adm), f)
+    s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=threshold),
+                      handles=Handles(engine_full=lambda i: queue.spare(i) <= 0))
+    return s, queue
+
+
+def test_at_the_threshold_a_request_spills_to_an_instance_with_room():
+    """(a) The instance holding the prefix has the threshold in flight, its engine has room: the request goes to
+    the other instance at once (the reference's overload spill), and does not wait."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    s, queue = _cache_aware_with_queue(f, threshold=4)
+    k = key(SYSTEM)
+    f.index.record(a, k.blocks())
+    assert s.choose(k, f).instance == a
+    f.instances[a].inflight = 4
+    d = s.choose(k, f)
+    assert d.instance == b and d.reason == OVERLOAD_SPILL and queue.waiter_for(d, 0.0) is None
+
+
+def test_a_request_waits_only_when_no_engine_has_room():
+    """(b) Every instance over the threshold, every engine full (engine_capacity 4): the request is placed for its
+    cache and waits in the router for that engine."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    for inst in f.instances.values():
+        inst.capacity.stated, inst.inflight = 4, 4
+    s, queue = _cache_aware_with_queue(f, threshold=4)
+    k = key(SYSTEM)
+    f.index.record(a, k.blocks())
+    d = s.choose(k, f)
+    assert d.instance == a and d.reason == CACHE_HIT
+    w = queue.waiter_for(d, 0.0)
+    assert w is not None and w.why == BUSY == "engine_full" and w.pin == a
+    f.instances[b].inflight = 3  # a slot at b: the next request goes there rather than wait
+    d2 = s.choose(k, f)
+    assert d2.instance == b and queue.waiter_for(d2, 0.0) is None
+
+
+def test_an_engine_reporting_a_queue_is_not_sent_more_while_another_has_room():
+    """(c) Both instances are past the threshold (32); the one holding the prefix reports requests waiting on two
+    scrapes at 40 running: it is full at 40, so the request goes to the other, whose engine reports no queue."""
+    f = fleet(2)
+    a, b = sorted(f.instances)
+    s, queue = _cache_aware_with_queue(f, threshold=32)
+    k = key(SYSTEM)
+    f.index.record(a, k.blocks())
+    f.instances[a].inflight, f.instances[b].inflight = 40, 35
+    assert s.choose(k, f).instance == a  # all past the threshold, nobody full yet: the cost keeps its cache
+    for _ in range(SUSTAINED):
+        f.engine_load(a, waiting=6, running=40, kv_usage=0.9)
+        f.engine_load(b, waiting=0, running=35, kv_usage=0.5)
+    assert queue.spare(f.instances[a]) <= 0 and queue.spare(f.instances[b]) == UNBOUNDED
+    d = s.choose(k, f)
+    assert d.instance == b and d.reason == OVERLOAD_SPILL and queue.waiter_for(d, 0.0) is None
+
+
+def test_a_single_engine_past_the_threshold_is_never_held_for():
+    """(d), in the core: one engine, 64 in flight, threshold 32, no capacity stated or learned: the next request
+    goes at once."""
+    f = fleet(1)
+    (a,) = f.instances
+    s, queue = _cache_aware_with_queue(f, threshold=32)
+    f.instances[a].inflight = 64
+    d = s.choose(key(SYSTEM), f)
+    assert d.instance == a and queue.waiter_for(d, 0.0) is None
