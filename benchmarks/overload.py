@@ -6,9 +6,10 @@
     .venv/bin/python benchmarks/overload.py tenants [--capacity R] [--duration 60] [--fair-share 0.25] [--repeat 3]
     .venv/bin/python benchmarks/overload.py sim-tenants [--duration 60] [--repeat 3] [--prefill-budget 2048]
 
-Every run: a fresh emulated fleet (4 instances, the 8b profile, cold caches) and a fresh router in front of it;
-contenders `flow` (cache_aware, admission on: the default), `no-flow` (cache_aware --no-admission) and, where
-.peers-venv holds it (benchmarks/compare_peers.py installs it), `smg` (smg launch --policy cache_aware).
+Every run: a fresh emulated fleet (--instances, 4; the 8b profile; each engine batching --max-running, 256; cold
+caches) and a fresh router in front of it; contenders `flow` (cache_aware, admission on: the default), `no-flow`
+(cache_aware --no-admission), `direct` (no router: only with --instances 1) and, where .peers-venv holds it
+(benchmarks/compare_peers.py installs it), `smg` (smg launch --policy cache_aware).
 
   closed   the mixed workload by N closed-loop clients (16, then 8x as many): hit rate (the engines'
            counters), throughput, TTFT p50/p99.
@@ -63,7 +64,6 @@ from warmroute.sim.simulator import SimSettings, Simulation  # noqa: E402
 from warmroute.workloads import Session, Workload, make_workload  # noqa: E402
 from warmroute.workloads.tenants import Tenants, TenantStream, tagged, turns_per_session  # noqa: E402
 
-INSTANCES = 4
 MAX_TOKENS = 16
 
 
@@ -73,6 +73,7 @@ class Contender:
     extra: tuple[str, ...] = ()  # warmroute serve flags; None router: the peer
     peer: bool = False
     code: Path | None = None  # run the router from this checkout (--baseline-code: before / after a change)
+    direct: bool = False  # no router: the clients talk to the one engine (--instances 1)
 
     def argv(self, port: int, urls: list[str], venv: Path, slo: float | None, threshold: int | None,
              flags: list[str]) -> list[str]:
@@ -93,7 +94,7 @@ class Contender:
 
 
 CONTENDERS = {"flow": Contender("flow"), "no-flow": Contender("no-flow", ("--no-admission",)),
-              "smg": Contender("smg", peer=True)}
+              "smg": Contender("smg", peer=True), "direct": Contender("direct", direct=True)}
 
 
 class Stack:
@@ -102,19 +103,25 @@ class Stack:
     def __init__(self, contender: Contender, args: argparse.Namespace, slo: float | None = None) -> None:
         self.contender, self.logs, self.venv, self.slo = contender, args.logs, args.peers_venv, slo
         self.threshold, self.time_scale = args.threshold, args.time_scale
+        self.instances, self.max_running = args.instances, args.max_running
         self.flags = tenant_flags(args)
 
     async def __aenter__(self) -> Stack:
-        port = free_ports(INSTANCES)
-        self.urls = [f"http://127.0.0.1:{port + i}" for i in range(INSTANCES)]
+        n = self.instances
+        port = free_ports(n)
+        self.urls = [f"http://127.0.0.1:{port + i}" for i in range(n)]
         self.children: list[Child] = []
         try:
-            engines = Child(f"engines-{self.contender.label}", ["engine", "--count", str(INSTANCES), "--port",
-                                                                str(port), "--time-scale", str(self.time_scale)],
-                            self.logs)
+            engines = Child(f"engines-{self.contender.label}", [
+                "engine", "--count", str(n), "--port", str(port), "--time-scale", str(self.time_scale),
+                "--max-running", str(self.max_running)], self.logs)
             self.children.append(engines)
-            await engines.wait_for_log("listening on", INSTANCES, timeout_s=60)
-            rport = free_ports(2, port + INSTANCES)
+            await engines.wait_for_log("listening on", n, timeout_s=60)
+            if self.contender.direct:  # no router: the one engine is the target
+                self.target = self.urls[0]
+                self.model = await engines.wait_for_model(self.target)
+                return self
+            rport = free_ports(2, port + n)
             argv = self.contender.argv(rport, self.urls, self.venv, self.slo, self.threshold, self.flags)
             if self.contender.code is not None:  # the same command from another checkout's code (PYTHONSAFEPATH:
                 # `python -m` would put the working directory, this checkout, first on the path)
@@ -399,8 +406,8 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
 
 def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -> SimSettings:
     routing = StrategySettings(concurrency_threshold=args.threshold or 32)
-    s = SimSettings(instances=INSTANCES, max_running=256, admission=admission, queue_timeout_s=args.slo / args.time_scale,
-                    routing=routing, requests=10**7, seed=args.seed)
+    s = SimSettings(instances=args.instances, max_running=args.max_running, admission=admission,
+                    queue_timeout_s=args.slo / args.time_scale, routing=routing, requests=10**7, seed=args.seed)
     return dataclasses.replace(s, **changes)
 
 
@@ -452,6 +459,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("scenario", choices=("closed", "surge", "tenants", "sim-tenants"))
     p.add_argument("--contenders", nargs="+", default=["flow", "no-flow", "smg"], choices=sorted(CONTENDERS))
     p.add_argument("--clients", nargs="+", type=int, default=[16, 128])
+    p.add_argument("--instances", type=int, default=4, help="emulated engines (direct: 1)")
+    p.add_argument("--max-running", type=int, default=256, help="each engine's largest running batch")
     p.add_argument("--duration", type=float, default=30.0, help="closed: measured s; tenants: whole run s")
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--capacity", type=float, help="requests/s the fleet serves (default: measured first)")
@@ -484,6 +493,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peers-venv", type=Path, default=PEERS_VENV)
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
+    if "direct" in args.contenders and args.instances != 1:
+        p.error("the direct contender needs --instances 1 (with several engines, no router is no single target)")
     args.slo *= args.time_scale
     return args
 

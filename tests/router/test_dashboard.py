@@ -166,11 +166,11 @@ def test_state_shows_the_admission_queue_of_every_worker():
 
     def worker(waiting: list[tuple[int, str]]) -> tuple[Fleet, Activity, Metrics, Admission]:
         fleet, metrics = Fleet(), Metrics("cache_aware", ["a"])
-        fleet.add("a").inflight = 1
+        fleet.add("a", engine_capacity=1).inflight = 1  # its engine full
         adm = Admission(AdmissionSettings(concurrency_threshold=1), fleet)
         for priority, tenant in waiting:
             adm.offer(adm.waiter_for(Decision("a", "cold"), 0.0, priority, tenant))
-        metrics.admitted("busy")
+        metrics.admitted("engine_full")
         metrics.left_queue(0, "t", 1.0, "deadline")
         return fleet, Activity(64), metrics, adm
 
@@ -180,7 +180,7 @@ def test_state_shows_the_admission_queue_of_every_worker():
     q = state(fleet, activity, metrics, "cache_aware", [other], adm)["queue"]
     assert q["enabled"] and q["waiting"] == 4
     assert q["by"] == [{"priority": 5, "tenant": "vip", "waiting": 1}, {"priority": 0, "tenant": "t", "waiting": 3}]
-    assert q["admitted"] == {"busy": 1.0} and q["shed"] == {"deadline": 1.0}
+    assert q["admitted"] == {"engine_full": 1.0} and q["shed"] == {"deadline": 1.0}
     assert state(fleet, activity, metrics, "cache_aware")["queue"]["enabled"] is False  # no queue given
 
 

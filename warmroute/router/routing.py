@@ -32,7 +32,7 @@ from warmroute.router.usage import EngineUsage
 
 SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
-QUEUE_POLL = 0.25  # seconds: a waiting request looks again at least this often
+QUEUE_POLL = 0.25  # seconds: while requests wait, the queue is pumped at least this often (one timer, not one each)
 TOKENIZED_ROUTES = CHAT_ROUTES | PROMPT_ROUTES  # what precise mode tokenizes (the others: approximate model only)
 # msgspec parses a long prompt 3x faster than json (docs/benchmarks.md, "Parsing large bodies"): the parse
 # runs in the event loop, and a thread would not help, as neither parser lets go of the GIL.
@@ -76,6 +76,7 @@ class Router:
             self.exact = ExactIndex(settings.index_memory_bytes // BYTES_PER_BLOCK, settings.kv_speculative_ttl)
             self.strategy.exact = self.exact
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
+        self._pump_timer: asyncio.TimerHandle | None = None  # while requests wait (`_keep_pumping`)
         # What autoscalers read: demand per model, and what each instance's cache is worth.
         self.signals = FleetSignals(self.fleet, self.admission, settings, settings.concurrency_threshold)
 
@@ -160,8 +161,9 @@ class Router:
     async def admit(self, key: RoutingKey | None, decision: Decision, priority: int = 0, tenant: str = "",
                     size_bytes: int = 0) -> tuple[Decision, float]:
         """Send `decision` now if its instance has room; else wait in the router's queue until an instance
-        takes this request (then decided again for that instance), looking again whenever a request finishes
-        and at least every QUEUE_POLL seconds (other workers' requests finish unseen). Returns the decision to
+        takes this request (then decided again for that instance): the queue is pumped whenever a request finishes
+        and, while anything waits, every QUEUE_POLL seconds by one timer (deadlines, other workers' requests that
+        finish unseen, engines whose capacity grew). Returns the decision to
         send and the seconds waited (0.0: it did not wait). Raises 429 (queue full, preempted, deadline) or
         503 (no healthy instance left). A client that leaves takes its request out of the queue at once."""
         adm = self.admission
@@ -182,10 +184,9 @@ class Router:
         for w in refused:
             self._left(w)
         self.pump()
+        self._keep_pumping(loop)
         try:
-            while waiter.instance is None and waiter.shed is None:
-                await asyncio.wait((waiter.payload,), timeout=QUEUE_POLL)  # type: ignore[arg-type]
-                self.pump()  # deadlines, instances back, other workers' finished requests
+            await waiter.payload  # type: ignore[misc]  # set when it leaves the queue (`_left`)
         except BaseException:  # the client left (cancelled): out of the queue, or its reserved slot back
             if waiter.seq in adm.waiters:
                 adm.cancel(waiter)
@@ -212,6 +213,16 @@ class Router:
             decision = self.decide(key)
         decision.waited_for = waiter.why
         return decision
+
+    def _keep_pumping(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One timer for the whole queue: a pump every QUEUE_POLL seconds while anything waits."""
+        if self._pump_timer is None and self.admission.waiters:
+            self._pump_timer = loop.call_later(QUEUE_POLL, self._timed_pump, loop)
+
+    def _timed_pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._pump_timer = None
+        self.pump()
+        self._keep_pumping(loop)
 
     def pump(self) -> None:
         """Instances with room take waiting requests; those past their deadline are refused. Wakes each."""
