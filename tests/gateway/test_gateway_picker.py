@@ -192,6 +192,26 @@ async def test_books_close_when_the_stream_breaks_at_any_point(picker, channel):
     assert picker.picker.streams == 0
 
 
+async def test_repeated_and_out_of_order_messages_never_open_a_second_ticket(picker, channel):
+    """#33: a client of the ext_proc service that sends a request's headers (end of stream) fifty times on one
+    stream, then a body, gets one decision and a refusal, and the books return to zero: later requests are not
+    held behind tickets nobody closes."""
+    s = Stream(channel)
+    for _ in range(50):
+        await s.send(request_headers=_headers("/v1/models", method="GET", eos=True))
+    first = await s.reply()
+    assert DESTINATION in _set_headers(first.request_headers.response.header_mutation)
+    refused = await s.reply()
+    assert refused.immediate_response.status.code == 400
+    assert b"after this stream's request was decided" in refused.immediate_response.body
+    await s.send(request_body=ep.HttpBody(body=_chat_body(), end_of_stream=True))
+    await wait_for(lambda: _books(picker) == 0)
+    s.call.cancel()
+    await wait_for(lambda: picker.picker.streams == 0)
+    assert _books(picker) == 0 and picker.picker.router.admission.idle()
+    assert await _pick(channel, "after the flood")  # the next stream is decided as usual
+
+
 async def test_the_books_follow_the_endpoint_that_served(picker, stand_ins, channel):
     s = Stream(channel)
     await s.send(request_headers=_headers("/v1/chat/completions"))

@@ -162,6 +162,14 @@ class Exchange:
 
     async def on(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         kind = message.WhichOneof("request")
+        if kind in ("request_headers", "request_body") and self.decided:
+            # One request per stream: a second request's headers, or a body after the decision, close this one's
+            # books and are refused (never a second decision, whose books would stay open).
+            if self.done:
+                return []
+            self.close()
+            return [self._refuse(ApiError(400, f"ext_proc {kind} after this stream's request was decided",
+                                          "invalid_request_error"))]
         if kind == "request_headers":
             return await self._request_headers(message)
         if kind == "request_body":
