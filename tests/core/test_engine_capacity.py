@@ -3,7 +3,7 @@ operator's; the ConcurrencyThreshold only moves requests to an instance with roo
 
 from __future__ import annotations
 
-from warmroute.core.admission import BUSY, UNBOUNDED, Admission, AdmissionSettings
+from warmroute.core.admission import BUSY, MIN_LEARNED_LIMIT, UNBOUNDED, Admission, AdmissionSettings
 from warmroute.core.decision import CACHE_HIT, OVERLOAD_SPILL
 from warmroute.core.engine_capacity import GROWTH, PEAK_WINDOW, SUSTAINED, EngineCapacity
 from warmroute.core.stages import Handles
@@ -57,20 +57,23 @@ def test_a_stated_capacity_is_never_learned_over():
     assert cap.stated == 64 and cap.learned is None
 
 
-def test_a_learned_limit_never_holds_below_the_threshold():
+def test_a_learned_limit_never_holds_a_few_long_prefills_back():
     f = fleet(1)
     (a,) = f.instances
     for _ in range(SUSTAINED):
         f.engine_load(a, waiting=5, running=3, kv_usage=0.5)  # queueing at 3 running: busy with prefill
     adm = Admission(AdmissionSettings(concurrency_threshold=32), f)
-    assert f.instances[a].capacity.learned == 3 and adm.limit(f.instances[a]) == 32
+    assert f.instances[a].capacity.learned == 3 and adm.limit(f.instances[a]) == MIN_LEARNED_LIMIT
+    for _ in range(SUSTAINED):
+        f.engine_load(a, waiting=5, running=20, kv_usage=0.5)
+    assert adm.limit(f.instances[a]) == 20
 
 
 def _cache_aware_with_queue(f, threshold: int, **adm):
-    """cache_aware as the router builds it with admission on: it sees which engines are full."""
+    """cache_aware as the router builds it with admission on: it sees how long a request would wait for a slot."""
     queue = Admission(AdmissionSettings(concurrency_threshold=threshold, **adm), f)
     s = make_strategy("cache_aware", StrategySettings(concurrency_threshold=threshold),
-                      handles=Handles(engine_full=lambda i: queue.spare(i) <= 0))
+                      handles=Handles(slot_wait=queue.slot_wait))
     return s, queue
 
 
@@ -88,23 +91,32 @@ def test_at_the_threshold_a_request_spills_to_an_instance_with_room():
     assert d.instance == b and d.reason == OVERLOAD_SPILL and queue.waiter_for(d, 0.0) is None
 
 
-def test_a_request_waits_only_when_no_engine_has_room():
-    """(b) Every instance over the threshold, every engine full (engine_capacity 4): the request is placed for its
-    cache and waits in the router for that engine."""
+def test_a_full_engine_is_waited_for_only_while_that_is_sooner_than_a_prefill_elsewhere():
+    """(b) Every engine full (engine_capacity 4, under the threshold): the request is placed for its cache and
+    waits in the router for that engine. Once another engine has a slot, the request goes where it would
+    be answered sooner: waiting for a slot at the holder (its line over the rate slots free: 4 per mean request's
+    10 s here) or its whole prefill at the other (about 0.1 s)."""
     f = fleet(2)
     a, b = sorted(f.instances)
     for inst in f.instances.values():
         inst.capacity.stated, inst.inflight = 4, 4
-    s, queue = _cache_aware_with_queue(f, threshold=4)
+    s, queue = _cache_aware_with_queue(f, threshold=64)
     k = key(SYSTEM)
     f.index.record(a, k.blocks())
     d = s.choose(k, f)
     assert d.instance == a and d.reason == CACHE_HIT
     w = queue.waiter_for(d, 0.0)
     assert w is not None and w.why == BUSY == "engine_full" and w.pin == a
-    f.instances[b].inflight = 3  # a slot at b: the next request goes there rather than wait
+    queue.offer(w)
+    f.instances[b].inflight = 3  # a slot at b
+    assert queue.slot_wait(f.instances[b]) == 0.0
+    f.mean_service_s = 0.1  # slots free fast at a: waiting there is sooner than a prefill at b
+    assert s.choose(k, f).instance == a
+    f.mean_service_s = 10.0  # slowly: the prefill at b is sooner
+    assert queue.slot_wait(f.instances[a]) == 2 * 10.0 / 4  # second in line (one waits already)
     d2 = s.choose(k, f)
-    assert d2.instance == b and queue.waiter_for(d2, 0.0) is None
+    assert d2.instance == b and d2.reason == OVERLOAD_SPILL and queue.waiter_for(d2, 0.0) is None
+    queue.cancel(w)
 
 
 def test_an_engine_reporting_a_queue_is_not_sent_more_while_another_has_room():
@@ -113,6 +125,7 @@ def test_an_engine_reporting_a_queue_is_not_sent_more_while_another_has_room():
     f = fleet(2)
     a, b = sorted(f.instances)
     s, queue = _cache_aware_with_queue(f, threshold=32)
+    f.mean_service_s = 20.0
     k = key(SYSTEM)
     f.index.record(a, k.blocks())
     f.instances[a].inflight, f.instances[b].inflight = 40, 35
@@ -126,11 +139,11 @@ def test_an_engine_reporting_a_queue_is_not_sent_more_while_another_has_room():
 
 
 def test_a_single_engine_past_the_threshold_is_never_held_for():
-    """(d), in the core: one engine, 64 in flight, threshold 32, no capacity stated or learned: the next request
+    """(d), in the core: one engine, 100 in flight, threshold 64, no capacity stated or learned: the next request
     goes at once."""
     f = fleet(1)
     (a,) = f.instances
-    s, queue = _cache_aware_with_queue(f, threshold=32)
-    f.instances[a].inflight = 64
+    s, queue = _cache_aware_with_queue(f, threshold=64)
+    f.instances[a].inflight = 100
     d = s.choose(key(SYSTEM), f)
     assert d.instance == a and queue.waiter_for(d, 0.0) is None

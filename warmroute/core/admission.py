@@ -59,6 +59,9 @@ KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation:
 SHARE = "share"  # its tenant had its share of its instance's queue (tenant_queue_share) while others were active
 PREFILL = "prefill"  # its instance had its prefill_budget awaiting first tokens while several tenants were active
 WAIT_REASONS = (BUSY, KV, SHARE, PREFILL)
+# The least a learned engine limit holds requests at: an engine queueing with fewer running is busy with long prompts
+# or long contexts, not out of batch slots, and holding requests in the router then only reorders them.
+MIN_LEARNED_LIMIT = 16
 UNBOUNDED = 1 << 30  # the room of an instance whose capacity is unknown: the router never holds requests for it
 MAX_TENANTS_TRACKED = 10_000
 # A tenant asking for less than this many times its weighted share of the requests arriving lately counts as under
@@ -70,7 +73,7 @@ ARRIVALS_WINDOW = 1  # the arrivals a tenant's share is measured over, in the fl
 @dataclass(kw_only=True)
 class AdmissionSettings:
     enabled: bool = True
-    concurrency_threshold: int = 32  # the strategy's: sizes the tenant caps and the window of arrivals
+    concurrency_threshold: int = 64  # the strategy's: sizes the tenant caps and the window of arrivals
     # KV demand (kv_pressure, with the request) an instance may reach and still take a request: cache_aware's
     # hold_kv_limit, applied to every request (1000: off, as that setting's default).
     kv_limit: float = 1000.0
@@ -149,6 +152,14 @@ def _add(books: dict, key: Any, tokens: float) -> None:
         books.pop(key, None)
 
 
+def _count_down(counts: dict[str, int], key: str) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 def admission_settings(routing: StrategySettings, enabled: bool, **queue: Any) -> AdmissionSettings:
     """The queue's settings from the strategy's (threshold, and cache_aware's KV limit and hold timing) plus the
     queue's own bounds in `queue`: the one mapping the router and the simulator both use."""
@@ -185,6 +196,7 @@ class Admission:
         self.reserved: dict[str, int] = {}  # slots given to assigned waiters not yet dispatched, per instance
         self._served: dict[str, float] = {}  # per tenant: requests admitted from the queue / weight (virtual time)
         self._waiting: dict[str, int] = {}  # per tenant: requests waiting
+        self._pinned: dict[str, int] = {}  # per instance: requests waiting for it (Waiter.pin)
         self._held: dict[str, dict[str, int]] = {}  # per tenant, per instance: assigned or awaiting a first token
         self._prefill: dict[str, float] = {}  # per instance: uncached prompt tokens assigned or awaiting a first token
         self._own_prefill: dict[tuple[str, str], float] = {}  # the same per (tenant, instance)
@@ -198,12 +210,12 @@ class Admission:
     # -- room ----------------------------------------------------------------------------------------------
     def limit(self, inst: Instance) -> int | None:
         """Requests `inst`'s engine runs at once: the operator's figure, else what it was seen running when it
-        queued but never below the ConcurrencyThreshold (an engine queueing below it is busy computing prefill, not
-        out of batch slots: holding requests for it would only delay them); None while unknown."""
+        queued, but never below MIN_LEARNED_LIMIT (an engine queueing with fewer running is busy computing long
+        prefills, not out of batch slots: holding requests for it would only delay them); None while unknown."""
         cap = inst.capacity
         if cap.stated is not None or cap.learned is None:
             return cap.stated
-        return max(cap.learned, self.settings.concurrency_threshold)
+        return max(cap.learned, MIN_LEARNED_LIMIT)
 
     def spare(self, inst: Instance) -> int:
         """Requests `inst`'s engine takes before it is full: its limit less what is in flight there (other routers'
@@ -212,6 +224,17 @@ class Admission:
         if limit is None:
             return UNBOUNDED
         return limit - int(inst.load) - self.reserved.get(inst.name, 0)
+
+    def slot_wait(self, inst: Instance) -> float:
+        """Seconds a request arriving now would wait in the router for a slot at `inst` (0 while its engine has
+        room beyond what the requests already waiting for it will take): its place in that line, over the rate
+        at which the engine frees slots (its limit per mean request duration). What cache_aware's slot_wait
+        scorer adds to that instance's estimated time to first token."""
+        ahead = self._pinned.get(inst.name, 0) - self.spare(inst)
+        if ahead < 0:
+            return 0.0
+        limit = self.limit(inst) or 1
+        return (ahead + 1) * self.fleet.mean_service_s / limit
 
     def has_room(self, inst: Instance, kv_tokens: int, strict_kv: bool = True) -> bool:
         """Under its engine's capacity (counting reserved slots), with the fleet's total under the sum of the
@@ -396,6 +419,8 @@ class Admission:
         self._activate(waiter.tenant)
         self.waiters[waiter.seq] = waiter
         self._waiting[waiter.tenant] = self._waiting.get(waiter.tenant, 0) + 1
+        if waiter.pin is not None:
+            self._pinned[waiter.pin] = self._pinned.get(waiter.pin, 0) + 1
         self._activity(waiter.tenant, +1)
         self.bytes += waiter.size_bytes
         self._queue_prefill(waiter, +1)
@@ -455,14 +480,12 @@ class Admission:
         if name is not None:
             self._hold(waiter.tenant, name, -1, waiter.assigned_tokens)  # the shell's `started` counts it from now on
             self._activity(waiter.tenant, -1)
-            n = self.reserved.get(name, 0) - 1
-            if n > 0:
-                self.reserved[name] = n
-            else:
-                self.reserved.pop(name, None)
+            _count_down(self.reserved, name)
 
     def _remove(self, waiter: Waiter, shed: str | None = None) -> None:
         del self.waiters[waiter.seq]
+        if waiter.pin is not None:
+            _count_down(self._pinned, waiter.pin)
         left = self._waiting[waiter.tenant] - 1
         if left:
             self._waiting[waiter.tenant] = left

@@ -12,7 +12,7 @@ its free KV blocks), so the limit is learned from its scrapes:
     grows by GROWTH (at least one request), as the engine may have room it never got to show. An engine at its
     true batch size then queues the few requests past it for a scrape or two: the price of never holding requests
     an engine has room for.
-The admission queue never holds requests below the ConcurrencyThreshold for a learned limit (Admission.limit).
+The admission queue never holds a learned limit below a few requests (Admission.limit).
 Scrape-driven and clock-free: the router calls `observe` per scrape, the simulator per simulated scrape.
 """
 

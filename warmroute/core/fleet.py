@@ -98,6 +98,10 @@ class Fleet:
     # lets a held request keep its instance scales with it: CacheAwareSettings.hold_keep); 0 until measured.
     mean_ttft_s: float = 0.0
     _ttft_seen: int = field(default=0, init=False, repr=False)
+    # Seconds from sending a request to its end, a running mean over the fleet (how soon a full engine frees a slot:
+    # Admission.slot_wait); 0 until measured.
+    mean_service_s: float = 0.0
+    _service_seen: int = field(default=0, init=False, repr=False)
     recent_unit: FadingUnit = field(default_factory=FadingUnit, init=False)  # the unit of Instance.recent
     # The shell's clock at the decision being made (seconds; the router's monotonic time, the simulator's virtual
     # time): the core reads no clock, so the shell sets it before it asks for a decision.
@@ -250,12 +254,16 @@ class Fleet:
             self.mean_ttft_s += max(MEAN_DECAY, 1.0 / self._ttft_seen) * (seconds - self.mean_ttft_s)
 
     def finished(self, name: str, uncached_tokens: int = 0, got_first_token: bool = True,
-                 blocks: Sequence[int] | None = None, prompt_tokens: int = 0) -> None:
+                 blocks: Sequence[int] | None = None, prompt_tokens: int = 0, seconds: float | None = None) -> None:
         """The request is done. Its blocks are refreshed in the index: engines free a finished sequence's
-        blocks to the most-recent end of their LRU, so that is when they become the last to be evicted."""
+        blocks to the most-recent end of their LRU, so that is when they become the last to be evicted.
+        `seconds`: since it was sent, where the caller measured it and it was answered (into mean_service_s)."""
         inst = self.instances.get(name)
         if inst is None:
             return
+        if seconds is not None and seconds >= 0.0 and got_first_token:
+            self._service_seen += 1  # a plain mean of the first 100, then a running one
+            self.mean_service_s += max(MEAN_DECAY, 1.0 / self._service_seen) * (seconds - self.mean_service_s)
         inst.inflight = max(0, inst.inflight - 1)
         inst.inflight_prompt_tokens = max(0, inst.inflight_prompt_tokens - prompt_tokens)
         if not got_first_token:

@@ -132,9 +132,11 @@ class StrategySettings(SettingsModel):
     prefix_length: int = Field(4096, ge=1024, le=65536)
     """PrefixLength: characters of message text (OpenAI routes) or bytes of body (/invocations) that identify a
     prefix."""
-    concurrency_threshold: int = Field(32, ge=1, le=1024)
-    """ConcurrencyThreshold: most in-flight requests the prefix-selected instance may have before a request goes
-    elsewhere."""
+    concurrency_threshold: int = Field(64, ge=1, le=1024)
+    """ConcurrencyThreshold: most in-flight requests the prefix-selected instance may have before a request goes to
+    the instance with room that the strategy ranks next. Set it above the load per instance you expect at peak: a
+    fleet loaded to about the threshold everywhere spills back and forth, and each spill recomputes a prefix. It
+    never caps an engine's batch (engine_capacity does, where an engine is full)."""
     cache_aware: CacheAwareSettings = Field(default_factory=CacheAwareSettings)
     """cache_aware's own settings."""
 
@@ -255,7 +257,7 @@ class StrategySpec:
         return self.cls(name, settings, pipeline, self.records_prefixes)
 
 
-CACHE_AWARE = StrategySpec(("prefix_match", "engine_room", "load_guard", "slow_start", "hot_share", "scorers",
+CACHE_AWARE = StrategySpec(("prefix_match", "load_guard", "slow_start", "hot_share", "scorers", "slot_wait",
                             "tie_slack", "least_loaded_ties", "rendezvous"), CacheAwareStrategy, records_prefixes=True)
 STRATEGIES: dict[str, StrategySpec] = {
     "cache_aware": CACHE_AWARE,

@@ -58,8 +58,8 @@ class Router:
                                          feedback=settings.engine_feedback))
         for b in settings.backends:
             self.fleet.add(b.name, b.kv_capacity_tokens, engine_capacity=settings.engine_capacity_of(b))
-        full = (lambda i: self.admission.spare(i) <= 0) if settings.admission else None  # the queue is built below
-        self.strategy = make_strategy(settings.strategy, settings.strategy_settings(), handles=Handles(engine_full=full))
+        wait = (lambda i: self.admission.slot_wait(i)) if settings.admission else None  # (the queue is built below)
+        self.strategy = make_strategy(settings.strategy, settings.strategy_settings(), handles=Handles(slot_wait=wait))
         self._any = make_strategy("least_loaded")
         self.admission = Admission(admission_settings(
             settings, settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
@@ -345,7 +345,8 @@ class Ticket:
             return
         self._done = True
         router = self._router
-        router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks, self._prompt)
+        router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks, self._prompt,
+                              time.perf_counter() - self._sent_at)
         router.admission.ended(self._tenant, self.instance, self._got_first, self._uncached)
         router.pump()  # room was made: a waiting request may go
         if self._got_first and self._blocks and router.shared is not None:

@@ -47,8 +47,8 @@ ORACLE = StrategySpec(CACHE_AWARE.stages, CACHE_AWARE.cls, records_prefixes=Fals
 
 
 def oracle(settings: StrategySettings, engines: dict[str, EngineModel],
-           engine_full: Callable[[Instance], bool] | None = None) -> Strategy:
-    return ORACLE.build("oracle", settings, Handles(depths=engine_depths(engines), engine_full=engine_full))
+           slot_wait: Callable[[Instance], float] | None = None) -> Strategy:
+    return ORACLE.build("oracle", settings, Handles(depths=engine_depths(engines), slot_wait=slot_wait))
 
 
 class SglangLikePick(Picker):

@@ -154,8 +154,8 @@ class Simulation:
         self.strategy_name = "pooled" if pooled else (strategy if isinstance(strategy, str) else strategy.name)
         # Not for the pooled reference (one ideal instance) nor the peer model (its router has no such queue).
         self.admission_on = settings.admission and not pooled and self.strategy_name != "sglang_like"
-        # What the strategy sees of the queue: which engines are full (the queue is built below).
-        self.engine_full = (lambda i: self.admission.spare(i) <= 0) if self.admission_on else None
+        # What the strategy sees of the queue: how long a request waits for a slot at a full engine (built below).
+        self.slot_wait = (lambda i: self.admission.slot_wait(i)) if self.admission_on else None
         for _ in range(1 if pooled else settings.instances):
             self._add_instance()
         if pooled:
@@ -549,7 +549,8 @@ class Simulation:
             rec.done = now
             self.admission.ended(rec.tenant, inst.name, rec.first_token is not None, d.uncached_tokens)
             blocks = d.blocks if self.strategy.records_prefixes else None
-            self.fleet.finished(inst.name, d.uncached_tokens, blocks=blocks, prompt_tokens=d.kv_tokens)
+            self.fleet.finished(inst.name, d.uncached_tokens, blocks=blocks, prompt_tokens=d.kv_tokens,
+                                seconds=now - rec.sent)
             nxt = next(turns, None) if turns is not None else None
             if nxt is not None:
                 self._push(now, self.ARRIVE, (nxt, turns, None))
@@ -566,8 +567,8 @@ class Simulation:
 def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim: Simulation) -> Strategy:
     if name == "oracle":
         from warmroute.sim.references import oracle
-        return oracle(settings, {n: i.model for n, i in sim.instances.items()}, sim.engine_full)
+        return oracle(settings, {n: i.model for n, i in sim.instances.items()}, sim.slot_wait)
     if name == "sglang_like":
         from warmroute.sim.references import sglang_like
         return sglang_like(settings)
-    return make_strategy(name, settings, handles=Handles(seed=seed, engine_full=sim.engine_full))
+    return make_strategy(name, settings, handles=Handles(seed=seed, slot_wait=sim.slot_wait))

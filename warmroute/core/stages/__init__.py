@@ -15,13 +15,13 @@ from warmroute.core.pipeline import Stage
 from warmroute.core.fleet import Instance
 from warmroute.core.stages.affinity import Affinity, prefix_key, session_key
 from warmroute.core.stages.baselines import RandomPick, RoundRobinPick
-from warmroute.core.stages.engine_room import EngineRoom
 from warmroute.core.stages.estimated_ttft import EstimatedTtft
 from warmroute.core.stages.hot_share import HotShare
 from warmroute.core.stages.least_loaded import LeastLoaded, LeastLoadedTies
 from warmroute.core.stages.load_guard import LoadGuard
 from warmroute.core.stages.prefix_match import DepthSource, PrefixMatch, index_depths
 from warmroute.core.stages.rendezvous_pick import RendezvousPick
+from warmroute.core.stages.slot_wait import SlotWait
 from warmroute.core.stages.slow_start import SlowStart
 from warmroute.core.stages.tie_slack import TieSlack
 
@@ -30,15 +30,15 @@ from warmroute.core.stages.tie_slack import TieSlack
 class Handles:
     """What a stage may need beyond settings: a seed for random choices, where cached depths come from (the
     router's index; the simulator's oracle passes the engines' real caches), and with an admission queue
-    (core/admission.py), which engines are full (it holds the requests for them)."""
+    (core/admission.py), how long a request would wait there for a slot at each instance."""
 
     seed: int | None = None
     depths: DepthSource = index_depths
-    engine_full: Callable[[Instance], bool] | None = None  # None: no admission queue
+    slot_wait: Callable[[Instance], float] | None = None  # None: no admission queue
 
     @property
     def admission(self) -> bool:
-        return self.engine_full is not None
+        return self.slot_wait is not None
 
 
 Factory = Callable[[Any, Handles], "Stage | list[Stage] | None"]
@@ -59,7 +59,6 @@ def _weighted(name: str, weight: float, s: Any, h: Handles) -> Stage:
 STAGES: dict[str, Factory] = {
     "prefix_match": lambda s, h: PrefixMatch(s.cache_aware.miss_weight, s.cache_aware.shared_miss_weight,
                                              s.cache_aware.sticky_kv_limit, h.depths),
-    "engine_room": lambda s, h: EngineRoom(h.engine_full) if h.engine_full is not None else None,
     "load_guard": lambda s, h: LoadGuard(s.concurrency_threshold, s.cache_aware.balance_factor,
                                          s.cache_aware.balance_slack, h.admission),
     "hot_share": lambda s, h: HotShare(s.cache_aware.hot_balance_factor, s.cache_aware.hot_balance_slack),
@@ -67,6 +66,7 @@ STAGES: dict[str, Factory] = {
                                           s.cache_aware.slow_start_min_weight)
                                 if s.cache_aware.slow_start_window > 0 else None),
     "scorers": lambda s, h: [_weighted(n, w, s, h) for n, w in s.cache_aware.scorers.items()],
+    "slot_wait": lambda s, h: SlotWait(h.slot_wait) if h.slot_wait is not None else None,
     "tie_slack": lambda s, h: TieSlack(),
     "least_loaded_ties": lambda s, h: (LeastLoadedTies(s.cache_aware.balance_slack)
                                        if s.cache_aware.cold_to_least_loaded else None),
