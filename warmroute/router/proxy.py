@@ -252,6 +252,7 @@ class Proxy(Addresses):
             # How the depth was known ("match=precise") and how long it waited in the router's queue, if it did:
             # "cache_hit; match=precise; queued=0.153s".
             reason = decision.reason if not decision.match else f"{decision.reason}; match={decision.match}"
+            reason = reason if not decision.note else f"{reason}; {decision.note}"
             resp.headers["x-warmroute-reason"] = reason if waited is None else f"{reason}; queued={waited:.3f}s"
             # what the router expects the engine to report cached, so a client can measure its prediction
             resp.headers["x-warmroute-predicted-hit"] = f"{decision.matched_ratio:.4f}"

@@ -319,8 +319,11 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     instance whose event stream is in step, the approximate model for the others. Needs strategy cache_aware,
     `tokenizer`, and pyzmq (pip install 'warmroute[events]')."""
     tokenizer: str | None = None
-    """Model directory (tokenizer.json, tokenizer_config.json with the chat template) or tokenizer.json path of the
-    model the engines serve: precise mode tokenizes each request as the engine will."""
+    """Model directory (tokenizer.json, tokenizer_config.json, the chat template) or tokenizer.json path of the model
+    the engines serve: precise mode tokenizes each request as the engine will."""
+    chat_template: str | None = None
+    """Precise mode: the chat template the engines were given with vLLM's `--chat-template` (a file, or the template
+    itself); unset: the model directory's own (chat_template.jinja, chat_template.json, then tokenizer_config.json)."""
     kv_events_discover: bool = True
     """Ask each instance whose backend entry gives no kv_events_endpoint where it publishes (vLLM's GET
     /kv_event_sources: its endpoints, ports chosen at start-up included), asking again until it answers; kv_events_port
@@ -425,7 +428,7 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
         elif self.tokenizer is None:
             problem = f"needs a tokenizer ({flag_of('tokenizer')} MODEL_DIR: the model the engines serve)"
         else:
-            problem = _events_missing() or _tokenizer_problem(self.tokenizer)
+            problem = _events_missing() or _tokenizer_problem(self.tokenizer, self.chat_template)
         if problem:
             raise ValueError(f"invalid setting kv_events ({flag_of('kv_events')}): {problem}")
         return self
@@ -460,11 +463,11 @@ def _events_missing() -> str | None:
     return None
 
 
-def _tokenizer_problem(path: str) -> str | None:
+def _tokenizer_problem(path: str, chat_template: str | None) -> str | None:
     from warmroute.router.prompt_tokens import PromptTokenizer, TokenizerError
 
     try:
-        PromptTokenizer(path)
+        PromptTokenizer(path, chat_template=chat_template)
     except TokenizerError as exc:
         return str(exc)
     return None
