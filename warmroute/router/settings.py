@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from warmroute.core.admission import AdmissionSettings
+from warmroute.core.kv_events import ZMQ_ENDPOINT
 from warmroute.core.demand import DemandSettings
 from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, merge_layers, own_setting
 from warmroute.errors import UsageError
@@ -40,7 +41,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # safe in a header and
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 
 
-_ZMQ_ENDPOINT = r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+)$"
 _K8S_SERVICE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # [NAMESPACE/]SERVICE
 _K8S_POOL = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # [NAMESPACE/]NAME
 
@@ -54,8 +54,8 @@ class Backend(BaseModel):
     kv_capacity_tokens: int | None = Field(None, ge=256, le=10**10)
     models: list[str] | None = Field(None, min_length=1)  # what it serves; unset: read from its /v1/models
     # precise mode (kv_events): its KV-event publisher and replay socket; unset: the URL's host at kv_events_port
-    kv_events_endpoint: str | None = Field(None, pattern=_ZMQ_ENDPOINT)
-    kv_events_replay_endpoint: str | None = Field(None, pattern=_ZMQ_ENDPOINT)
+    kv_events_endpoint: str | None = Field(None, pattern=ZMQ_ENDPOINT)
+    kv_events_replay_endpoint: str | None = Field(None, pattern=ZMQ_ENDPOINT)
 
     @field_validator("name")
     @classmethod
