@@ -250,3 +250,19 @@ def test_a_directory_written_by_transformers_save_pretrained_tokenizes_as_transf
     tok = PromptTokenizer(saved)
     assert tok.template_origin.endswith("chat_template.jinja")
     assert [ids(tok.chat(c)) for c in conversations] == theirs
+
+
+@pytest.mark.parametrize("kind, n", [("short", 100_000), ("short-utf", 100_000), ("long", 5_000)])
+def test_the_cache_counts_what_its_entries_cost_in_memory(kind, n):
+    """Its bound is a memory bound: what it counts is within 25% of the resident memory its entries take (many
+    short prompts cost mostly object headers and dictionary slots, which len() does not see: 0.24 of it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "tokenizer_cache_memory.py"), str(n), kind, "rss"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ratio = float(out.stdout.rsplit("counted/measured=", 1)[1])
+    assert 0.75 < ratio < 1.25, out.stdout

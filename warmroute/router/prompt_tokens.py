@@ -23,6 +23,7 @@ import asyncio
 import json
 import re
 import struct
+import sys
 import threading
 from collections import OrderedDict
 from datetime import datetime
@@ -35,7 +36,8 @@ TOKENIZER_FILE, CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE = "tokenizer.json", "tokeni
 TEMPLATE_FILE, PROCESSOR_TEMPLATE_FILE = "chat_template.jinja", "chat_template.json"
 TEMPLATE_PLACES = f"--chat-template, {TEMPLATE_FILE}, {PROCESSOR_TEMPLATE_FILE} or {CONFIG_FILE}'s chat_template"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-CACHE_BYTES = 64 * 1024 * 1024  # packed token ids kept for pieces seen before (plus their text)
+CACHE_BYTES = 64 * 1024 * 1024  # memory for the packed token ids of pieces seen before (with their text)
+ENTRY_OVERHEAD = 104  # bytes a cache entry costs beyond its two objects: an OrderedDict's slots and node (measured)
 OFFLOAD_CHARS = 4 * 1024  # new text beyond this is tokenized in a worker thread (≈ 1 ms and more on the loop)
 CHUNK_CHARS = 1024  # a long message is cut into pieces of about this many characters (see _chunks)
 _WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")  # a space after a non-space, before a letter
@@ -243,10 +245,10 @@ class PromptTokenizer:
             if key in self._cache:
                 return
             self._cache[key] = data
-            self._cache_bytes += len(data) + len(key)
+            self._cache_bytes += _entry_bytes(key, data)
             while self._cache_bytes > self._cache_limit and self._cache:
                 old_key, old = self._cache.popitem(last=False)
-                self._cache_bytes -= len(old) + len(old_key)
+                self._cache_bytes -= _entry_bytes(old_key, old)
 
     def _template(self, name: str = "default"):
         compiled = self._compiled.get(name)
@@ -318,6 +320,20 @@ def _flatten(content: Any) -> Any:
     if isinstance(content, list):
         return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
     return content if content is None or isinstance(content, str) else content_text(content)
+
+
+def _entry_bytes(key: str, data: bytes) -> int:
+    """What a cache entry costs in memory: its two objects (headers included, rounded up as the allocator does), the
+    UTF-8 copy the tokenizer leaves on a non-ASCII string, and its share of the ordered dict (docs/benchmarks.md,
+    "Tokenizer cache memory": within a few percent of tracemalloc's count, short prompts to long)."""
+    size = _rounded(sys.getsizeof(key)) + _rounded(sys.getsizeof(data)) + ENTRY_OVERHEAD
+    if not key.isascii():
+        size += _rounded(len(key.encode("utf-8", "surrogatepass")) + 1)
+    return size
+
+
+def _rounded(n: int) -> int:
+    return (n + 15) & ~15 if n <= 512 else n + 16  # pymalloc's 16-byte classes; malloc's header above that
 
 
 def _pack(ids: list[int]) -> bytes:
