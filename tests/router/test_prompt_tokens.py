@@ -239,7 +239,8 @@ def test_a_directory_written_by_transformers_save_pretrained_tokenizes_as_transf
     assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
     conversations = [conversation(turns, seed) for seed, turns in ((1, 1), (2, 4), (3, 9))]
     conversations.append([{"role": "user", "content": [{"type": "text", "text": "naïve 中文"}]}])
-    script = ("import json, sys; from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained(sys.argv[1]);"
+    script = ("import json, sys; from transformers import AutoTokenizer;"
+              "t = AutoTokenizer.from_pretrained(sys.argv[1]);"
               "print(json.dumps([t.apply_chat_template([{**m, 'content': m['content'] if isinstance(m['content'], str)"
               " else chr(10).join(p['text'] for p in m['content'])} for m in c], add_generation_prompt=True,"
               " tokenize=True, return_dict=False) for c in json.loads(sys.argv[2])]))")

@@ -32,7 +32,8 @@ from typing import Any
 
 from warmroute.core.routing_key import KeyError_, content_text
 
-TOKENIZER_FILE, CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE = "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"
+TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 TEMPLATE_FILE, PROCESSOR_TEMPLATE_FILE = "chat_template.jinja", "chat_template.json"
 TEMPLATE_PLACES = f"--chat-template, {TEMPLATE_FILE}, {PROCESSOR_TEMPLATE_FILE} or {CONFIG_FILE}'s chat_template"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

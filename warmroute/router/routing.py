@@ -52,7 +52,8 @@ def is_routed(path: str) -> bool:
 
 
 def _noted(key: RoutingKey, decision: Decision) -> Decision:
-    """A request precise mode could not tokenize says so (x-warmroute-reason: ...; match=approximate; tokenize_failed)."""
+    """A request precise mode could not tokenize says so (x-warmroute-reason: ...; match=approximate;
+    tokenize_failed)."""
     if key.untokenized is not None:
         decision.match, decision.note = APPROXIMATE, TOKENIZE_FAILED
     return decision
