@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/real_vllm.py [--rounds 3] [--duration 20] [--warmup 5] [--json FILE]
         [--workload shared|rag|mixed|chat] [--contenders random,prefix,cache_aware,precise]
+        [--model-dir config|transformers]
 
 Needs vLLM (`python3 dev.py vllm`). Starts 2 vLLM instances once (the tiny model, one core each, a KV cache
 smaller than the workload's working set), then per round runs every contender once, in an order rotated each
@@ -13,7 +14,10 @@ loop), each instance's prefix cache reset before every run:
   pinned_forwarder  the same pinning through a plain TCP forwarder (warmroute.bench.tcp_forwarder)
   session           the same pinning through warmroute's `session` strategy (one `user` per prefix)
   random, prefix, cache_aware   warmroute's strategies
-  precise           cache_aware with the engines' KV-cache events (it asks each vLLM where it publishes)
+  precise           cache_aware with the engines' KV-cache events (it asks each vLLM where it publishes); its
+                    router starts after the engines served the runs before it, so it catches up by replay: the
+                    seconds from its launch until it is in step with every instance are reported
+                    (fresh_s), and its figures against pinned_forwarder's
 
 `--workload rag` is KV pressure in llm-d's shape instead: equally popular documents whose contexts fill 75% of
 the fleet's KV cache (as vLLM reports it), a unique question each; `--workload mixed` is the demo's blend,
@@ -52,7 +56,9 @@ from warmroute.bench.record import write_outputs
 from warmroute.bench.scrape import fetch_metrics
 from warmroute.core.rendezvous import top
 from warmroute.core.stages.affinity import hash_text
-from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, VllmMissing, find_vllm_python, shared_tiny_model
+from warmroute.prometheus_text import read_samples, sample_sum
+from warmroute.realengine.vllm_fleet import (VllmFleet, VllmFleetSpec, VllmMissing, find_vllm_python,
+                                             shared_saved_tiny_model, shared_tiny_model)
 from warmroute.router.engine_metrics import parse_engine_metrics
 from warmroute.workloads import Session, Workload, make_workload
 from warmroute.workloads.shared import SharedPrompts
@@ -117,10 +123,34 @@ async def run_one(contender: str, args: argparse.Namespace, fleet: VllmFleet, wo
         if contender == "precise" else ["--strategy", contender]
     argv = ["serve", "--port", str(port), *strategy, "--block-bytes", str(4 * args.block_size),
             *(a for i in fleet.instances for a in ("--backend", f"{i.name}={i.url}"))]
+    launched = asyncio.get_running_loop().time()
     with Child(f"router-{contender}", argv, log_dir) as router:
         target = f"http://127.0.0.1:{port}"
         await router.wait_for_http(target + "/health", timeout_s=60)
-        return await measure(args, target, workload, urls, contender, route=None, pid=router.proc.pid)
+        names = [i.name for i in fleet.instances]
+        fresh_s = await seconds_to_fresh(target, names, launched) if contender == "precise" else None
+        figures = await measure(args, target, workload, urls, contender, route=None, pid=router.proc.pid)
+        if contender == "precise":  # started after the engines served the earlier runs: caught up how fast?
+            async with aiohttp.ClientSession() as s:
+                text, = await fetch_metrics(s, [target + "/metrics"])
+            untokenized = sample_sum(text, "warmroute_precise_untokenized_total") or 0
+            figures.update(fresh_s=fresh_s, untokenized=untokenized,
+                           stale_after=sample_sum(text, "warmroute_kv_events_stale"))
+        return figures
+
+
+async def seconds_to_fresh(router: str, names: list[str], began: float, limit_s: float = 60.0) -> float | None:
+    """Seconds from `began` (the router's launch, on the loop's clock) until its exact index is in step with every
+    instance (its warmroute_kv_events_stale gauge 0 for each); None if not within limit_s."""
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s:
+        while loop.time() - began < limit_s:
+            text, = await fetch_metrics(s, [router + "/metrics"])
+            stale = read_samples(text, ("warmroute_kv_events_stale",)).get("warmroute_kv_events_stale", [])
+            if {labels["backend"] for labels, value in stale if value == 0} >= set(names):
+                return round(loop.time() - began, 2)
+            await asyncio.sleep(0.05)
+    return None
 
 
 async def measure(args: argparse.Namespace, target: str, workload: Workload, urls: list[str], label: str,
@@ -186,6 +216,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--workload", choices=("shared", "rag", "mixed", "chat"), default="shared")
     p.add_argument("--contenders", help=f"default: {','.join(CONTENDERS)} (shared), {','.join(ROUTED)} (others)")
+    p.add_argument("--model-dir", choices=("config", "transformers"), default="config",
+                   help="the tiny model as written here (chat template in tokenizer_config.json) or as transformers' "
+                        "save_pretrained writes it (chat_template.jinja)")
     p.add_argument("--json", type=Path, help="write every run's figures here")
     args = p.parse_args()
     args.contenders = (args.contenders or ",".join(CONTENDERS if args.workload == "shared" else ROUTED)).split(",")
@@ -200,7 +233,8 @@ async def main(args: argparse.Namespace) -> int:
     python = find_vllm_python()
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache between runs
     log_dir = Path(tempfile.mkdtemp(prefix="real-vllm-"))
-    spec = VllmFleetSpec(model_dir=shared_tiny_model(python), count=2, kv_cache_bytes=args.kv_cache_bytes,
+    model_dir = shared_saved_tiny_model(python) if args.model_dir == "transformers" else shared_tiny_model(python)
+    spec = VllmFleetSpec(model_dir=model_dir, count=2, kv_cache_bytes=args.kv_cache_bytes,
                          block_size=args.block_size, python=python)
     contenders = args.contenders
     results: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
@@ -221,9 +255,25 @@ async def main(args: argparse.Namespace) -> int:
                     results[c].append(figures)
                     print(f"round {r + 1} {c}: {json.dumps(figures)}", file=sys.stderr, flush=True)
     print(table(results))
+    print(versus(results, "precise", "pinned_forwarder"))
     if args.json:
         write_outputs(args.json, results)
     return 0
+
+
+def versus(results: dict[str, list[dict[str, Any]]], a: str, b: str) -> str:
+    """a's median hit rate and requests/s as multiples of b's, and how fast a (precise) came in step."""
+    if not results.get(a) or not results.get(b):
+        return ""
+    ma, mb = medians(results[a]), medians(results[b])
+    line = (f"{a} / {b}: hit rate x{ma['hit_rate'][0] / mb['hit_rate'][0]:.3f}, "
+            f"req/s x{ma['req_per_s'][0] / mb['req_per_s'][0]:.3f}")
+    fresh = [r.get("fresh_s") for r in results[a]]
+    if any(f is not None or "fresh_s" in r for f, r in zip(fresh, results[a])):
+        untokenized = sum(r.get("untokenized", 0) for r in results[a])
+        line += (f"; every instance in step {', '.join('never' if f is None else f'{f:.2f}' for f in fresh)} s after "
+                 f"the router's launch; requests it could not tokenize: {untokenized:.0f}")
+    return line
 
 
 async def workload_for(args: argparse.Namespace, fleet: VllmFleet, names: list[str]) -> Workload:

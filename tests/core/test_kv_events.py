@@ -11,7 +11,8 @@ import pytest
 from warmroute.core.block_hash import block_hashes, extend_chain
 from warmroute.core.exact_index import ExactIndex, pack_tokens, token_chain, token_seed
 from warmroute.core.kv_events import (AllBlocksCleared, BadMessage, BlockRemoved, BlockStored, EventSource,
-                                      decode_batch, decode_seq, encode_seq, source_from_vllm)
+                                      decode_batch, decode_seq, encode_seq, replay_frames,
+                                      source_from_vllm)
 
 enc = msgspec.msgpack.encode
 
@@ -176,7 +177,25 @@ def test_sources_that_publish_nothing_say_so(body, why):
     assert source is None and why in note
 
 
-@pytest.mark.parametrize("body", [[], "x", {"0": "tcp://*:1"}, {"0": {"replay_endpoint": "tcp://*:1"}}])
+@pytest.mark.parametrize("body", [[], "x", {"0": "tcp://*:1"}, {"0": {"replay_endpoint": "tcp://*:1"}},
+                                  {"\u00b2": {"endpoint": "tcp://*:1"}},  # '²'.isdigit(), but int('²') fails
+                                  {"0": {"endpoint": "tcp://*:1"}, "x": {"endpoint": "tcp://*:2"}},
+                                  {"0": {"endpoint": "tcp://h:port"}}, {"0": {"endpoint": "udp://h:1"}},
+                                  {"0": {"endpoint": "tcp://*:1", "replay_endpoint": "tcp://h"}}])
 def test_unreadable_sources_raise_bad_message(body):
     with pytest.raises(BadMessage):
         source_from_vllm(body, "h")
+
+
+def test_both_replay_framings_are_read():
+    """vLLM 0.32 replays [b"", topic, seq, payload] and ends with [b"", b"", END_SEQ, b""]; other versions send
+    [b"", seq, payload] and [b"", END_SEQ, b""] (as a DEALER receives them)."""
+    seq, end = encode_seq(7), encode_seq(-1)
+    assert replay_frames([b"", b"kv", seq, b"p"]) == [b"kv", seq, b"p"]
+    assert replay_frames([b"", b"", seq, b"p"]) == [b"", seq, b"p"]  # vLLM's default topic is empty
+    assert replay_frames([b"", b"", end, b""]) is None
+    assert replay_frames([b"", seq, b"p"]) == [b"", seq, b"p"]
+    assert replay_frames([b"", end, b""]) is None
+    for bad in ([], [b"x", seq, b"p"], [b"", seq], [b"", b"", b"", seq, b"p"]):
+        with pytest.raises(BadMessage):
+            replay_frames(bad)

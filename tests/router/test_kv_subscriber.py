@@ -314,3 +314,134 @@ async def test_stop_ends_the_subscriber_while_messages_are_queued(metrics):
             assert task is not None and task.done(), "the subscriber kept running after stop()"
     finally:
         pub.close(linger=0)
+
+
+async def test_a_late_subscriber_catches_up_on_10000_buffered_batches_without_starving_the_loop(metrics):
+    """vLLM buffers up to 10,000 batches for replay: a router started after a busy engine reads them all, batch by
+    batch as they arrive (no limit on the whole replay), while the event loop keeps serving, and the live batches
+    published meanwhile are neither lost nor applied twice."""
+    engine, index = Engine(), ExactIndex()
+    await engine.pub.start()
+    for _ in range(10_000):
+        engine.store_block(send=False)  # published before any router listened: only the replay buffer has them
+    loop = asyncio.get_running_loop()
+    stalls: list[float] = []
+
+    async def ticking() -> None:  # other requests' work, and the engine's live traffic meanwhile
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.002)
+            stalls.append(loop.time() - last)
+            last = loop.time()
+            if len(stalls) % 10 == 0:
+                engine.store_block()
+
+    ticker = asyncio.create_task(ticking())
+    sub = KvEventSubscriber("a", engine.endpoint, index, metrics, engine.replay_endpoint, "kv")
+    began = loop.time()
+    await sub.start()
+    try:
+        await until(lambda: sub.fresh and index.size("a") >= 10_000, timeout=20)
+        caught_up = loop.time() - began
+        await asyncio.sleep(0.2)
+        ticker.cancel()
+        engine.store_block()
+        await until(lambda: sub.stream.last_seq == engine.pub.seq - 1)
+        assert sub.fresh and index.match_tokens("a", chain(engine.tokens), 0.0) == len(engine.tokens)
+        assert metric(metrics, "warmroute_kv_events_gaps_total", backend="a", kind="restart") == 0
+        assert metric(metrics, "warmroute_kv_events_replays_total", backend="a", outcome="failed") == 0
+        assert caught_up < 10, caught_up
+        assert max(stalls) < 0.25, max(stalls)  # the loop ran all along (whole replay applied at once: ~1 s)
+    finally:
+        ticker.cancel()
+        await sub.stop()
+        await engine.pub.close()
+
+
+async def test_the_older_replay_framing_is_read_too(metrics):
+    """A replay socket written as other vLLM versions write theirs: [seq, payload] per batch after the
+    delimiter, [END_SEQ, b""] at the end (vllm/distributed/kv_events.py, ZmqEventPublisher._service_replay)."""
+    ctx = zmq.asyncio.Context.instance()
+    pub, replay = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.setsockopt(zmq.LINGER, 0)
+    replay.setsockopt(zmq.LINGER, 0)
+    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    replay_port = replay.bind_to_random_port("tcp://127.0.0.1")
+    tokens = list(range(40 * BS))
+    buffer = []
+    for i in range(40):
+        event = {"type": "BlockStored", "block_hashes": [100 + i], "parent_block_hash": 99 + i if i else None,
+                 "token_ids": tokens[i * BS:(i + 1) * BS], "block_size": BS, "lora_id": None, "medium": "GPU"}
+        buffer.append((i, msgspec.msgpack.encode([1.0 + i, [event], 0])))
+
+    async def serve() -> None:
+        while True:
+            client, _, start = await replay.recv_multipart()
+            for seq, payload in buffer:
+                if seq >= int.from_bytes(start, "big"):
+                    await replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            await replay.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    server = asyncio.create_task(serve())
+    index = ExactIndex()
+    sub = KvEventSubscriber("a", f"tcp://127.0.0.1:{pub_port}", index, metrics, f"tcp://127.0.0.1:{replay_port}")
+    await sub.start()
+    try:
+        await until(lambda: sub.fresh)
+        assert index.match_tokens("a", chain(tokens), 0.0) == len(tokens)
+        assert metric(metrics, "warmroute_kv_events_bad_total", backend="a") == 0
+    finally:
+        await sub.stop()
+        server.cancel()
+        pub.close(linger=0)
+        replay.close(linger=0)
+
+
+async def test_a_bad_discovery_answer_is_logged_once_counted_and_asked_again(metrics, monkeypatch, caplog):
+    import logging
+
+    from warmroute.router import kv_subscriber
+
+    monkeypatch.setattr(kv_subscriber, "RETRY_S", 0.02)
+    engine = Engine()
+    await engine.pub.start()
+    answers = [{"\u00b2": {"endpoint": engine.endpoint}}] * 3 + [{"0": {"endpoint": engine.endpoint,
+                                                                         "replay_endpoint": engine.replay_endpoint}}]
+    asked = []
+
+    async def discover():
+        asked.append(1)
+        return 200, answers[min(len(asked), len(answers)) - 1]
+
+    caplog.set_level(logging.WARNING, logger="warmroute.router")
+    sub = KvEventSubscriber("a", None, ExactIndex(), metrics, discover=discover, host="127.0.0.1")
+    await sub.start()
+    try:
+        await until(lambda: sub.fresh)
+        assert len(asked) == 4
+        assert metric(metrics, "warmroute_kv_events_failures_total", backend="a", kind="discovery") == 3
+        said = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("kv events a: discovery:") and "'²'" in said[0]
+    finally:
+        await sub.stop()
+        await engine.pub.close()
+
+
+async def test_an_endpoint_zmq_refuses_is_logged_once_and_retried_with_backoff(metrics, monkeypatch, caplog):
+    import logging
+
+    from warmroute.router import kv_subscriber
+
+    monkeypatch.setattr(kv_subscriber, "RETRY_S", 0.01)
+    caplog.set_level(logging.WARNING, logger="warmroute.router")
+    sub = KvEventSubscriber("a", "tcp://no such host:5557", ExactIndex(), metrics)
+    await sub.start()
+    try:
+        await until(lambda: metric(metrics, "warmroute_kv_events_failures_total", backend="a", kind="connect") >= 4)
+        assert sub._task is not None and not sub._task.done() and not sub.fresh  # alive, trying again
+        said = [r.getMessage() for r in caplog.records if "no such host" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("kv events a: connect: cannot connect")
+        await asyncio.sleep(0.3)  # 0.01, 0.02, 0.04, 0.08, 0.16 ...: a handful more, not hundreds
+        assert metric(metrics, "warmroute_kv_events_failures_total", backend="a", kind="connect") < 10
+    finally:
+        await sub.stop()

@@ -152,6 +152,11 @@ def test_precise_mode_settings_fail_clearly(model_dir, tmp_path, monkeypatch):
         load_settings({**base, "tokenizer": str(model_dir), "strategy": "random"}, env={})
     with pytest.raises(UsageError, match="cannot load a tokenizer"):
         load_settings({**base, "tokenizer": str(tmp_path)}, env={})
+    with pytest.raises(UsageError, match="chat template .*missing.jinja' looks like a file path"):
+        load_settings({**base, "tokenizer": str(model_dir), "chat_template": str(tmp_path / "missing.jinja")}, env={})
+    (tmp_path / "other.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert load_settings({**base, "tokenizer": str(model_dir), "chat_template": str(tmp_path / "other.jinja")},
+                         env={}).chat_template == str(tmp_path / "other.jinja")
     import importlib.util
 
     real = importlib.util.find_spec
@@ -245,3 +250,44 @@ async def test_an_eviction_the_model_cannot_see_is_believed(fleet, model_dir):
         assert (await post(client, router, chat(9, 2)))[1] == "cold; match=precise"
         assert router.app[ROUTER].fleet.index.match_depths(  # the model alone would have said: held
             router.app[ROUTER].key_of("/v1/chat/completions", json.dumps(chat(9, 3)).encode(), None).blocks())
+
+
+async def test_a_request_the_router_cannot_tokenize_is_still_served(tmp_path, caplog):
+    """The model directory as current transformers writes it (the template in chat_template.jinja only): chat
+    requests are matched exactly; one the template refuses (the engine might not: it may be given another
+    template) is routed on the approximate model, said so, counted and logged once -- never refused."""
+    import logging
+
+    from tokenizer_helpers import CHATML
+
+    write_model_dir(tmp_path, template=None)
+    picky = "{% for m in messages %}{% if m['role'] == 'critic' %}{{ raise_exception('no critics') }}{% endif %}" \
+            "{% endfor %}" + CHATML
+    (tmp_path / "chat_template.jinja").write_text(picky)
+    stub = await Upstream("a", models=None).start()
+    inst = Instance("a")
+    await inst.pub.start()
+    router = await start_router(load_settings({
+        "backends": [inst.backend(stub)], "port": 0, "kv_events": True, "tokenizer": str(tmp_path),
+        "kv_events_topic": "kv", "health_interval": 3600, "engine_metrics": False, "models_interval": 0}, env={}))
+    try:
+        await in_step(router, inst)
+        reported = inst.store(engine_tokens(tmp_path, chat(4, 0)))
+        await wait_for(lambda: router.app[ROUTER].exact.size("a") == reported // BS)
+        async with aiohttp.ClientSession() as client:
+            assert await post(client, router, chat(4, 1)) == ("a", "cache_hit; match=precise")
+            critic = {"model": "m", "messages": [{"role": "critic", "content": "too long"}]}
+            caplog.set_level(logging.WARNING, logger="warmroute.router")
+            for _ in range(3):
+                async with client.post(router.url + "/v1/chat/completions", json=critic) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["x-warmroute-reason"].endswith("; match=approximate; tokenize_failed")
+            async with client.get(router.url + "/metrics") as r:
+                text = await r.text()
+        assert sample(text, "warmroute_precise_untokenized_total", cause="template_refused") == 3
+        said = [r.getMessage() for r in caplog.records if "could not be tokenized" in r.getMessage()]
+        assert len(said) == 1 and "template_refused" in said[0] and "no critics" in said[0]
+    finally:
+        await router.stop()
+        await inst.pub.close()
+        await stub.stop()

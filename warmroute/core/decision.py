@@ -19,6 +19,7 @@ AFFINITY = "affinity"  # the prefix's or session's own instance (prefix, session
 SLOW_START = "slow_start"
 # Where the chosen instance's match came from in precise mode (Decision.match).
 PRECISE, APPROXIMATE = "precise", "approximate"
+TOKENIZE_FAILED = "tokenize_failed"  # Decision.note: precise mode could not tokenize the request (approximate)
 REASONS = (CACHE_HIT, COLD, OVERLOAD_SPILL, HOT_SPREAD, KV_SPILL, UNHEALTHY_FALLBACK, LOAD_BALANCE, AFFINITY,
            SLOW_START)
 
@@ -49,6 +50,7 @@ class Decision:
     # router's cache model ("approximate"); "" where precise mode is off.
     match: str = ""
     waited_for: str = ""  # why it waited in the router's queue (core/admission.py's WAIT_REASONS); "": it did not
+    note: str = ""  # why the match is approximate where precise mode could not help (TOKENIZE_FAILED)
 
     @property
     def uncached_tokens(self) -> int:

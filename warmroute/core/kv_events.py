@@ -12,6 +12,7 @@ ints here (bytes by their low 64 bits), which is all an index needs to resolve l
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,9 @@ import msgspec
 
 _M64 = (1 << 64) - 1
 SEQ_BYTES = 8
+END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # a replay's terminator
+# An endpoint the router can connect a ZMQ socket to (also what a backend entry may give).
+ZMQ_ENDPOINT = r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+)$"
 # Field order of the positional (array-like) encoding, after the tag.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "lora_name", "extra_keys", "group_idx")
@@ -59,6 +63,20 @@ class EventBatch:
     events: list[Event] = field(default_factory=list)
     data_parallel_rank: int | None = None
     skipped: int = 0  # events in it that were malformed, of an unknown type, or not about the GPU prefix cache
+
+
+def replay_frames(frames: list[bytes]) -> list[bytes] | None:
+    """One message from an engine's replay socket (as a DEALER receives it, after the empty delimiter) as a live
+    message's three frames (topic, sequence, payload); None for the end of the replay; BadMessage otherwise.
+    vLLM's framings differ between versions: [b"", topic, seq, payload] per batch and [b"", b"", END_SEQ, b""]
+    at the end (0.32), or [b"", seq, payload] and [b"", END_SEQ, b""] (others)."""
+    if not frames or frames[0] != b"":
+        raise BadMessage("a replayed message must start with an empty delimiter frame")
+    if len(frames) == 4:
+        return None if frames[2] == END_SEQ else frames[1:]
+    if len(frames) == 3:
+        return None if frames[1] == END_SEQ else [b"", frames[1], frames[2]]
+    raise BadMessage(f"a replayed message has {len(frames)} frames, expected 3 or 4")
 
 
 def decode_seq(frame: bytes) -> int:
@@ -175,7 +193,10 @@ def source_from_vllm(body: Any, host: str) -> tuple[EventSource | None, str]:
     Only the lowest data-parallel rank's stream is followed: the router sees one instance per URL."""
     if not isinstance(body, dict):
         raise BadMessage("expected a JSON object keyed by data-parallel rank")
-    ranks = sorted(body, key=lambda k: (not str(k).isdigit(), int(k) if str(k).isdigit() else 0, str(k)))
+    odd = [k for k in body if not re.fullmatch(r"[0-9]{1,9}", k)]  # str.isdigit would take '²', which int refuses
+    if odd:
+        raise BadMessage(f"data-parallel rank {odd[0]!r} is not a number")
+    ranks = sorted(body, key=int)
     if not ranks:
         return None, "it publishes no KV events"
     config = body[ranks[0]]
@@ -186,6 +207,9 @@ def source_from_vllm(body: Any, host: str) -> tuple[EventSource | None, str]:
     endpoint = _at_host(config["endpoint"], host)
     replay = config.get("replay_endpoint")
     replay = _at_host(replay, host) if isinstance(replay, str) and replay else None
+    for name, value in (("endpoint", endpoint), ("replay_endpoint", replay)):
+        if value is not None and not re.match(ZMQ_ENDPOINT, value):
+            raise BadMessage(f"{name} {value!r} is not an endpoint the router can connect to (tcp://HOST:PORT)")
     note = "" if len(ranks) == 1 else f"only rank {ranks[0]}'s of {len(ranks)} data-parallel ranks' events are followed"
     return EventSource(endpoint, replay), note
 

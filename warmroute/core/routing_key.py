@@ -51,6 +51,7 @@ class RoutingKey:
     # seed of their chain (core/exact_index.py token_seed); None where the router does not tokenize.
     token_data: bytes | None = None
     token_seed: int = 0
+    untokenized: str | None = None  # precise mode could not tokenize it: why (prompt_tokens.Untokenizable.cause)
     _token_blocks: dict[int, Sequence[int]] = field(default_factory=dict, repr=False)
     _data: bytes | None = field(default=None, repr=False, compare=False)
 

@@ -15,6 +15,7 @@ in an environment like Hugging Face transformers' (`tojson` keeps key order and 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,33 @@ def write_hf_model(directory: str | Path, spec: HfModelSpec = HfModelSpec()) -> 
                                  _printable_ids(tokenizer), HF_NAMES))
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+# Run by the interpreter that has transformers (vLLM's): the tokenizer as transformers itself saves it.
+_RESAVE = ("import sys; from transformers import AutoTokenizer; "
+           "AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def resave_with_transformers(source: str | Path, target: str | Path, python: str) -> Path:
+    """A copy of the model directory `source` whose tokenizer files are what `transformers`' own save_pretrained
+    writes (current versions: the chat template in chat_template.jinja, not in tokenizer_config.json), run with
+    `python` (an interpreter that has transformers: vLLM's). RuntimeError, with transformers' last line, if it
+    fails."""
+    import shutil
+    import subprocess
+
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.name not in TOKENIZER_FILES:
+            shutil.copy2(f, target / f.name)
+    done = subprocess.run([python, "-c", _RESAVE, str(source), str(target)], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, timeout=300)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"transformers could not re-save the tokenizer of {source}: {last}")
+    return target
 
 
 def render_chat(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,

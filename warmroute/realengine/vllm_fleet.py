@@ -192,6 +192,21 @@ def shared_tiny_model(python: str) -> Path:
     return target
 
 
+def shared_saved_tiny_model(python: str) -> Path:
+    """The tiny model as `transformers`' own save_pretrained writes it (chat_template.jinja), beside
+    shared_tiny_model's, at a fixed path too (vLLM's compile cache)."""
+    from warmroute.realengine.hf_model import resave_with_transformers
+
+    source = shared_tiny_model(python)
+    target = source.parent / "tiny-hf-model-saved"
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        fresh = resave_with_transformers(source, Path(tmp) / "model", python)
+        if not _same_files(fresh, target):
+            shutil.rmtree(target, ignore_errors=True)
+            fresh.rename(target)
+    return target
+
+
 def _same_files(a: Path, b: Path) -> bool:
     names = sorted(p.name for p in a.iterdir())
     return b.is_dir() and names == sorted(p.name for p in b.iterdir()) and all(

@@ -54,6 +54,8 @@ class JsonAccessLogger(AbstractAccessLogger):
                         predicted_cached=round(decision.matched_ratio, 4), attempts=request.get(ATTEMPTS, 1))
             if decision.match:  # precise mode: the engine's events or the router's model predicted it
                 line["match"] = decision.match
+            if decision.note:  # precise mode could not tokenize it
+                line["note"] = decision.note
             first = request.get(FIRST_BYTE)
             if started is not None and first is not None:
                 line["ttfb_ms"] = round((first - started) * 1000, 3)

@@ -9,8 +9,13 @@ Each subscriber connects a SUB socket to the instance's event endpoint and follo
     a quiet spell too): the engine restarted; what it reported before is forgotten;
   - AllBlocksCleared: its index is emptied (the engine said so: still in step);
   - a message that cannot be read: counted and skipped.
-A subscriber that starts after its instance (a replica started late) asks for a replay from batch 0 and is stale
-until it gets one. Everything it does is counted (KvEventMetrics) and logged once per change of state.
+A subscriber that starts after its instance (a replica started late) asks for a replay from batch 0 (from the
+oldest batch the engine still buffers, where it no longer holds batch 0) and is stale until it gets one. A replay
+is read as it arrives (a time limit between its messages, not on the whole: vLLM buffers 10,000 batches) and
+applied batch by batch, letting the event loop run; live messages wait on the socket meanwhile and those the
+replay delivered are recognised by their sequence number and timestamp. A subscriber that fails (an endpoint ZMQ
+refuses, an unreadable answer from the instance) logs it once per cause, counts it and starts again after a
+growing delay. Everything it does is counted (KvEventMetrics) and logged once per change of state.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from warmroute.core.exact_index import ExactIndex
 from warmroute.core.kv_events import (AllBlocksCleared, BadMessage, EventBatch, EventSource, decode_batch, decode_seq,
-                                     encode_seq, source_from_vllm)
+                                     encode_seq, replay_frames, source_from_vllm)
 from warmroute.router.background import cancel_all
 from warmroute.router.connections import Upstreams
 from warmroute.router.members import Member
@@ -39,13 +44,24 @@ from warmroute.router.settings import Backend
 
 log = logging.getLogger("warmroute.router")
 
-REPLAY_TIMEOUT_S = 2.0  # a replay that has not finished by then has failed
+REPLAY_GAP_S = 2.0  # a replay that sends nothing for this long (between two of its messages) has failed
+DISCOVERY_TIMEOUT_S = 2.0  # for an instance's answer to GET /kv_event_sources
+START_WAIT_S = 5.0  # the router's start waits this long, at most, for its subscribers' first catch-up
+YIELD_S = 0.005  # a replay applied in one go lets the event loop run at least this often
+RETRY_S, RETRY_MAX_S = 0.5, 30.0  # a failed subscriber starts again after this, doubling up to the most
+RCV_HWM = 100_000  # messages ZMQ may queue on our side (vLLM's publisher allows as many): none dropped in a catch-up
+MAX_CAUSES = 64  # distinct failure causes logged per instance (each once)
 IDLE_CHECK_S = 5.0  # with nothing heard for this long, the replay socket is asked whether we are still in step
 SEEN_BATCHES = 4096  # batches remembered to tell a replayed batch's duplicate from a restarted engine's
 SOURCES_PATH = "/kv_event_sources"  # vLLM's own answer to "where do you publish?"
 # A discovery answer: (HTTP status, JSON body); raises OSError, aiohttp.ClientError or TimeoutError when unanswered.
 Discover = Callable[[], Awaitable[tuple[int, Any]]]
 _STALE, _FRESH = "stale", "fresh"
+_FAILED, _REFUSED, _HOLE, _UNREADABLE = "failed", "refused", "hole", "unreadable"  # why a replayed run stopped
+
+
+class ConnectFailed(OSError):
+    """ZMQ refused an endpoint (malformed, or its host cannot be resolved)."""
 
 
 class KvEventMetrics:
@@ -66,6 +82,9 @@ class KvEventMetrics:
                            multiprocess_mode="livemax")
         self.blocks = Gauge("warmroute_kv_index_blocks", "Blocks each instance reported holding (exact index)",
                             ["backend"], registry=r, multiprocess_mode="livemostrecent")
+        self.failures = Counter("warmroute_kv_events_failures", "Subscriber failures by kind (discovery: an "
+                                "unusable /kv_event_sources answer; connect: an endpoint ZMQ refuses; error: "
+                                "anything else), each followed by a retry", ["backend", "kind"], registry=r)
         self.lag = Gauge("warmroute_kv_events_lag_seconds", "Seconds from the engine's timestamp of the latest "
                          "batch to its arrival (engine and router clocks)", ["backend"], registry=r,
                          multiprocess_mode="livemostrecent")
@@ -104,6 +123,7 @@ class KvEventSubscriber:
         self._task: asyncio.Task | None = None
         self.ready = asyncio.Event()  # set once it has tried to catch up with what was published before it came
         self._next_retry = 0.0
+        self._causes: set[str] = set()  # failures logged already
         index.add_instance(name)
         metrics.stale.labels(name).set(1)
 
@@ -132,6 +152,32 @@ class KvEventSubscriber:
         await cancel_all([self.cancel()])
 
     async def _run(self) -> None:
+        """Follow the instance; whatever fails, say so (once per cause), count it, and start again later."""
+        delay = RETRY_S
+        while True:
+            started = time.monotonic()
+            try:
+                await self._follow()
+                return  # it publishes nowhere we can follow
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # anything: a subscriber must never end silently
+                kind = ("discovery" if isinstance(exc, BadMessage) else
+                        "connect" if isinstance(exc, ConnectFailed) else "error")
+                self.metrics.failures.labels(self.name, kind).inc()
+                self._set_state(_STALE, f"subscriber failed ({kind})")
+                self.ready.set()
+                if time.monotonic() - started > RETRY_MAX_S:
+                    delay = RETRY_S  # it had been working: this is a new failure, not the same one again
+                cause = f"{kind}: {exc}" if str(exc) else f"{kind}: {type(exc).__name__}"
+                if cause not in self._causes and len(self._causes) < MAX_CAUSES:
+                    self._causes.add(cause)
+                    log.warning("kv events %s: %s; trying again in %.1f s (logged once)", self.name, cause, delay,
+                                exc_info=kind == "error")
+                await asyncio.sleep(delay)
+                delay = min(RETRY_MAX_S, delay * 2)
+
+    async def _follow(self) -> None:
         import zmq
 
         if self.discover is not None:
@@ -141,9 +187,13 @@ class KvEventSubscriber:
             return
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)  # live batches wait here while a replay is applied
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sock.connect(self.endpoint)
         try:
+            try:
+                sock.connect(self.endpoint)
+            except zmq.ZMQError as exc:
+                raise ConnectFailed(f"cannot connect to {self.endpoint!r}: {exc}") from None
             if self.replay_endpoint is not None:  # what it published before we came (nothing: in step already)
                 await self._resync("subscribed")
             self.ready.set()
@@ -171,9 +221,7 @@ class KvEventSubscriber:
                 try:
                     source, note = source_from_vllm(body, self.host)
                 except BadMessage as exc:
-                    log.warning("kv events %s: %s unreadable (%s); using %s", self.name, SOURCES_PATH, exc,
-                                self.endpoint)
-                    return
+                    raise BadMessage(f"its {SOURCES_PATH} answer cannot be used: {exc}") from None
                 self._use(source, note)
                 return
             if status in (404, 405):
@@ -263,40 +311,56 @@ class KvEventSubscriber:
     async def _fill_gap(self, start: int, upto: int) -> None:
         """Batches start..upto-1 were lost: replay them, or mark the instance stale. The replay starts at the last
         batch applied, to check it is still the engine's (one that restarted unheard reuses the numbers)."""
-        got = await self._replay(start - 1)
-        if got:
-            first_seq, first = got[0]
-            if first is not None and first_seq == start - 1 and self.stream.seen.get(first_seq, first.ts) != first.ts:
-                self._restarted(f"batch {first_seq} is not the one received under that number")
+        restarted = False
+
+        def check(seq: int, batch: EventBatch | None) -> bool:
+            nonlocal restarted
+            restarted = batch is not None and seq == start - 1 and self.stream.seen.get(seq, batch.ts) != batch.ts
+            return not restarted and seq <= start  # else it no longer holds the first batch lost
+
+        if await self._replay_run(start - 1, check) != _FAILED:
+            if restarted:
+                self._restarted(f"batch {start - 1} is not the one received under that number")
                 await self._resync("restarted")
                 return
-            if first_seq <= start:
-                self._apply_run(got)
-                if self.stream.last_seq >= upto - 1:
-                    return
+            if self.stream.last_seq is not None and self.stream.last_seq >= upto - 1:
+                return
         self._set_state(_STALE, f"batches {start}..{upto - 1} lost" +
                         ("" if self.replay_endpoint else " (no replay endpoint)"))
 
     async def _resync(self, why: str) -> None:
-        """Rebuild the instance's index from its first batch, through replay; stale if that cannot be done."""
-        got = await self._replay(0)
-        if got == []:  # it has published nothing yet (a new process): in step from its first batch
-            if self.stream.last_seq is not None:
+        """Rebuild the instance's index from what its engine still buffers (batch 0 on, or its oldest where it no
+        longer holds batch 0), through replay; stale if that cannot be done."""
+        if self.replay_endpoint is None:
+            self._set_state(_STALE, f"{why} (no replay endpoint)")
+            return
+        if self.fresh:
+            self._set_state(_STALE, f"{why}; catching up by replay")
+        s, first = self.stream, None
+
+        def check(seq: int, batch: EventBatch | None) -> bool:
+            nonlocal first
+            first = seq
+            self.index.clear(self.name)  # rebuilt from here, batch by batch
+            s.last_seq = None
+            s.seen.clear()
+            return True
+
+        stop = await self._replay_run(0, check)
+        if stop == _FAILED:
+            self._set_state(_STALE, f"{why}; replay failed")
+        elif first is None:  # it has published nothing yet (a new process): in step from its first batch
+            if s.last_seq is not None:
                 self._restarted("its replay buffer is empty")
             self._set_state(_FRESH, f"{why}; nothing published yet")
-            return
-        if got and got[0][0] == 0:
-            self.index.clear(self.name)
-            self.stream.last_seq = None
-            self.stream.seen.clear()
-            self._apply_run(got)
-            if self.stream.last_seq == got[-1][0]:
-                self._set_state(_FRESH, f"{why}; replayed from batch 0")
-                return
-            why += f"; batch {0 if self.stream.last_seq is None else self.stream.last_seq + 1} cannot be read"
-        elif self.replay_endpoint is not None:
-            why += "; its replay does not reach back to batch 0"
-        self._set_state(_STALE, why if self.replay_endpoint else why + " (no replay endpoint)")
+        elif stop is not None:
+            missing = 0 if s.last_seq is None else s.last_seq + 1
+            self._set_state(_STALE, f"{why}; batch {missing} " +
+                            ("cannot be read" if stop == _UNREADABLE else "is no longer buffered"))
+        else:
+            note = "" if first == 0 else (f"; batches before {first} are no longer buffered: blocks stored only then "
+                                          "are unknown until the engine reports them again")
+            self._set_state(_FRESH, f"{why}; replayed batches {first}..{s.last_seq}{note}")
 
     async def _retry_if_stale(self) -> None:
         if self.fresh or self.replay_endpoint is None or time.monotonic() < self._next_retry:
@@ -312,55 +376,106 @@ class KvEventSubscriber:
         if not self.fresh or last is None or self.replay_endpoint is None:
             await self._retry_if_stale()
             return
-        got = await self._replay(last)
-        if got is None:
+        same = False
+
+        def check(seq: int, batch: EventBatch | None) -> bool:
+            nonlocal same
+            same = batch is not None and seq == last and self.stream.seen.get(last, batch.ts) == batch.ts
+            return same
+
+        if await self._replay_run(last, check) == _FAILED:
             return  # the engine is not answering (down, or restarting): nothing to conclude yet
-        first = got[0][1] if got else None
-        if first is None or got[0][0] != last or self.stream.seen.get(last, first.ts) != first.ts:
+        if not same:  # (an empty replay too)
             self._restarted(f"its replay no longer holds batch {last} as received")
             await self._resync("restarted")
-            return
-        self._apply_run(got[1:])
 
-    def _apply_run(self, got: list[tuple[int, EventBatch | None]]) -> None:
-        """Replayed batches, in order, as far as they follow on from the last applied without a hole or an
-        unreadable one."""
-        for seq, batch in got:
-            s = self.stream
-            if s.last_seq is not None and seq <= s.last_seq:
-                continue
-            if batch is None or (s.last_seq is None and seq != 0) or (s.last_seq is not None and seq != s.last_seq + 1):
-                return
-            self._apply(seq, batch)
+    async def _replay_run(self, start: int, check: Callable[[int, EventBatch | None], bool]) -> str | None:
+        """Replay from `start`, `check` looking at the first batch (False: stop there), then applying each batch
+        that follows on from the last applied, as it arrives. Where batches are missing from the replay (a ROUTER
+        socket drops what does not fit its queue: vLLM's sends its whole buffer at once), ask again from the first
+        missing one, as long as each round gets further. None: applied through the end of the replay; else why
+        it stopped (_FAILED: no replay; _REFUSED: by `check`; _HOLE: a batch it no longer holds; _UNREADABLE)."""
+        first: Callable[[int, EventBatch | None], bool] | None = check
+        while True:
+            before, stop = self.stream.last_seq, None
 
-    async def _replay(self, start: int) -> list[tuple[int, EventBatch | None]] | None:
-        """The batches the instance still buffers from `start` on (None: no replay endpoint, or it failed)."""
+            def take(seq: int, batch: EventBatch | None) -> bool:
+                nonlocal first, stop
+                if first is not None:
+                    looked, first = first, None
+                    if not looked(seq, batch):
+                        stop = _REFUSED
+                        return False
+                stop = self._follows_on(seq, batch)
+                return stop is None
+
+            if await self._replay(start, take) is None:
+                return _FAILED
+            if stop != _HOLE or self.stream.last_seq is None or self.stream.last_seq == before:
+                return stop
+            start = self.stream.last_seq + 1  # the rest, again: this round got further
+
+    def _follows_on(self, seq: int, batch: EventBatch | None) -> str | None:
+        """Apply a replayed batch if it is the next one (any, where nothing is applied yet); batches applied
+        already are passed over. _HOLE or _UNREADABLE where the run breaks."""
+        last = self.stream.last_seq
+        if last is not None and seq <= last:
+            return None
+        if batch is None:
+            return _UNREADABLE
+        if last is not None and seq != last + 1:
+            return _HOLE
+        self._apply(seq, batch)
+        return None
+
+    async def _replay(self, start: int, take: Callable[[int, EventBatch | None], bool]) -> int | None:
+        """Ask the instance's replay socket for its batches from `start` on and give each to `take`, in order, as
+        they arrive, until the replay ends or `take` says False. Returns how many it was given; None where there
+        is no replay endpoint or the replay failed (nothing heard for REPLAY_GAP_S, or a socket error)."""
         if self.replay_endpoint is None:
             return None
         import zmq
 
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        got: list[tuple[int, EventBatch | None]] = []
+        sock.setsockopt(zmq.RCVHWM, 0)  # unbounded: a ROUTER drops what its client cannot take in time
+        given = 0
+        loop = asyncio.get_running_loop()
+        resumed = loop.time()
         try:
             sock.connect(self.replay_endpoint)
             await sock.send_multipart((b"", encode_seq(start)))
-            async with asyncio.timeout(REPLAY_TIMEOUT_S):
-                while True:
-                    frames = await sock.recv_multipart()
-                    if len(frames) == 4 and frames[2] == encode_seq(-1):
-                        break
-                    decoded = self._decode(frames[1:])
-                    if decoded is not None:
-                        got.append(decoded)
-        except (TimeoutError, OSError) as exc:
+            while True:
+                try:
+                    async with asyncio.timeout(REPLAY_GAP_S):
+                        frames = await sock.recv_multipart()
+                except TimeoutError:
+                    raise TimeoutError(f"nothing heard for {REPLAY_GAP_S:g} s after {given} batches") from None
+                try:
+                    frames = replay_frames(frames)
+                except BadMessage as exc:
+                    self.metrics.bad.labels(self.name).inc()
+                    log.warning("kv events %s: replayed message skipped: %s", self.name, exc)
+                    continue
+                if frames is None:
+                    break
+                decoded = self._decode(frames)
+                if decoded is None:
+                    continue
+                given += 1
+                if not take(*decoded):
+                    break
+                if loop.time() - resumed > YIELD_S:  # a backlog arrives without a wait: let others run
+                    await asyncio.sleep(0)
+                    resumed = loop.time()
+        except (TimeoutError, OSError, zmq.ZMQError) as exc:
             self.metrics.replays.labels(self.name, "failed").inc()
-            log.warning("kv events %s: replay from %d failed: %s", self.name, start, str(exc) or "timed out")
+            log.warning("kv events %s: replay from %d failed: %s", self.name, start, str(exc) or type(exc).__name__)
             return None
         finally:
             sock.close(linger=0)
         self.metrics.replays.labels(self.name, "ok").inc()
-        return sorted(got, key=lambda sb: sb[0])
+        return given
 
     def _set_state(self, state: str, why: str) -> None:
         if self.stream.state != state:
@@ -429,7 +544,7 @@ class KvEventSources:
             if self.session is None:
                 raise OSError("the router is not running")
             async with self.session.get(url.rstrip("/") + SOURCES_PATH,
-                                        timeout=aiohttp.ClientTimeout(total=REPLAY_TIMEOUT_S)) as r:
+                                        timeout=aiohttp.ClientTimeout(total=DISCOVERY_TIMEOUT_S)) as r:
                 return r.status, (await r.json(content_type=None) if r.status == 200 else None)
         return ask
 
@@ -443,15 +558,15 @@ class KvEventSources:
             self._share_bound()
 
     async def start(self) -> None:
-        """Start every subscriber, and give them (together) up to a replay's timeout to catch up with what their
-        engines published before the router started, so a late replica's first decisions are already exact."""
+        """Start every subscriber, and give them (together) up to START_WAIT_S to catch up with what their engines
+        published before the router started, so a late replica's first decisions are already exact."""
         self.session = self.upstreams.session if self.upstreams is not None and self.upstreams.started else None
         self._running = True
         for sub in self.subscribers.values():
             await sub.start()
         waits = [sub.ready.wait() for sub in self.subscribers.values()]
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(REPLAY_TIMEOUT_S + 0.5):  # not wait_for: it can drop a cancel (3.11)
+            async with asyncio.timeout(START_WAIT_S):  # not wait_for: it can drop a cancel (3.11)
                 await asyncio.gather(*waits)
 
     async def stop(self) -> None:

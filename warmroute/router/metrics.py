@@ -101,6 +101,11 @@ class Metrics:
         self.capacity_scale = Gauge("warmroute_index_capacity_scale",
                                     "Factor on the configured KV capacities, learnt from engine reports",
                                     registry=r, multiprocess_mode="livemostrecent")
+        self.untokenized_requests = Counter("warmroute_precise_untokenized",
+                                            "Requests precise mode could not render or tokenize as the engine "
+                                            "would, by cause (no_chat_template, template_error, template_refused, "
+                                            "messages, prompt, tokenizer_error): routed on the approximate model",
+                                            ["cause"], registry=r)
         self.engine_scrape_errors = Counter("warmroute_engine_scrape_errors",
                                             "Failed or incomplete scrapes of an engine's /metrics by kind "
                                             "(fetch, status, malformed, missing)", ["backend", "kind"],
@@ -220,6 +225,9 @@ class Metrics:
         self.queue_wait.labels(str(priority), self.tenant_label(tenant), "shed" if shed else "admitted").observe(seconds)
         if shed:
             self.sheds.labels(shed, str(priority)).inc()
+
+    def untokenized(self, cause: str) -> None:
+        self.untokenized_requests.labels(cause).inc()
 
     def set_inflight(self, name: str, requests: int, prompt_tokens: int = 0) -> None:
         gauges = self._inflight.get(name)

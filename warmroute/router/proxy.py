@@ -252,6 +252,7 @@ class Proxy(Addresses):
             # How the depth was known ("match=precise") and how long it waited in the router's queue and why, if it
             # did: "cache_hit; match=precise; queued=0.153s; engine_full".
             reason = decision.reason if not decision.match else f"{decision.reason}; match={decision.match}"
+            reason = reason if not decision.note else f"{reason}; {decision.note}"
             if waited is not None:
                 reason = f"{reason}; queued={waited:.3f}s" + (f"; {decision.waited_for}" if decision.waited_for else "")
             resp.headers["x-warmroute-reason"] = reason

@@ -8,6 +8,7 @@ reads stay true.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,15 +21,18 @@ from warmroute.core.exact_index import BYTES_PER_BLOCK, ExactIndex, token_seed
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
                                         key_for_json, key_for_raw)
+from warmroute.core.decision import TOKENIZE_FAILED
 from warmroute.core.stages import Handles
 from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy
 from warmroute.router.autoscaling import FleetSignals
 from warmroute.router.errors import ApiError, bad_request, no_instance
 from warmroute.router.metrics import Metrics
-from warmroute.router.prompt_tokens import OFFLOAD_CHARS, PromptTokenizer
+from warmroute.router.prompt_tokens import OFFLOAD_CHARS, TEMPLATE_PLACES, PromptTokenizer, Untokenizable
 from warmroute.router.settings import RouterSettings
 from warmroute.router.shared_index import IndexUpdates
 from warmroute.router.usage import EngineUsage
+
+log = logging.getLogger("warmroute.router")
 
 SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
@@ -46,6 +50,14 @@ def _too_busy(message: str, retry_after_s: float) -> ApiError:
 
 def is_routed(path: str) -> bool:
     return path in ROUTED_PATHS
+
+
+def _noted(key: RoutingKey, decision: Decision) -> Decision:
+    """A request precise mode could not tokenize says so (x-warmroute-reason: ...; match=approximate;
+    tokenize_failed)."""
+    if key.untokenized is not None:
+        decision.match, decision.note = APPROXIMATE, TOKENIZE_FAILED
+    return decision
 
 
 class Router:
@@ -72,7 +84,11 @@ class Router:
         self.tokenizer: PromptTokenizer | None = None
         self.lora_adapters: set[str] = set()  # model names that are LoRA adapters (models.py ModelCatalog)
         if settings.kv_events:
-            self.tokenizer = PromptTokenizer(settings.tokenizer)  # settings checked it loads
+            self.tokenizer = PromptTokenizer(settings.tokenizer, chat_template=settings.chat_template)  # it loads
+            if not self.tokenizer.templates:
+                log.warning("precise mode: no chat template found (%s): chat requests are routed on the approximate "
+                            "model", TEMPLATE_PLACES)
+            self._untokenizable: set[str] = set()  # causes logged once already
             self.exact = ExactIndex(settings.index_memory_bytes // BYTES_PER_BLOCK, settings.kv_speculative_ttl)
             self.strategy.exact = self.exact
         self.shared: IndexUpdates | None = None  # other replicas / workers hear what this one records
@@ -97,16 +113,31 @@ class Router:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         try:
             key = key_for_json(path, parsed, session)
-            if self.tokenizer is not None and path in TOKENIZED_ROUTES:
-                key.token_data = self.tokenizer.tokens_for(path in CHAT_ROUTES, parsed)
-                salt = parsed.get("cache_salt")
-                lora = key.model if key.model in self.lora_adapters else None  # vLLM: an adapter by its name
-                key.token_seed = token_seed(lora, salt if isinstance(salt, str) else None)
-            return key
         except KeyError_ as exc:
             raise bad_request(str(exc)) from None
         except (RecursionError, TypeError, ValueError, OverflowError):
             raise bad_request("request body cannot be read as a request for " + path) from None
+        if self.tokenizer is not None and path in TOKENIZED_ROUTES:
+            self._tokenize(key, path, parsed)
+        return key
+
+    def _tokenize(self, key: RoutingKey, path: str, parsed: dict) -> None:
+        """Precise mode: the request's token ids on the key. Where the router cannot make them, the request is
+        routed on the approximate model (the engine may well serve it: the router must not refuse it)."""
+        try:
+            key.token_data = self.tokenizer.tokens_for(path in CHAT_ROUTES, parsed)
+        except Exception as exc:  # fail open, whatever the template or the tokenizer raise
+            cause = exc.cause if isinstance(exc, Untokenizable) else "tokenizer_error"
+            key.token_data, key.untokenized = None, cause
+            self.metrics.untokenized(cause)
+            if cause not in self._untokenizable:
+                self._untokenizable.add(cause)
+                log.warning("precise mode: a request could not be tokenized (%s: %s); routing such requests on the "
+                            "approximate model (logged once per cause)", cause, str(exc) or type(exc).__name__)
+            return
+        salt = parsed.get("cache_salt")
+        lora = key.model if key.model in self.lora_adapters else None  # vLLM: an adapter by its name
+        key.token_seed = token_seed(lora, salt if isinstance(salt, str) else None)
 
     def decide(self, key: RoutingKey | None, avoid: str | None = None) -> Decision:
         """The strategy's choice for this key (least loaded when there is no key); NoInstanceAvailable if none.
@@ -123,7 +154,7 @@ class Router:
         self.fleet.now = now = time.monotonic()  # the core reads no clock (slow start's ramps)
         if self.exact is not None:
             self.exact.now = now
-        return self.strategy.choose(key, self.fleet)
+        return _noted(key, self.strategy.choose(key, self.fleet))
 
     async def key_off_loop(self, path: str, body: bytes, session: str | None) -> RoutingKey | None:
         """The key of a large body, built in a thread: rendering a long conversation is Python that lets the
@@ -208,7 +239,7 @@ class Router:
         self.metrics.admitted(waiter.why)
         try:
             self.fleet.now = time.monotonic()
-            decision = decide_at(self.strategy, key, self.fleet, name, waiter.first)
+            decision = _noted(key, decide_at(self.strategy, key, self.fleet, name, waiter.first))
         except NoInstanceAvailable:
             decision = self.decide(key)
         decision.waited_for = waiter.why

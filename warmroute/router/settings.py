@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from warmroute.core.admission import AdmissionSettings
+from warmroute.core.kv_events import ZMQ_ENDPOINT
 from warmroute.core.demand import DemandSettings
 from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, merge_layers, own_setting
 from warmroute.errors import UsageError
@@ -40,7 +41,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # safe in a header and
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 
 
-_ZMQ_ENDPOINT = r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+)$"
 _K8S_SERVICE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # [NAMESPACE/]SERVICE
 _K8S_POOL = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # [NAMESPACE/]NAME
 
@@ -55,8 +55,8 @@ class Backend(BaseModel):
     engine_capacity: int | None = Field(None, ge=1, le=1_000_000)  # requests it runs at once; unset: the fleet's
     models: list[str] | None = Field(None, min_length=1)  # what it serves; unset: read from its /v1/models
     # precise mode (kv_events): its KV-event publisher and replay socket; unset: the URL's host at kv_events_port
-    kv_events_endpoint: str | None = Field(None, pattern=_ZMQ_ENDPOINT)
-    kv_events_replay_endpoint: str | None = Field(None, pattern=_ZMQ_ENDPOINT)
+    kv_events_endpoint: str | None = Field(None, pattern=ZMQ_ENDPOINT)
+    kv_events_replay_endpoint: str | None = Field(None, pattern=ZMQ_ENDPOINT)
 
     @field_validator("name")
     @classmethod
@@ -327,8 +327,11 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     instance whose event stream is in step, the approximate model for the others. Needs strategy cache_aware,
     `tokenizer`, and pyzmq (pip install 'warmroute[events]')."""
     tokenizer: str | None = None
-    """Model directory (tokenizer.json, tokenizer_config.json with the chat template) or tokenizer.json path of the
-    model the engines serve: precise mode tokenizes each request as the engine will."""
+    """Model directory (tokenizer.json, tokenizer_config.json, the chat template) or tokenizer.json path of the model
+    the engines serve: precise mode tokenizes each request as the engine will."""
+    chat_template: str | None = None
+    """Precise mode: the chat template the engines were given with vLLM's `--chat-template` (a file, or the template
+    itself); unset: the model directory's own (chat_template.jinja, chat_template.json, then tokenizer_config.json)."""
     kv_events_discover: bool = True
     """Ask each instance whose backend entry gives no kv_events_endpoint where it publishes (vLLM's GET
     /kv_event_sources: its endpoints, ports chosen at start-up included), asking again until it answers; kv_events_port
@@ -433,7 +436,7 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
         elif self.tokenizer is None:
             problem = f"needs a tokenizer ({flag_of('tokenizer')} MODEL_DIR: the model the engines serve)"
         else:
-            problem = _events_missing() or _tokenizer_problem(self.tokenizer)
+            problem = _events_missing() or _tokenizer_problem(self.tokenizer, self.chat_template)
         if problem:
             raise ValueError(f"invalid setting kv_events ({flag_of('kv_events')}): {problem}")
         return self
@@ -472,11 +475,11 @@ def _events_missing() -> str | None:
     return None
 
 
-def _tokenizer_problem(path: str) -> str | None:
+def _tokenizer_problem(path: str, chat_template: str | None) -> str | None:
     from warmroute.router.prompt_tokens import PromptTokenizer, TokenizerError
 
     try:
-        PromptTokenizer(path)
+        PromptTokenizer(path, chat_template=chat_template)
     except TokenizerError as exc:
         return str(exc)
     return None
