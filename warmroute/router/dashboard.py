@@ -394,7 +394,8 @@ table{border-collapse:collapse;width:100%} td,th{text-align:left;padding:3px 6px
 .legend{font-size:12px;color:#445;min-height:17px} .legend span{margin-right:10px;white-space:nowrap}
 .legend i{display:inline-block;width:10px;height:3px;margin:0 4px 3px 0;vertical-align:middle}
 svg .axis{font-size:10px;fill:#778} svg .grid{stroke:#e4e7ec;stroke-width:1}
-svg .series{fill:none;stroke-width:1.8;stroke-linejoin:round} @media(max-width:800px){.charts{grid-template-columns:1fr}}
+svg .series{fill:none;stroke-width:1.8;stroke-linejoin:round}
+@media(max-width:800px){.charts{grid-template-columns:1fr}}
 </style></head><body>
 <h1>warmroute <span class="muted" id="strategy"></span> <span class="muted" id="updated"></span></h1>
 <div class="grid">
@@ -471,7 +472,8 @@ function drawChart(box, t, lines, fmt, top) {
   const values = lines.flatMap(([, v]) => v).filter(v => v !== null);
   top = top || niceTop(Math.max(0, ...values));
   const t0 = t[0], span = Math.max(1, t[t.length - 1] - t0);
-  const x = tt => (L + (W - L - R) * (tt - t0) / span).toFixed(1), y = v => (T + (H - T - B) * (1 - v / top)).toFixed(1);
+  const x = tt => (L + (W - L - R) * (tt - t0) / span).toFixed(1);
+  const y = v => (T + (H - T - B) * (1 - v / top)).toFixed(1);
   for (const v of [0, top / 2, top]) { el(svg, "line", {x1: L, x2: W - R, y1: y(v), y2: y(v), class: "grid"});
     el(svg, "text", {x: L - 4, y: +y(v) + 3, "text-anchor": "end", class: "axis"}, fmt(v)); }
   el(svg, "text", {x: L, y: H - 3, class: "axis"}, "-" + Math.round(span / 60 * 10) / 10 + " min");
@@ -502,7 +504,8 @@ function renderCharts(s) {
     if (!box) { box = document.createElement("div"); box.className = "chart"; box.dataset.chart = id;
       const h = document.createElement("h3"); h.textContent = title; const legend = document.createElement("div");
       legend.className = "legend"; const empty = el(box, "svg", {viewBox: `0 0 ${W} ${H}`});
-      el(empty, "text", {x: W / 2, y: H / 2, "text-anchor": "middle", class: "axis"}, "collecting: a line needs two points");
+      el(empty, "text", {x: W / 2, y: H / 2, "text-anchor": "middle", class: "axis"},
+         "collecting: a line needs two points");
       box.prepend(h, legend); root.appendChild(box); }
     if (s.t.length > 1) drawChart(box, s.t, lines(s), fmt, top);
   }
