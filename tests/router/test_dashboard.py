@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from html.parser import HTMLParser
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from fake_upstream import Upstream, answer_json
-from warmroute.router.dashboard import HOT_SLOTS, Activity
+from warmroute.router import dashboard
+from warmroute.router.dashboard import HOT_SLOTS, Activity, Timeline, TimelineSampler
 from warmroute.router.server import start_router
 from warmroute.router.settings import load_settings
 
@@ -153,6 +155,13 @@ def test_state_adds_the_other_workers_snapshots():
     assert [p["share"] for p in merged["hot_prefixes"]] == [0.5, 0.5]  # hot 4 of 8, cold 4 of 8
     assert [p["share"] for p in alone["hot_prefixes"]] == [1.0]
     assert alone["hot_prefixes"][0]["prefix"] in [p["prefix"] for p in merged["hot_prefixes"]]  # labelled alike
+    # the charts' sampler reads both workers too: in flight summed per instance
+    timeline = Timeline(interval=1.0)
+    sampler = TimelineSampler(timeline, *a, siblings, None)
+    for _ in range(2):
+        asyncio.run(sampler.round())
+    assert timeline.series()["inflight"] == {"a": [5], "b": [3]}
+    assert state(*a, "cache_aware", siblings.fresh(), timeline=timeline)["series"]["inflight"] == {"a": [5], "b": [3]}
 
 
 def test_state_shows_the_admission_queue_of_every_worker():
@@ -182,6 +191,56 @@ def test_state_shows_the_admission_queue_of_every_worker():
     assert q["by"] == [{"priority": 5, "tenant": "vip", "waiting": 1}, {"priority": 0, "tenant": "t", "waiting": 3}]
     assert q["admitted"] == {"engine_full": 1.0} and q["shed"] == {"deadline": 1.0}
     assert state(fleet, activity, metrics, "cache_aware")["queue"]["enabled"] is False  # no queue given
+
+
+def test_timeline_turns_counters_into_rates_in_a_bounded_ring():
+    """Each point: the rates since the previous sample (the first sample is only a baseline), summed over this
+    worker and the others' snapshots; a worker that restarts is a baseline again, never a drop; the ring keeps
+    window / interval points whatever the traffic."""
+    import os
+
+    bounds = [0.1, 1.0]
+
+    def totals(n: float, cached: float, ttft: tuple[float, float, float], refused: float = 0.0) -> dict:
+        return {"engine_prompt": 100 * n, "engine_cached": cached, "predicted_same": 0.0, "answered": n,
+                "refused": refused, "predicted": 50 * n, "asked": 100 * n, "ttft_le": bounds, "ttft": list(ttft)}
+
+    timeline = Timeline(interval=2.0, window=10.0)
+    other = {"pid": os.getpid() + 1}
+    timeline.sample(totals(0, 0, (0, 0, 0)), {"a": 0}, 0, [other | {"totals": totals(5, 0, (0, 0, 0))}], now=100.0)
+    assert timeline.series()["t"] == []  # a baseline only
+    # this worker: 10 answers (2 refused), 4 under 0.1 s and 6 under 1 s; the other: 10 answers, all under 0.1 s
+    timeline.sample(totals(10, 500, (4, 10, 10), refused=2), {"a": 3}, 7,
+                    [other | {"totals": totals(15, 1000, (10, 10, 10))}], now=102.0)
+    s = timeline.series()
+    assert s["t"] == [102.0] and s["requests_per_s"] == [10.0] and s["refused_per_s"] == [1.0]
+    assert s["hit_predicted"] == [0.5] and s["hit_engine"] == [0.75]  # 1500 cached of 2000 prompt tokens
+    assert s["ttft_p50_s"] == [round(0.1 * 10 / 14, 4)]  # rank 10 of 20, within the 14 under 0.1 s
+    assert s["ttft_p99_s"] == pytest.approx([0.1 + 0.9 * (19.8 - 14) / 6], abs=1e-4)
+    assert s["queue_waiting"] == [7] and s["inflight"] == {"a": [3]}
+    # the other worker restarted (its counters went back): left out of this point, not a negative rate
+    timeline.sample(totals(12, 500, (4, 12, 12), refused=2), {"a": 1}, 0,
+                    [other | {"totals": totals(1, 0, (1, 1, 1))}], now=104.0)
+    assert timeline.series()["requests_per_s"][-1] == 1.0 and timeline.series()["hit_engine"][-1] == 0.0
+    for i in range(100):
+        timeline.sample(totals(12 + i, 500, (4, 12 + i, 12 + i), refused=2), {"a": 0}, 0, now=106.0 + 2 * i)
+    s = timeline.series()
+    assert len(s["t"]) == 5 and s["window_s"] == 10.0 and s["ttft_p50_s"][-1] == pytest.approx(0.55)
+    timeline.sample(totals(111, 500, (4, 111, 111), refused=2), {"a": 0}, 0, now=400.0)  # nothing answered since
+    s = timeline.series()
+    assert s["requests_per_s"][-1] == 0.0 and s["hit_engine"][-1] is None and s["ttft_p99_s"][-1] is None  # gaps
+    assert len(timeline._last) == 1  # the gone worker is forgotten
+
+
+def test_timeline_draws_the_busiest_instances_and_sums_the_rest():
+    timeline = Timeline(interval=1.0)
+    zero = {"engine_prompt": 0, "engine_cached": 0, "answered": 0, "refused": 0, "predicted": 0, "asked": 0,
+            "ttft_le": [1.0], "ttft": [0, 0]}
+    for now in (1.0, 2.0, 3.0):
+        timeline.sample(zero, {f"i{k:02d}": k for k in range(dashboard.INSTANCE_LINES + 3)}, 0, now=now)
+    inflight = timeline.series()["inflight"]
+    assert list(inflight) == [f"i{k:02d}" for k in range(3, dashboard.INSTANCE_LINES + 3)] + ["others"]
+    assert inflight["others"] == [0 + 1 + 2] * 2
 
 
 # -- in a real browser ---------------------------------------------------------------------------------------
@@ -223,3 +282,85 @@ async def test_page_renders_live_state_in_headless_chromium(router_with_traffic,
         colours = len(img.convert("RGB").getcolors(maxcolors=1 << 24) or ())
         lo, hi = gray.getextrema()
     assert colours > 20 and hi - lo > 100, "the screenshot is blank"
+
+
+class _Lines(HTMLParser):
+    """From the rendered DOM: each chart's drawn lines (data-series name -> points)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charts: dict[str, dict[str, int]] = {}
+        self._chart: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "svg" and a.get("data-chart"):
+            self._chart = a["data-chart"]
+            self.charts.setdefault(self._chart, {})
+        elif tag == "polyline" and self._chart is not None:
+            self.charts[self._chart][a["data-series"]] = len(a["points"].split())
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "svg":
+            self._chart = None
+
+
+async def test_charts_draw_the_router_s_recent_history_in_headless_chromium(tmp_path, monkeypatch):
+    """A router in front of stand-in engines (one full engine at a time each, so requests wait in the router; one
+    engine refuses every third request), traffic over several sample intervals, then the page in Chromium:
+    every chart has a line of more than one point."""
+    binary = chromium()
+    if binary is None:
+        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    monkeypatch.setattr(dashboard, "SAMPLE_EVERY_S", 0.2)
+    engines = [await _engine(f"gpu-{i}") for i in range(3)]
+    answered = 0
+
+    async def sometimes_refused(request):
+        nonlocal answered
+        answered += 1
+        return await (answer_json({"error": "busy"}, 429) if answered % 3 == 0 else ANSWER)(request)
+
+    engines[2].behaviour = sometimes_refused
+    for e in engines:
+        e.delay = 0.05
+    router = await start_router(load_settings({
+        "backends": [f"{e.name}={e.url}" for e in engines], "port": 0, "health_interval": 3600,
+        "engine_metrics": False, "engine_capacity": 1}, env={}))
+    try:
+        async with aiohttp.ClientSession() as client:
+            async def one(i: int) -> int:
+                body = {"model": "m", "messages": [{"role": "system", "content": SECRET_TEXT * (20 + i % 5)},
+                                                   {"role": "user", "content": f"question {i}"}]}
+                async with client.post(router.url + "/v1/chat/completions", json=body) as r:
+                    await r.read()
+                    return r.status
+
+            statuses = []
+            for burst in range(8):  # about 1.5 s: several points
+                statuses += await asyncio.gather(*(one(10 * burst + i) for i in range(10)))
+                await asyncio.sleep(0.1)
+            assert 429 in statuses and 200 in statuses
+            async with client.get(router.url + "/dashboard/state") as r:
+                series = (await r.json())["series"]
+        assert len(series["t"]) > 2 and max(series["queue_waiting"]) > 0 and max(series["refused_per_s"]) > 0
+        assert SECRET_TEXT not in json.dumps(series)
+
+        url = router.url + "/dashboard"
+        dom = (await run_chromium(binary, tmp_path / "profile-dom", "--dump-dom", url)).decode()
+        lines = _Lines()
+        lines.feed(dom)
+        expected = {"hit": {"predicted", "engine-reported"}, "ttft": {"p50", "p99"}, "throughput": {"requests"},
+                    "queue": {"waiting"}, "refused": {"429s"}, "inflight": {"gpu-0", "gpu-1", "gpu-2"}}
+        assert {chart: set(drawn) for chart, drawn in lines.charts.items()} == expected
+        for chart, drawn in lines.charts.items():
+            assert all(points > 1 for points in drawn.values()), (chart, drawn)
+        assert "gpu-0" in dom and SECRET_TEXT not in dom
+
+        shot = tmp_path / "charts.png"
+        await run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={shot}", url)
+        assert shot.stat().st_size > 10_000
+    finally:
+        await router.stop()
+        for e in engines:
+            await e.stop()

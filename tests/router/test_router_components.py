@@ -152,8 +152,8 @@ async def test_the_router_s_followers_keep_their_own_addresses(up_a, up_b, clien
             assert r.status == 200
         assert proxy.urls == health.urls == {"a": up_a.url}
         assert set(router.app[ROUTER].fleet.instances) == {"a"}
-        assert router.app[COMPONENTS].names == ["upstream connections", "discovery", "health", "models",
-                                                "engine-metrics"]
+        assert router.app[COMPONENTS].names == ["upstream connections", "discovery", "health", "dashboard-timeline",
+                                                "models", "engine-metrics"]
     finally:
         await router.stop()
 

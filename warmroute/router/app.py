@@ -60,6 +60,7 @@ SCRAPER = web.AppKey("scraper", EngineScraper)
 DISCOVERY = web.AppKey("discovery", Discovery)
 ACTIVITY = web.AppKey("activity", dash.Activity)
 SIBLINGS = web.AppKey("siblings", dash.Siblings)  # the other workers' dashboard snapshots
+TIMELINE = web.AppKey("timeline", dash.Timeline)  # the dashboard's charts: a bounded ring of points
 CATALOG = web.AppKey("catalog", ModelCatalog)  # which models each instance serves
 SERVER_NAMES = web.AppKey("server_names", dict)  # (address, port) -> host name of https:// instances (DNS)
 KV_EVENTS = web.AppKey("kv_events", object)  # KvEventSources | None: precise mode's subscribers
@@ -203,7 +204,7 @@ async def admin_off(request: web.Request) -> web.Response:
 async def dashboard_state(request: web.Request) -> web.Response:
     app = request.app
     state = dash.state(app[ROUTER].fleet, app[ACTIVITY], app[METRICS], app[SETTINGS].strategy,
-                       app[SIBLINGS].fresh(), app[ROUTER].admission)
+                       app[SIBLINGS].fresh(), app[ROUTER].admission, app[TIMELINE])
     return web.json_response(state, headers={"Cache-Control": "no-store"})
 
 
@@ -285,6 +286,7 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[DISCOVERY] = Discovery(membership, DiscoverySettings.of(settings), resolver, server_names)
     app[ACTIVITY] = dash.Activity(settings.block_bytes)
     app[SIBLINGS] = dash.Siblings()
+    app[TIMELINE] = dash.Timeline()
     app[COMPONENTS] = _components(app, links)
     app.cleanup_ctx.append(_lifetime)
 
@@ -346,6 +348,9 @@ def _components(app: web.Application, links: Links | None) -> Components:
     items += [redis, siblings, app[HEALTH]]
     if siblings is not None and settings.dashboard:
         items.append(SnapshotSender(app, siblings))
+    if settings.dashboard:
+        items.append(dash.TimelineSampler(app[TIMELINE], router.fleet, app[ACTIVITY], app[METRICS], app[SIBLINGS],
+                                          router.admission))
     if siblings is not None:  # the other workers' scrapes sum this one's demand: keep it fresh
         items.append(DemandRefresh(app))
     if settings.models_interval > 0:  # which instance serves which model, before the first request
