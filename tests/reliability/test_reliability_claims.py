@@ -199,8 +199,8 @@ async def test_what_clients_send_cannot_grow_metrics_without_bound(tmp_path):
 
 
 async def test_tokenize_floods_wait_for_room_like_chats(tmp_path):
-    """One key sends 20 /tokenize requests, another 4 chats, at an engine running 2 at once (engine_capacity; 0.2 s each): the engine
-    never has more than 2 in flight (before: every /tokenize was forwarded at once), and the chats get their fair
+    """One key sends 20 /tokenize requests, another 4 chats, at an engine running 2 at once (engine_capacity; 0.2 s
+    each): the engine never has more than 2 in flight (before: every /tokenize was forwarded at once), and the chats get their fair
     share of the slots instead of waiting behind the flood."""
     engine = await Upstream("engine").start()
     inflight = {"now": 0, "most": 0}

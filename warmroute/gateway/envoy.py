@@ -65,7 +65,8 @@ def local_listener(source: Path, name: str, port: int, picker: tuple[str, int],
             if failure_mode_allow is not None:
                 f["typed_config"]["failure_mode_allow"] = failure_mode_allow
             if message_timeout is not None:
-                f["typed_config"]["message_timeout"] = f["typed_config"]["max_message_timeout"] = f"{message_timeout:g}s"
+                for field_name in ("message_timeout", "max_message_timeout"):
+                    f["typed_config"][field_name] = f"{message_timeout:g}s"
     out = []
     for cname, cluster in clusters.items():
         cluster["name"] = f"{name}-{cname}"

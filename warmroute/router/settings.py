@@ -422,10 +422,10 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     @field_validator("priority_classes")
     @classmethod
     def _check_classes(cls, v: dict[str, int]) -> dict[str, int]:
-        bad = [k for k, p in v.items() if not _NAME.match(k) and k != str(p) or re.fullmatch(r"-?\d+", k) and k != str(p)]
+        bad = [k for k, p in v.items() if k != str(p) and (not _NAME.match(k) or re.fullmatch(r"-?\d+", k))]
         if bad:
-            raise ValueError("priority class names must be 1-63 letters, digits, '.', '_' or '-' (an integer names only "
-                             f"its own value); {bad[0]!r} is not")
+            raise ValueError("priority class names must be 1-63 letters, digits, '.', '_' or '-' (an integer names "
+                             f"only its own value); {bad[0]!r} is not")
         if len(set(v.values())) < len(v):
             raise ValueError("two priority classes have the same value")
         return v

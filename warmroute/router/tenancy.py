@@ -78,8 +78,9 @@ class Tenancy:
                 auth = headers.get("Authorization", "")
                 if auth[:7].lower() == "bearer " and auth[7:].strip():
                     return self.key_tenant(auth[7:].strip())
-            elif source == "user" and self.trusted and key is not None and key.session and SESSION_HEADER not in headers:
-                return key.session[:_MAX_TENANT]  # without the session header, the key's session is the user field
+            elif (source == "user" and self.trusted and key is not None and key.session
+                  and SESSION_HEADER not in headers):  # without the session header, the key's session is the user field
+                return key.session[:_MAX_TENANT]
         return ANONYMOUS
 
     def key_tenant(self, api_key: str) -> str:
