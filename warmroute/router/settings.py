@@ -434,11 +434,11 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     @classmethod
     def _check_api_keys(cls, v: dict[str, str]) -> dict[str, str]:
         out = {}
-        for digest, tenant in v.items():
+        for n, (digest, tenant) in enumerate(v.items()):
             digest = digest.strip().lower().removeprefix("sha256:")
-            if not re.fullmatch(r"[0-9a-f]{64}", digest):
-                raise ValueError("keys must be the hex SHA-256 of an API key (64 hex digits: printf %s KEY | "
-                                 f"sha256sum), not the key itself; {digest[:8]!r}... is not")
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):  # what it is instead may be a key: not echoed
+                raise ValueError(f"entry {n + 1}: keys must be the hex SHA-256 of an API key (64 hex digits: printf "
+                                 "%s KEY | sha256sum), not the key itself")
             if not _NAME.match(tenant):
                 raise ValueError(f"tenant names must be 1-63 letters, digits, '.', '_' or '-'; {tenant!r} is not")
             out[digest] = tenant
@@ -652,7 +652,7 @@ def describe_errors(exc: ValidationError) -> str:
             parts.append(_clean(err["msg"]))
             continue
         got = err.get("input")
-        shown = "" if len(loc) > 1 or isinstance(got, (dict, list)) or got is None else f" = {got!r}"
+        shown = "" if len(loc) > 1 or isinstance(got, (dict, list)) or got is None or name in _SECRET else f" = {got!r}"
         if err["type"] == "too_short" and name == "backends":
             detail = "at least one backend is required (--backend URL or NAME=URL)"
         elif len(loc) > 1:  # inside a backend entry
@@ -663,6 +663,9 @@ def describe_errors(exc: ValidationError) -> str:
             detail = valid_range(name)
         parts.append(f"invalid setting {name}{shown} ({flag_of(name)}, {env_of(name)}): {detail}")
     return "; ".join(parts)
+
+
+_SECRET = frozenset({"api_keys", "api_key_salt", "admin_token", "observability_token", "redis_url"})  # never echoed
 
 
 def _clean(msg: str) -> str:
