@@ -260,9 +260,9 @@ CAP_SETTINGS = ("tenant_queue_share", "tenant_pending", "prefill_budget")
 
 
 def tenant_flags(args: argparse.Namespace) -> list[str]:
-    """`warmroute serve` flags for the tenant caps (--tenant-queue-share, --tenant-pending, --prefill-budget),
-    where given."""
-    flags = []
+    """`warmroute serve` flags: --trust-client-headers (the load generator names each request's tenant in x-tenant,
+    as a gateway would), and the tenant caps (--tenant-queue-share, --tenant-pending, --prefill-budget) where given."""
+    flags = ["--trust-client-headers"]
     for name in CAP_SETTINGS:
         value = getattr(args, name)
         if value is not None:

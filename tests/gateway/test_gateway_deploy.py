@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from warmroute.errors import UsageError
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, envoy_binary
+from warmroute.gateway.server import check_gateway_timeouts, envoy_message_timeout
 from warmroute.router.inference_pool import GROUP, PLURAL
 from warmroute.router.settings import load_settings
 
@@ -54,7 +56,8 @@ def test_the_pool_points_at_the_pickers_grpc_port_and_the_picker_at_the_pool(tmp
     settings = load_settings({}, tmp_path / "warmroute.yaml", env=env)
     assert settings.epp_port == named["containerPort"]
     assert settings.inference_pool == pool["metadata"]["name"]
-    assert settings.cache_aware.hold_timeout < 10  # below the gateway's ext_proc message timeout
+    check_gateway_timeouts(settings)  # queue_timeout and hold_timeout end before the gateway's message timeout
+    assert settings.ext_proc_message_timeout == envoy_message_timeout(str(ORIGINAL_DST))
     probes = {container[p]["grpc"]["service"] for p in ("readinessProbe", "livenessProbe")}
     assert probes == {"readiness", "liveness"} and all(container[p]["grpc"]["port"] == named["containerPort"]
                                                         for p in ("readinessProbe", "livenessProbe"))
@@ -67,3 +70,18 @@ def test_rbac_allows_exactly_what_the_pool_discovery_reads():
     assert rules == {(GROUP, PLURAL): ["get", "list", "watch"],
                      ("", "pods"): ["get", "list", "patch", "watch"]}  # patch: their deletion costs
     assert objs["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == objs["ServiceAccount"]["metadata"]["name"]
+
+
+@pytest.mark.parametrize("config", [ORIGINAL_DST, FALLBACKS], ids=lambda p: p.name)
+def test_the_shipped_envoy_files_wait_longer_than_the_pickers_defaults(config, tmp_path):
+    """A request waiting its whole queue_timeout in the picker gets the picker's 429, not Envoy's 503 or (FailOpen)
+    a trip to an engine past admission: the shipped files' message_timeout outlasts the picker's defaults, and a
+    picker told about a shorter one refuses to start."""
+    defaults = load_settings({"backends": ["http://127.0.0.1:1"], "envoy_config": str(config)}, env={})
+    check_gateway_timeouts(defaults)
+    assert envoy_message_timeout(str(config)) > defaults.queue_timeout
+    short = tmp_path / "short.yaml"
+    short.write_text(config.read_text().replace("message_timeout: 65s", "message_timeout: 10s"))
+    with pytest.raises(UsageError) as exc:
+        check_gateway_timeouts(defaults.model_copy(update={"envoy_config": str(short)}))
+    assert "queue_timeout (60 s)" in str(exc.value) and "10 s" in str(exc.value)

@@ -138,7 +138,8 @@ async def test_an_instance_killed_during_overload_leaves_no_request_hanging():
 
 
 async def test_priority_and_tenant_come_from_headers_and_a_bad_priority_is_a_400():
-    async with _stack(count=1, concurrency_threshold=1) as (fleet, router, client):
+    async with _stack(count=1, concurrency_threshold=1, trust_client_headers=True, priority_classes="-5,0,5",
+                      tenant_max_priorities="web=5") as (fleet, router, client):
         status, _, body = await _post(client, router.url, _chat(0, 0), {"x-priority": "high"})
         assert status == 400 and "x-priority" in body["error"]["message"]
         slow = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=100)))
@@ -161,7 +162,8 @@ async def test_a_tenant_past_its_queue_share_waits_in_the_router_while_another_i
     request in flight, tenant noisy has at most 2 (0.5 x 8 / 2 tenants) awaiting their first token there; its
     other requests wait in the router though the instance has room (admissions how="share") and go as those
     get their first tokens; all are answered, and the books return to zero."""
-    async with _stack(count=1, time_scale=4.0, concurrency_threshold=8, tenant_queue_share=0.5) as (
+    async with _stack(count=1, time_scale=4.0, concurrency_threshold=8, tenant_queue_share=0.5,
+                      trust_client_headers=True) as (
             fleet, router, client):
         quiet = asyncio.ensure_future(_post(client, router.url, _chat(0, 0, max_tokens=100), {"x-tenant": "quiet"}))
         await wait_for(lambda: router.app[ROUTER].fleet.instances["e0"].inflight == 1)
@@ -188,7 +190,7 @@ async def test_an_instance_at_its_prefill_budget_holds_requests_in_the_router_wh
     of cold prompts goes one at a time, each when the one before has its first token; the rest wait in the router
     though the instance has room (admissions how="prefill"); all are answered, and the books return to zero."""
     async with _stack(count=1, time_scale=4.0, concurrency_threshold=8, prefill_budget=1,
-                      tenant_weights={"quiet": 7.0}) as (fleet, router, client):
+                      tenant_weights={"quiet": 7.0}, trust_client_headers=True) as (fleet, router, client):
         r = router.app[ROUTER]
         quiet = asyncio.ensure_future(_stream(client, router.url, _chat(0, 0, max_tokens=300), {"x-tenant": "quiet"}))
         await wait_for(lambda: r.fleet.instances["e0"].inflight == 1 and r.fleet.instances["e0"].pending == 0)

@@ -44,9 +44,11 @@ def _endpoint(host: str, port: int) -> dict:
 
 def local_listener(source: Path, name: str, port: int, picker: tuple[str, int],
                    engines: list[tuple[str, int]] | None = None,
-                   failure_mode_allow: bool | None = None) -> tuple[dict, list[dict]]:
+                   failure_mode_allow: bool | None = None,
+                   message_timeout: float | None = None) -> tuple[dict, list[dict]]:
     """(listener, clusters) of a shipped configuration, renamed `name`-*, on 127.0.0.1:`port`, with its picker
-    at `picker` and its `pool` cluster's engines at `engines` (where it lists them)."""
+    at `picker` and its `pool` cluster's engines at `engines` (where it lists them); `message_timeout`: the
+    ext_proc filter's, in seconds, instead of the file's (tests that need a wait past it to be short)."""
     config = yaml.safe_load(source.read_text())["static_resources"]
     listener = copy.deepcopy(config["listeners"][0])
     listener["name"] = name
@@ -62,6 +64,9 @@ def local_listener(source: Path, name: str, port: int, picker: tuple[str, int],
             grpc["cluster_name"] = f"{name}-{grpc['cluster_name']}"
             if failure_mode_allow is not None:
                 f["typed_config"]["failure_mode_allow"] = failure_mode_allow
+            if message_timeout is not None:
+                for field_name in ("message_timeout", "max_message_timeout"):
+                    f["typed_config"][field_name] = f"{message_timeout:g}s"
     out = []
     for cname, cluster in clusters.items():
         cluster["name"] = f"{name}-{cname}"
@@ -85,10 +90,13 @@ class EnvoyConfig:
         self.clusters.extend(clusters)
 
     def render(self) -> str:
-        return yaml.safe_dump({
+        return yaml.safe_dump(self.document(), sort_keys=False)
+
+    def document(self) -> dict:
+        return {
             "static_resources": {"listeners": self.listeners, "clusters": self.clusters},
             "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": self.admin_port}}},
-        }, sort_keys=False)
+        }
 
 
 class EnvoyProcess:

@@ -25,6 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
+from multidict import CIMultiDict, CIMultiDictProxy
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as modes
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -43,6 +44,7 @@ from warmroute.router.metrics import NO_INSTANCE
 from warmroute.router.proxy import CLIENT_CLOSED
 from warmroute.router.routing import SESSION_HEADER, Router, Ticket, is_routed
 from warmroute.router.settings import RouterSettings
+from warmroute.router.tenancy import Tenancy
 from warmroute.router.usage import UsageTap
 
 log = logging.getLogger("warmroute.gateway")
@@ -118,8 +120,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):
     """The ext_proc service: one `Exchange` per stream, all sharing the router's books."""
 
     def __init__(self, router: Router, health: Health, urls: Mapping[str, str], settings: RouterSettings,
-                 activity: Activity | None = None) -> None:
+                 activity: Activity | None = None, tenancy: Tenancy | None = None) -> None:
         self.router = router
+        self.tenancy = tenancy if tenancy is not None else Tenancy(settings)
         self.health = health
         self.urls = urls  # instance name -> base URL (discovery keeps it current)
         self.settings = settings
@@ -146,6 +149,8 @@ class Exchange:
         self.picker = picker
         self.path = "/"
         self.session: str | None = None
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.tenant = ""
         self.request_mode = _Mode.BUFFERED
         self.response_mode = _Mode.NONE
         self.body_skipped = False  # the picker asked Envoy not to send the response body (mode_override)
@@ -193,6 +198,7 @@ class Exchange:
             self.response_mode = message.protocol_config.response_body_mode
         self.subset = _subset(message.metadata_context)
         headers = _headers(message.request_headers)
+        self.headers = CIMultiDictProxy(CIMultiDict(headers))  # the tenant's and priority's, read as serve reads them
         self.path = headers.get(":path", "/").partition("?")[0]
         if self.path not in ROUTED_PATHS and self.path not in GATEWAY_FORWARDED:
             return [self._refuse(unknown_path())]  # as serve: an engine's control endpoints are never reached
@@ -230,9 +236,11 @@ class Exchange:
         body = b"".join(self.chunks)
         try:
             key, decision = self._route(body, await router.key_off_loop(self.path, body, self.session))
-            if key is not None and self.subset is None and router.admission.settings.enabled:
+            if self.subset is None and router.admission.settings.enabled and self.path != "/v1/models":
                 # no room at its instance: it waits in the router's queue as serve's requests do (429 past it)
-                decision, _ = await router.admit(key, decision, size_bytes=len(body))
+                self.tenant = picker.tenancy.tenant_of(self.headers, key)
+                priority = picker.tenancy.priority_of(self.headers, self.tenant, key)
+                decision, _ = await router.admit(key, decision, priority, self.tenant, len(body))
         except ApiError as exc:
             return [self._refuse(exc)]
         except NoInstanceAvailable as exc:
@@ -281,7 +289,7 @@ class Exchange:
 
     def _dispatch(self, decision: Decision) -> None:
         self.decision = decision
-        self.ticket = self.picker.router.dispatch(decision, defer_record=True)
+        self.ticket = self.picker.router.dispatch(decision, defer_record=True, tenant=self.tenant)
 
     def _refuse(self, exc: ApiError) -> ep.ProcessingResponse:
         self.decided = self.done = True

@@ -11,8 +11,10 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+import yaml
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,7 +23,7 @@ from warmroute.errors import UsageError
 from warmroute.gateway.endpoints import unaddressed
 from warmroute.gateway.picker import SERVICE_NAME, Picker
 from warmroute.router.admin import MEMBERSHIP
-from warmroute.router.app import ACTIVITY, HEALTH, ROUTER, build_app
+from warmroute.router.app import ACTIVITY, HEALTH, ROUTER, TENANCY, build_app
 from warmroute.router.members import Addresses
 from warmroute.router.server import ServedApp, bind
 from warmroute.router.settings import RouterSettings
@@ -29,6 +31,7 @@ from warmroute.router.settings import RouterSettings
 log = logging.getLogger("warmroute.gateway")
 
 LIVENESS, READINESS = "liveness", "readiness"
+GATEWAY_MARGIN_S = 1.0  # a waiting request's refusal reaches the gateway within this of its deadline (QUEUE_POLL)
 _MESSAGE_MARGIN = 1 << 20  # room for the headers and metadata around a body of max_body_bytes
 _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -64,11 +67,63 @@ def check_settings(settings: RouterSettings) -> None:
     if settings.workers != 1:
         raise UsageError("warmroute epp runs one process (workers 1); run more picker replicas with redis_url "
                          "to share their index instead")
+    check_gateway_timeouts(settings)
     names = unaddressed({b.name: b.url for b in settings.backends})
     if names and settings.dns_refresh_interval <= 0:
         raise UsageError(f"backend {names[0]} is given by host name, but a gateway needs an address (ip:port): "
                          "give backends by address, or set --dns-refresh-interval so that each name resolves to "
                          "one instance per address")
+
+
+def check_gateway_timeouts(settings: RouterSettings) -> None:
+    """A request may wait in the picker (admission's queue, a hold) only as long as the gateway waits for the
+    picker's answer: past the gateway's timeout it answers 503 itself or, failing open, sends the request on to an
+    engine past admission, instead of the picker's 429."""
+    limit, source = settings.ext_proc_message_timeout, "ext_proc_message_timeout"
+    if limit is None and settings.envoy_config is not None:
+        limit, source = envoy_message_timeout(settings.envoy_config), f"message_timeout in {settings.envoy_config}"
+    if limit is None or not settings.admission:
+        return
+    for name, seconds in (("queue_timeout", settings.queue_timeout),
+                          ("hold_timeout", settings.cache_aware.hold_timeout)):
+        if seconds + GATEWAY_MARGIN_S > limit:
+            raise UsageError(f"{name} ({seconds:g} s) must end at least {GATEWAY_MARGIN_S:g} s before the gateway's "
+                             f"ext_proc timeout ({limit:g} s, {source}): a request waiting longer would get the "
+                             f"gateway's 503 or, failing open, reach an engine past admission; lower {name} or raise "
+                             "the gateway's message_timeout")
+
+
+def envoy_message_timeout(path: str) -> float | None:
+    """The smallest message_timeout of the ext_proc filters in an Envoy configuration (Envoy's default, 0.2 s,
+    where one sets none); None if it has no ext_proc filter. A file that cannot be read is a UsageError."""
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise UsageError(f"cannot read envoy_config {path}: {str(exc).splitlines()[0]}") from None
+    found: list[float] = []
+
+    def visit(node: object) -> None:
+        if isinstance(node, dict):
+            typed = node.get("typed_config")
+            if node.get("name") == "envoy.filters.http.ext_proc" and isinstance(typed, dict):
+                found.append(_duration(typed.get("message_timeout", "0.2s"), path))
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(config)
+    return min(found) if found else None
+
+
+def _duration(value: object, path: str) -> float:
+    """A protobuf Duration as Envoy's YAML writes it ("10s", "0.5s") in seconds."""
+    text = str(value).strip()
+    try:
+        return float(text.removesuffix("s"))
+    except ValueError:
+        raise UsageError(f"envoy_config {path}: ext_proc message_timeout {text!r} is not a duration like 65s") from None
 
 
 async def start_picker(settings: RouterSettings) -> RunningPicker:
@@ -82,7 +137,7 @@ async def start_picker(settings: RouterSettings) -> RunningPicker:
         await web.SockSite(runner, sock).start()
         addresses = Addresses()  # the picker's own map of where each instance is, following membership
         app[MEMBERSHIP].subscribe(addresses)
-        picker = Picker(app[ROUTER], app[HEALTH], addresses.urls, settings, app[ACTIVITY])
+        picker = Picker(app[ROUTER], app[HEALTH], addresses.urls, settings, app[ACTIVITY], app[TENANCY])
         size = settings.max_body_bytes + _MESSAGE_MARGIN  # a buffered body is one message (and echoed back)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", size),
                                           ("grpc.max_send_message_length", size)])

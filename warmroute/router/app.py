@@ -35,6 +35,7 @@ from warmroute.core.strategies import ModelNotServed, NoInstanceAvailable
 from warmroute.router import access_log as access
 from warmroute.router import dashboard as dash
 from warmroute.router.admin import MEMBERSHIP, SIGNALS, add_admin_routes
+from warmroute.router.auth import observers_only
 from warmroute.router.components import Component, Components, Periodic
 from warmroute.router.connections import UPSTREAMS, Upstreams
 from warmroute.router.discovery import Discovery, DiscoverySettings, Membership, Resolver, resolve
@@ -48,7 +49,7 @@ from warmroute.router.proxy import Proxy
 from warmroute.router.routing import SESSION_HEADER, Router
 from warmroute.router.settings import RouterSettings, kv_event_source, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
-from warmroute.router.tenancy import priority_of, tenant_of
+from warmroute.router.tenancy import Tenancy, declared_tenants
 
 log = logging.getLogger("warmroute.router")
 
@@ -65,6 +66,7 @@ CATALOG = web.AppKey("catalog", ModelCatalog)  # which models each instance serv
 SERVER_NAMES = web.AppKey("server_names", dict)  # (address, port) -> host name of https:// instances (DNS)
 KV_EVENTS = web.AppKey("kv_events", object)  # KvEventSources | None: precise mode's subscribers
 COMPONENTS = web.AppKey("components", Components)  # what starts with the app and stops with it, in order
+TENANCY = web.AppKey("tenancy", Tenancy)  # who a request's tenant is, and its priority class
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -86,15 +88,16 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     app = request.app
     _check_content_headers(request)
     body = await _read_body(request, app[SETTINGS].max_body_bytes, app[SETTINGS].idle_timeout)
-    router, settings = app[ROUTER], app[SETTINGS]
+    router = app[ROUTER]
     session = request.headers.get(SESSION_HEADER)
     key = await router.key_off_loop(request.path, body, session)
     parsed = await router.tokenize_ahead(request.path, body) if key is None and router.tokenizer is not None else None
     key, decision = router.route(request.path, body, session, key, parsed)
     tenant = ""
-    if key is not None and router.admission.settings.enabled:  # no room at its instance: wait in the router
-        tenant = tenant_of(request.headers, key, settings)
-        priority = priority_of(request.headers, tenant, key, settings)
+    if router.admission.settings.enabled:  # no room at its instance: wait in the router (keyless paths too)
+        tenancy = app[TENANCY]
+        tenant = tenancy.tenant_of(request.headers, key)
+        priority = tenancy.priority_of(request.headers, tenant, key)
         decision, waited = await router.admit(key, decision, priority, tenant, len(body))
         if waited:
             request[access.WAITED] = waited
@@ -223,7 +226,7 @@ def refresh_demand(app: web.Application) -> None:
 async def metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     refresh_demand(request.app)
-    body, content_type = request.app[METRICS].render(router.fleet)
+    body, content_type = await request.app[METRICS].exposition(router.fleet)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = content_type
     return resp
@@ -267,7 +270,9 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     `warmroute epp`, where a gateway carries the requests and the app keeps the fleet."""
     app = web.Application(middlewares=[json_errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
-    app[METRICS] = metrics_ = Metrics(settings.strategy, [b.name for b in settings.backends])
+    app[TENANCY] = tenancy = Tenancy(settings)
+    app[METRICS] = metrics_ = Metrics(settings.strategy, [b.name for b in settings.backends], tenancy.classes.labels,
+                                      declared_tenants(settings))
     app[ROUTER] = router = Router(settings, metrics_)
     app[SIGNALS] = router.signals
     app[SERVER_NAMES] = server_names = {}
@@ -293,11 +298,12 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ping", ping)
-    app.router.add_get("/metrics", metrics)
+    observers = settings.observability_token.get_secret_value() if settings.observability_token else None
+    app.router.add_get("/metrics", observers_only(metrics, observers))
     app.router.add_get("/livez", livez)
     if settings.dashboard:
-        app.router.add_get("/dashboard", dash.page)
-        app.router.add_get("/dashboard/state", dashboard_state)
+        app.router.add_get("/dashboard", observers_only(dash.page, observers))
+        app.router.add_get("/dashboard/state", observers_only(dashboard_state, observers))
     if settings.admin_token is not None:
         add_admin_routes(app, settings.admin_token.get_secret_value())
     else:  # never forward the router's own admin paths to an engine

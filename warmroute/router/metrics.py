@@ -12,8 +12,11 @@ dictionary build and a lock per call, too much for the per-request path. The eng
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
@@ -32,7 +35,10 @@ NO_INSTANCE = "none"  # backend label of requests answered before any instance w
 
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-MAX_TENANT_LABELS = 64
+MAX_TENANT_LABELS = 64  # tenants labelled at once besides the declared ones; the rest are `other`
+TENANT_IDLE_S = 300.0  # a tenant's queue series are removed this long after its last request left the queue
+OTHER = "other"  # the label of tenants past MAX_TENANT_LABELS and of a priority that is no class
+_OUTCOMES = ("admitted", "shed")
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Predicted minus reported cached share of a prompt: negative when the engine held more than the router thought.
 _ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -40,7 +46,8 @@ _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
 
 
 class Metrics:
-    def __init__(self, strategy: str, instances: list[str]) -> None:
+    def __init__(self, strategy: str, instances: list[str], priority_labels: Mapping[int, str] | None = None,
+                 declared_tenants: Iterable[str] = ()) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter("warmroute_requests", "Requests answered, by instance and status code",
                                 ["backend", "status"], registry=r)
@@ -130,7 +137,14 @@ class Metrics:
         self.sheds = Counter("warmroute_sheds", "Requests that left the router's queue unserved, by reason (queue_full, "
                              "preempted, deadline: 429; no_instance: 503; client_closed) and priority", ["reason", "priority"],
                              registry=r)
-        self._tenants: set[str] = set()
+        # Label sets stay bounded whatever clients send: priorities by class (router/tenancy.py), tenants declared
+        # in the settings plus at most MAX_TENANT_LABELS others, whose series go once they have left.
+        self._priority_labels = dict(priority_labels or {0: "0"})
+        self._declared = frozenset(declared_tenants)
+        self._tenants: OrderedDict[str, float] = OrderedDict()  # labelled undeclared tenant -> last seen
+        self._queued: dict[str, list] = {}  # tenant with requests waiting -> [its label, how many]
+        self._evicts = values.ValueClass is values.MutexValue  # multiprocess files keep removed series: no eviction
+        self._rendering: asyncio.Future | None = None
         # What autoscalers act on (router/autoscaling.py), refreshed at each scrape. Each worker of several sees
         # its own requests against the whole fleet's capacity, so the workers' ratios add up (livesum).
         self.demand_ratio = Gauge("warmroute_fleet_demand_ratio",
@@ -206,25 +220,63 @@ class Metrics:
         self.decision_seconds.observe(seconds)
 
     def tenant_label(self, tenant: str) -> str:
-        """Tenants are client-chosen: the first MAX_TENANT_LABELS get their own label, the rest share "other"."""
+        """A tenant's label: its name if declared or among the MAX_TENANT_LABELS labelled now (a new one takes the
+        place of the least recently seen with nothing waiting, whose series are removed), else `other`."""
+        if tenant in self._declared:
+            return tenant
         if tenant in self._tenants:
+            self._tenants[tenant] = time.monotonic()
+            self._tenants.move_to_end(tenant)
             return tenant
-        if len(self._tenants) < MAX_TENANT_LABELS:
-            self._tenants.add(tenant)
-            return tenant
-        return "other"
+        if len(self._tenants) >= MAX_TENANT_LABELS:
+            gone = next((t for t in self._tenants if t not in self._queued), None) if self._evicts else None
+            if gone is None:
+                return OTHER
+            self._drop_tenant(gone)
+        self._tenants[tenant] = time.monotonic()
+        return tenant
+
+    def _drop_tenant(self, tenant: str) -> None:
+        """Its queue series out of the registry (a tenant that left: the label set stays bounded)."""
+        del self._tenants[tenant]
+        for priority in [*self._priority_labels.values(), OTHER]:
+            self.queue_waiting.remove(priority, tenant)
+            for outcome in _OUTCOMES:
+                self.queue_wait.remove(priority, tenant, outcome)
+
+    def expire_tenants(self, now: float | None = None) -> None:
+        """Removes the series of tenants idle for TENANT_IDLE_S with nothing waiting (at each scrape)."""
+        if not self._evicts:
+            return
+        now = time.monotonic() if now is None else now
+        for tenant, seen in list(self._tenants.items()):
+            if now - seen < TENANT_IDLE_S:
+                break  # least recently seen first: the rest are newer
+            if tenant not in self._queued:
+                self._drop_tenant(tenant)
+
+    def priority_label(self, priority: int) -> str:
+        return self._priority_labels.get(priority, OTHER)
 
     def admitted(self, how: str) -> None:
         self.admissions.labels(how).inc()
 
     def queue_changed(self, priority: int, tenant: str, delta: int, queue_bytes: int) -> None:
-        self.queue_waiting.labels(str(priority), self.tenant_label(tenant)).inc(delta)
+        queued = self._queued.get(tenant)
+        if queued is None:  # counted under the label it got on arrival until its last waiting request leaves
+            queued = self._queued[tenant] = [self.tenant_label(tenant), 0]
+        queued[1] += delta
+        self.queue_waiting.labels(self.priority_label(priority), queued[0]).inc(delta)
+        if queued[1] <= 0:
+            del self._queued[tenant]
         self.queue_bytes.set(queue_bytes)
 
     def left_queue(self, priority: int, tenant: str, seconds: float, shed: str | None) -> None:
-        self.queue_wait.labels(str(priority), self.tenant_label(tenant), "shed" if shed else "admitted").observe(seconds)
+        queued = self._queued.get(tenant)
+        label = queued[0] if queued is not None else self.tenant_label(tenant)
+        self.queue_wait.labels(self.priority_label(priority), label, "shed" if shed else "admitted").observe(seconds)
         if shed:
-            self.sheds.labels(shed, str(priority)).inc()
+            self.sheds.labels(shed, self.priority_label(priority)).inc()
 
     def untokenized(self, cause: str) -> None:
         self.untokenized_requests.labels(cause).inc()
@@ -291,9 +343,29 @@ class Metrics:
     # -- scrape -------------------------------------------------------------------------------------------
     def render(self, fleet: Fleet) -> tuple[bytes, str]:
         """The exposition text, with the index gauges refreshed (they are cheap to read, so only at scrape)."""
+        self.refresh(fleet)
+        return self.exposition_text()
+
+    def refresh(self, fleet: Fleet) -> None:
+        """The gauges read at scrape time, on the event loop (the index is not to be read from another thread)."""
         self.index_entries.set(fleet.index.entries())
         self.index_bytes.set(fleet.index.estimated_bytes())
         self.capacity_scale.set(fleet.cache_scale.value)
+        self.expire_tenants()
+
+    async def exposition(self, fleet: Fleet) -> tuple[bytes, str]:
+        """render, with the text made in a thread (prometheus_client's collection takes each metric's lock), and
+        one rendering shared by the scrapes that arrive while it runs: the event loop keeps serving meanwhile."""
+        self.refresh(fleet)
+        if self._rendering is None:
+            self._rendering = asyncio.ensure_future(asyncio.to_thread(self.exposition_text))
+            self._rendering.add_done_callback(self._rendered)
+        return await asyncio.shield(self._rendering)
+
+    def _rendered(self, _: asyncio.Future) -> None:
+        self._rendering = None
+
+    def exposition_text(self) -> tuple[bytes, str]:
         if _SHARED_DIR in os.environ and values.ValueClass is not values.MutexValue:  # a worker of several
             merged = CollectorRegistry()
             merged.register(WorkersMerged(self._desired_of))

@@ -196,12 +196,12 @@ class Router:
         and, while anything waits, every QUEUE_POLL seconds by one timer (deadlines, other workers' requests that
         finish unseen, engines whose capacity grew). Returns the decision to
         send and the seconds waited (0.0: it did not wait). Raises 429 (queue full, preempted, deadline) or
-        503 (no healthy instance left). A client that leaves takes its request out of the queue at once."""
+        503 (no healthy instance left). A client that leaves takes its request out of the queue at once. A request
+        without a key (/tokenize, /score, ...) counts as any other against its instance's room and its tenant's
+        share; it has no prefix to keep, so it goes to the least loaded instance with room."""
         adm = self.admission
-        if key is None:
-            return decision, 0.0
         loop = asyncio.get_running_loop()
-        waiter = adm.waiter_for(decision, loop.time(), priority, tenant, size_bytes, key.model)
+        waiter = adm.waiter_for(decision, loop.time(), priority, tenant, size_bytes, key.model if key else None)
         if waiter is None:
             self.metrics.admitted(IMMEDIATE)
             return decision, 0.0
@@ -230,7 +230,7 @@ class Router:
             raise self._refusal(waiter, key)
         return self._decide_assigned(key, waiter), loop.time() - waiter.enqueued
 
-    def _decide_assigned(self, key: RoutingKey, waiter: Waiter) -> Decision:
+    def _decide_assigned(self, key: RoutingKey | None, waiter: Waiter) -> Decision:
         """The decision for the instance the queue gave a waiter (its reserved slot becomes a request in flight
         now: the caller dispatches it without awaiting); if that instance went down meanwhile, a fresh one."""
         name = waiter.instance
@@ -239,7 +239,10 @@ class Router:
         self.metrics.admitted(waiter.why)
         try:
             self.fleet.now = time.monotonic()
-            decision = _noted(key, decide_at(self.strategy, key, self.fleet, name, waiter.first))
+            if key is None:
+                decision = decide_at(self._any, _NO_KEY, self.fleet, name, waiter.first)
+            else:
+                decision = _noted(key, decide_at(self.strategy, key, self.fleet, name, waiter.first))
         except NoInstanceAvailable:
             decision = self.decide(key)
         decision.waited_for = waiter.why
@@ -273,9 +276,9 @@ class Router:
         if isinstance(future, asyncio.Future) and not future.done():
             future.set_result(None)
 
-    def _refusal(self, w: Waiter, key: RoutingKey) -> ApiError:
+    def _refusal(self, w: Waiter, key: RoutingKey | None) -> ApiError:
         if w.shed == NO_INSTANCE:
-            return no_instance(self.settings.health_interval, key.model)
+            return no_instance(self.settings.health_interval, key.model if key else None)
         why = {DEADLINE: f"waited queue_timeout ({self.settings.queue_timeout:g} s) without room at an instance",
                PREEMPTED: "the router's queue is full and a higher-priority request took this one's place"}
         return _too_busy(f"the fleet is overloaded: {why.get(w.shed or '', w.shed)}; retry later",

@@ -174,6 +174,10 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     admin_token: SecretStr | None = None
     """Bearer token of the admin API (/admin/instances: list, add, drain, remove). Unset: the admin API does not
     exist."""
+    observability_token: SecretStr | None = None
+    """Token that /metrics, /dashboard and /dashboard/state require (Authorization: Bearer TOKEN, or HTTP Basic with
+    it as the password, which a browser asks for): they show tenants, instances and traffic. Unset: open to anyone
+    who reaches the port (/health, /ping and /livez always are)."""
     redis_url: SecretStr | None = None
     """Share prefix-index updates between router replicas through this Redis (redis://[:PASSWORD@]HOST:PORT[/DB],
     rediss://, unix://); unset: each replica keeps its own (needs the redis package: pip install 'warmroute[redis]')."""
@@ -193,6 +197,14 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     """`warmroute epp` only: fallback endpoints after the chosen one in x-gateway-destination-endpoint (the least loaded
     others, in order), tried by the gateway when the chosen one fails. 0 for an ORIGINAL_DST cluster, which reads one
     address; Envoy's override_host load-balancing policy reads the list (deploy/envoy/)."""
+    ext_proc_message_timeout: float | None = Field(None, ge=0.0, le=3600)
+    """`warmroute epp` only: seconds the gateway waits for the picker's answer to one message (Envoy ext_proc's
+    message_timeout). The picker refuses to start unless queue_timeout and hold_timeout end a second before it: past
+    it the gateway answers 503 itself, or, failing open, sends the request on past admission. Unset: read from
+    envoy_config, else not checked."""
+    envoy_config: str | None = None
+    """`warmroute epp` only: the gateway's Envoy configuration (YAML); its ext_proc filters' smallest message_timeout
+    is checked as ext_proc_message_timeout is."""
     strategy: StrategyName = "cache_aware"
     """Routing strategy."""
     admission: bool = True
@@ -232,17 +244,40 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     served, so this bounds the prefill a quiet tenant's request finds queued ahead of it. A request counts at least one
     token, so 1 is strict: nothing may await a first token there (the heaviest isolation, at a latency cost to the
     heavy tenant even below overload; docs/deployment.md). 0: no budget. One tenant alone is never held."""
+    trust_client_headers: bool = False
+    """Honour what a request says about who sent it and how urgent it is: tenant_header, priority_header and the body's
+    `user` field (tenant_from). Only for a hop that sets them itself after authenticating the client (a gateway that
+    strips the client's own): any client can send them. Off: the tenant comes from the API key alone and the priority
+    from the settings (docs/deployment.md, "Who may claim what")."""
     priority_header: str = Field("x-priority", pattern=r"^[A-Za-z0-9-]{1,64}$")
-    """Request header carrying a request's priority (an integer, -1000..1000; higher first, lower refused first)."""
+    """Request header carrying a request's priority, with trust_client_headers: a priority class's name or an integer
+    (-1000..1000, higher first; mapped to the nearest class), never above its tenant's maximum."""
+    priority_classes: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict, max_length=16)
+    """The priorities requests may have, NAME=N,... or N,N,... (at most 16; -1000..1000, higher first), as the Gateway
+    API Inference Extension's InferenceObjective declares them: a request's priority maps to the nearest, and metrics
+    are labelled by its name. Unset: 0 and the integers of tenant_priorities, tenant_max_priorities and
+    model_priorities."""
     tenant_header: str = Field("x-tenant", pattern=r"^[A-Za-z0-9-]{1,64}$")
-    """Request header naming the tenant (see tenant_from)."""
+    """Request header naming the tenant, with trust_client_headers (see tenant_from)."""
     tenant_from: Annotated[list[Literal["header", "api_key", "user"]], NoDecode] = Field(["header", "api_key"],
                                                                                           max_length=3)
-    """Where a request's tenant comes from, first found wins: header (tenant_header), api_key (the bearer token,
-    hashed), user (the body's `user` field). Comma-separated. Tenants waiting at one priority share capacity by their
-    weights."""
+    """Where a request's tenant comes from, first found wins: header (tenant_header) and user (the body's `user` field),
+    both only with trust_client_headers; api_key (the bearer token: its tenant in api_keys, else a salted hash of it).
+    Comma-separated. A request with none is the tenant `anonymous`. Tenants waiting at one priority share capacity by
+    their weights."""
+    api_keys: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    """Tenant per API key, SHA256=TENANT,... (the hex SHA-256 of the bearer token: `printf %s KEY | sha256sum`; never
+    the key itself). Set, a key not listed is the tenant `anonymous`; unset, each key is a tenant of its own, named by
+    a salted hash of it (api_key_salt)."""
+    api_key_salt: SecretStr | None = None
+    """Salt of the tenant names made from API keys not in api_keys (`key-` and 12 hex digits of HMAC-SHA256), so that
+    /metrics and /dashboard cannot be matched against known keys. Unset: random at each start (names then differ
+    between replicas and restarts: set the same salt on every replica to keep them)."""
     tenant_priorities: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
-    """Priority per tenant, NAME=N,... (a request's priority header wins)."""
+    """Default priority per tenant, NAME=N,... (mapped to the nearest priority class)."""
+    tenant_max_priorities: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
+    """Highest priority a tenant may claim (with trust_client_headers, in priority_header), NAME=N,...; a tenant not
+    listed may claim no more than its default priority."""
     model_priorities: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
     """Priority per model, NAME=N,... (below tenant_priorities)."""
     tenant_weights: Annotated[dict[str, float], NoDecode] = Field(default_factory=dict)
@@ -359,18 +394,58 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     def _parse_list(cls, v: Any) -> Any:
         return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
 
-    @field_validator("tenant_priorities", "model_priorities", "tenant_weights", mode="before")
+    @field_validator("tenant_priorities", "tenant_max_priorities", "model_priorities", "tenant_weights", "api_keys",
+                     mode="before")
     @classmethod
     def _parse_mapping(cls, v: Any) -> Any:
         return parse_mapping(v)
 
-    @field_validator("tenant_priorities", "model_priorities")
+    @field_validator("priority_classes", mode="before")
+    @classmethod
+    def _parse_classes(cls, v: Any) -> Any:
+        """NAME=N,... or plain integers (each named by itself), as a string or a YAML mapping or list."""
+        if isinstance(v, str):
+            v = [p.strip() for p in v.split(",") if p.strip()]
+        if isinstance(v, list):
+            out: dict[str, Any] = {}
+            for item in v:
+                name, eq, value = str(item).partition("=")
+                out[name.strip()] = value.strip() if eq else name.strip()
+            return out
+        return v
+
+    @field_validator("tenant_priorities", "tenant_max_priorities", "model_priorities", "priority_classes")
     @classmethod
     def _check_priorities(cls, v: dict[str, int]) -> dict[str, int]:
         bad = [k for k, p in v.items() if not -1000 <= p <= 1000]
         if bad:
             raise ValueError(f"priorities must be -1000..1000; {bad[0]!r} is not")
         return v
+
+    @field_validator("priority_classes")
+    @classmethod
+    def _check_classes(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = [k for k, p in v.items() if k != str(p) and (not _NAME.match(k) or re.fullmatch(r"-?\d+", k))]
+        if bad:
+            raise ValueError("priority class names must be 1-63 letters, digits, '.', '_' or '-' (an integer names "
+                             f"only its own value); {bad[0]!r} is not")
+        if len(set(v.values())) < len(v):
+            raise ValueError("two priority classes have the same value")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        out = {}
+        for n, (digest, tenant) in enumerate(v.items()):
+            digest = digest.strip().lower().removeprefix("sha256:")
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):  # what it is instead may be a key: not echoed
+                raise ValueError(f"entry {n + 1}: keys must be the hex SHA-256 of an API key (64 hex digits: printf "
+                                 "%s KEY | sha256sum), not the key itself")
+            if not _NAME.match(tenant):
+                raise ValueError(f"tenant names must be 1-63 letters, digits, '.', '_' or '-'; {tenant!r} is not")
+            out[digest] = tenant
+        return out
 
     @field_validator("tenant_weights")
     @classmethod
@@ -423,6 +498,16 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
             except (OSError, ssl.SSLError) as exc:
                 why = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
                 raise ValueError(f"invalid setting {name} ({flag_of(name)}): cannot load it: {why}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _claims_need_trust(self) -> RouterSettings:
+        """A tenant source any client can write, asked for explicitly, needs the operator to say who writes it."""
+        claimed = [s for s in self.tenant_from if s in ("header", "user")]
+        if "tenant_from" in self.model_fields_set and claimed and not self.trust_client_headers:
+            raise ValueError(f"invalid setting tenant_from ({flag_of('tenant_from')}): {claimed[0]} is whatever the "
+                             f"client sends; set trust_client_headers ({flag_of('trust_client_headers')}) if a gateway "
+                             "in front sets it after authenticating the client, or use api_key")
         return self
 
     @model_validator(mode="after")
@@ -570,7 +655,7 @@ def describe_errors(exc: ValidationError) -> str:
             parts.append(_clean(err["msg"]))
             continue
         got = err.get("input")
-        shown = "" if len(loc) > 1 or isinstance(got, (dict, list)) or got is None else f" = {got!r}"
+        shown = "" if len(loc) > 1 or isinstance(got, (dict, list)) or got is None or name in _SECRET else f" = {got!r}"
         if err["type"] == "too_short" and name == "backends":
             detail = "at least one backend is required (--backend URL or NAME=URL)"
         elif len(loc) > 1:  # inside a backend entry
@@ -581,6 +666,9 @@ def describe_errors(exc: ValidationError) -> str:
             detail = valid_range(name)
         parts.append(f"invalid setting {name}{shown} ({flag_of(name)}, {env_of(name)}): {detail}")
     return "; ".join(parts)
+
+
+_SECRET = frozenset({"api_keys", "api_key_salt", "admin_token", "observability_token", "redis_url"})  # never echoed
 
 
 def _clean(msg: str) -> str:
