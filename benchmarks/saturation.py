@@ -300,7 +300,7 @@ async def phase_saturation(fleet: FleetSpec, contenders: Sequence[Contender], ar
 
 async def phase_latency(contenders: Sequence[Contender], args: argparse.Namespace,
                         logs: Path) -> tuple[list[dict[str, Any]], list[str], FleetSpec]:
-    fleet = FleetSpec("stub", itl_ms=args.itl_ms)
+    fleet = FleetSpec("stub", instances=args.latency_instances, itl_ms=args.itl_ms)
     routed = [c for c in contenders if c.router is not None]
     log(f"== (b) added latency, {args.streams} concurrent streams, {fleet.describe()}")
     running = await start_fleet(fleet, routed, args.peers_venv, logs, "lat")
@@ -560,6 +560,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--connections", type=int, default=128, help="(a) keep-alive connections")
     p.add_argument("--max-tokens", type=int, default=8, help="(a) max_tokens per request")
     p.add_argument("--streams", type=int, default=64, help="(b) concurrent streams through the router")
+    p.add_argument("--latency-instances", type=int, default=INSTANCES,
+                   help="(b) trivial instances the streams share (1: one engine taking every stream)")
     p.add_argument("--stream-tokens", type=int, default=32, help="(b) tokens per stream")
     p.add_argument("--itl-ms", type=float, default=20.0, help="(b) milliseconds between two streamed tokens")
     p.add_argument("--peers-venv", type=Path, default=cp.PEERS_VENV)

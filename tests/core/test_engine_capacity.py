@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from warmroute.core.admission import BUSY, MIN_LEARNED_LIMIT, UNBOUNDED, Admission, AdmissionSettings
 from warmroute.core.decision import CACHE_HIT, OVERLOAD_SPILL
-from warmroute.core.engine_capacity import GROWTH, PEAK_WINDOW, SUSTAINED, EngineCapacity
+from warmroute.core.engine_capacity import GROWTH, KV_HIGH_WATER, PEAK_WINDOW, SUSTAINED, EngineCapacity
 from warmroute.core.stages import Handles
 from warmroute.core.strategies import StrategySettings, make_strategy
 
@@ -14,14 +14,31 @@ from fleet_helpers import SYSTEM, fleet, key
 
 def test_an_engine_shows_no_limit_until_it_queues_on_consecutive_scrapes():
     cap = EngineCapacity()
-    cap.observe(waiting=0, running=200, at_limit=False)
+    cap.observe(waiting=0, running=250, at_limit=False)
     cap.observe(waiting=3, running=250, at_limit=False)  # one scrape may catch a step in passing
     assert cap.learned is None
     cap.observe(waiting=0, running=10, at_limit=False)
-    cap.observe(waiting=3, running=40, at_limit=False)
+    cap.observe(waiting=3, running=10, at_limit=False)
     assert cap.learned is None
-    cap.observe(waiting=2, running=60, at_limit=False)
+    cap.observe(waiting=2, running=10, at_limit=False)
     assert cap.learned == 250  # the most it ran lately, not what it ran while prefill filled its steps
+
+
+def test_an_engine_whose_batch_grows_while_requests_wait_is_not_full():
+    """A burst of long prompts: requests wait while each step's token budget goes to prefill, and the batch grows
+    as they are admitted (a cold fleet taking 192 clients at once: 8, 18, 29, 45 running)."""
+    cap = EngineCapacity()
+    for running, waiting in ((8, 37), (18, 27), (29, 16), (45, 0)):
+        cap.observe(waiting=waiting, running=running, at_limit=False)
+    assert cap.learned is None
+
+
+def test_a_kv_cache_held_by_running_requests_is_full_at_what_it_runs():
+    cap = EngineCapacity()
+    cap.observe(waiting=0, running=120, at_limit=False)
+    for _ in range(SUSTAINED):
+        cap.observe(waiting=0, running=60, at_limit=False, kv_usage=KV_HIGH_WATER)
+    assert cap.learned == 60  # more would evict the cached prefixes the next requests need
 
 
 def test_the_peak_is_taken_over_recent_scrapes_only():
@@ -30,8 +47,8 @@ def test_the_peak_is_taken_over_recent_scrapes_only():
     for _ in range(PEAK_WINDOW):
         cap.observe(waiting=0, running=30, at_limit=False)
     for _ in range(SUSTAINED):
-        cap.observe(waiting=5, running=32, at_limit=False)
-    assert cap.learned == 32
+        cap.observe(waiting=5, running=30, at_limit=False)
+    assert cap.learned == 30
 
 
 def test_a_learned_limit_grows_when_the_engine_shows_no_queue_at_it_and_falls_back_when_it_does():
@@ -64,6 +81,7 @@ def test_a_learned_limit_never_holds_a_few_long_prefills_back():
         f.engine_load(a, waiting=5, running=3, kv_usage=0.5)  # queueing at 3 running: busy with prefill
     adm = Admission(AdmissionSettings(concurrency_threshold=32), f)
     assert f.instances[a].capacity.learned == 3 and adm.limit(f.instances[a]) == MIN_LEARNED_LIMIT
+    f.engine_load(a, waiting=5, running=20, kv_usage=0.5)  # growing: admitting
     for _ in range(SUSTAINED):
         f.engine_load(a, waiting=5, running=20, kv_usage=0.5)
     assert adm.limit(f.instances[a]) == 20

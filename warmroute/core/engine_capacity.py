@@ -4,11 +4,16 @@ load the engine reports; unknown means the router never holds a request back for
 The router's queue exists for engines that are full: a request sent to one waits in the engine's own queue, holding
 KV blocks, while its prefix may be evicted before its turn. Only the engine knows when it is full (its batch limit,
 its free KV blocks), so the limit is learned from its scrapes:
-  * until it reports requests waiting on SUSTAINED scrapes in a row, it has shown no limit: none is assumed;
-  * then its limit is the most requests it was seen running over the last PEAK_WINDOW scrapes. Not what it runs
-    while the queue shows: during a burst of long prompts an engine runs few requests because each step's token
-    budget goes to their prefill, not because its batch is full;
-  * it reports none waiting on SUSTAINED scrapes in a row while the router kept it at its learned limit: the limit
+  * until it reports requests waiting, or its KV cache held by running requests past KV_HIGH_WATER, on SUSTAINED
+    scrapes in a row while its running batch does not grow, it has shown no limit: none is assumed. An engine
+    whose batch grows while requests wait is admitting them as fast as it prefills (a burst of long prompts
+    fills each step's token budget), not full;
+  * its KV cache that full: its limit is what it runs now. More requests would evict the cached prefixes of the
+    requests to come (vLLM and SGLang free a finished request's blocks to a cache that new ones evict), or wait;
+  * requests waiting: its limit is the most requests it was seen running over the last PEAK_WINDOW scrapes. Not
+    what it runs while the queue shows: during a burst of long prompts an engine runs few requests because each
+    step's token budget goes to their prefill, not because its batch is full;
+  * it reports neither on SUSTAINED scrapes in a row while the router kept it at its learned limit: the limit
     grows by GROWTH (at least one request), as the engine may have room it never got to show. An engine at its
     true batch size then queues the few requests past it for a scrape or two: the price of never holding requests
     an engine has room for.
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 SUSTAINED = 2  # scrapes in a row that must agree before the limit moves: one scrape may catch a step in passing
 PEAK_WINDOW = 30  # scrapes over which the most requests running is the engine's batch
 GROWTH = 1.125  # the limit's growth when the engine showed no queue at it
+KV_HIGH_WATER = 0.9  # share of an engine's KV blocks held by running requests from which it counts as full
 
 
 @dataclass(slots=True)
@@ -32,19 +38,25 @@ class EngineCapacity:
     stated: int | None = None  # the operator's figure (engine_capacity): never learned over
     learned: int | None = None
     _running: deque[int] = field(default_factory=lambda: deque(maxlen=PEAK_WINDOW))  # the last scrapes' batches
-    _queued: int = 0  # scrapes in a row that reported requests waiting
+    _queued: int = 0  # scrapes in a row that reported requests waiting or a full KV cache, the batch not growing
     _clear: int = 0  # scrapes in a row at the learned limit that reported none waiting
 
-    def observe(self, waiting: int | None, running: int | None, at_limit: bool) -> None:
+    def observe(self, waiting: int | None, running: int | None, at_limit: bool,
+                kv_usage: float | None = None) -> None:
         """One scrape of the engine; `at_limit`: the router had the learned limit's worth of requests there."""
         if self.stated is not None or waiting is None or running is None:
             return
+        growing = bool(self._running) and running > self._running[-1]
         self._running.append(running)
-        if waiting > 0:
+        kv_full = kv_usage is not None and kv_usage >= KV_HIGH_WATER
+        if (waiting > 0 or kv_full) and growing:
+            self._queued = self._clear = 0
+            return
+        if waiting > 0 or kv_full:
             self._clear = 0
             self._queued += 1
             if self._queued >= SUSTAINED:
-                self.learned = max(1, max(self._running))
+                self.learned = max(1, running if kv_full else max(self._running))
             return
         self._queued = 0
         if self.learned is None or not at_limit:

@@ -281,14 +281,15 @@ class Fleet:
             inst.engine = None
         else:
             inst.engine = observe(waiting, running, kv_usage, inst.inflight, inst.pending)
-        self.observe_capacity(name, waiting, running)
+        self.observe_capacity(name, waiting, running, kv_usage)
 
-    def observe_capacity(self, name: str, waiting: int | None, running: int | None) -> None:
-        """A scrape's queue and batch, for the requests the engine runs before it queues (EngineCapacity)."""
+    def observe_capacity(self, name: str, waiting: int | None, running: int | None,
+                         kv_usage: float | None = None) -> None:
+        """A scrape's queue, batch and KV usage, for the requests the engine runs at once (EngineCapacity)."""
         inst = self.instances.get(name)
         if inst is not None:
             learned = inst.capacity.learned
-            inst.capacity.observe(waiting, running, learned is not None and inst.load >= learned)
+            inst.capacity.observe(waiting, running, learned is not None and inst.load >= learned, kv_usage)
 
     def feedback(self, name: str, blocks: Sequence[int], predicted_tokens: int, cached_tokens: int,
                  engine_prompt_tokens: int | None = None, prompt_tokens: int | None = None,

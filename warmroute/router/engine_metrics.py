@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
-from warmroute.core.fleet import Fleet
+from warmroute.core.fleet import Fleet, Instance
 from warmroute.prometheus_text import Samples, read_samples
 from warmroute.router.connections import Poller, Upstreams
 from warmroute.router.members import Member
@@ -97,10 +98,12 @@ class EngineScraper(Poller):
 
     name = "engine-metrics"
 
-    def __init__(self, fleet: Fleet, upstreams: Upstreams, settings: ScrapeSettings, metrics: Metrics) -> None:
+    def __init__(self, fleet: Fleet, upstreams: Upstreams, settings: ScrapeSettings, metrics: Metrics,
+                 limit: Callable[[Instance], int | None] | None = None) -> None:
         super().__init__(fleet, upstreams, settings.interval)
         self.settings = settings
         self.metrics = metrics
+        self.limit = limit  # the admission queue's view of an engine's capacity (warmroute_engine_capacity)
         # Instances whose KV capacity the user did not give: the engine's own figure replaces the default.
         self._learn_capacity: set[str] = set()
         self._told: set[str] = set()  # of those, the ones whose capacity (or its absence) was logged
@@ -131,6 +134,8 @@ class EngineScraper(Poller):
         if not signals.has_load:
             self.metrics.scrape_error(name, "missing")
         self.fleet.engine_load(name, signals.waiting, signals.running, signals.kv_usage)
+        if self.limit is not None and name in self.fleet.instances:
+            self.metrics.set_engine_capacity(name, self.limit(self.fleet.instances[name]))
         capacity = signals.capacity_tokens
         inst = self.fleet.instances.get(name)
         if name not in self._learn_capacity or inst is None:

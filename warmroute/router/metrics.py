@@ -53,6 +53,11 @@ class Metrics:
                                 ["backend", "status"], registry=r)
         self.inflight = Gauge("warmroute_inflight", "Requests in flight per instance", ["backend"], registry=r,
                               multiprocess_mode="livesum")
+        self.engine_capacity = Gauge(
+            "warmroute_engine_capacity",
+            "Requests each instance's engine runs at once as the router holds it to (engine_capacity, or learned from "
+            "its queue and KV usage); absent while unknown: the router never holds requests back for it",
+            ["backend"], registry=r, multiprocess_mode="max")
         self.inflight_prompt_tokens = Gauge(
             "warmroute_inflight_prompt_tokens",
             "Prompt tokens of the requests in flight per instance: the KV cache they need (a cached prefix they "
@@ -209,6 +214,17 @@ class Metrics:
             self.inflight_prompt_tokens.remove(name)
         if self._healthy.pop(name, None) is not None:
             self.healthy.remove(name)
+        self.set_engine_capacity(name, None)
+
+    def set_engine_capacity(self, name: str, limit: int | None) -> None:
+        """The requests the router holds `name`'s engine to (None: unknown, the series is dropped)."""
+        if limit is not None:
+            self.engine_capacity.labels(name).set(limit)
+        else:
+            try:
+                self.engine_capacity.remove(name)
+            except KeyError:
+                pass
 
     # -- per-request hooks (cheap) ------------------------------------------------------------------------
     def decided(self, reason: str, matched_ratio: float, seconds: float) -> None:

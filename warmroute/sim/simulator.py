@@ -263,7 +263,7 @@ class Simulation:
         """The router reads each engine's running batch and queue, as it scrapes /metrics; it may then send more
         of the requests waiting in its queue (the engines' capacity moved)."""
         for i in self._live():
-            self.fleet.observe_capacity(i.name, i.model.num_waiting, i.model.num_running)
+            self.fleet.observe_capacity(i.name, i.model.num_waiting, i.model.num_running, i.model.kv_usage)
         if self.admission.waiters:
             self._pump(now)
         if self._pending_work():
