@@ -50,3 +50,18 @@ async def test_2000_concurrent_streams_no_errors_flat_memory():
     print(f"\n{CLIENTS} streams held {took:.1f}s: ok={tally.ok} errors={tally.errors} peak in flight "
           f"{peak_inflight}; router RSS {rss_before / 1024:.1f} -> {rss_after / 1024:.1f} MiB "
           f"({100 * growth:+.2f}%)")
+
+
+async def test_the_router_stays_live_with_4096_requests_waiting():
+    """#33: the admission queue at its default bound (4,096 waiting), nothing completing: /livez answers within
+    50 ms and the router uses under half a core (before, every waiter polled the whole queue every 0.25 s: /livez
+    took 6.5 s at p50 and the router a whole core; benchmarks/queue_livez.py)."""
+    assert soak.raise_fd_limit() >= 2 * 4096 + 200
+    stack = await soak.start_stack(10_000, "--engine-capacity", "1", "--queue-timeout", "600", admission=True)
+    try:
+        got = await soak.livez_with_queue(stack, 4096, probes=20)
+    finally:
+        await stack.close()
+    assert got.waiting == 4096
+    assert max(got.livez_ms) < 50, got.livez_ms
+    assert got.router_cores < 0.5

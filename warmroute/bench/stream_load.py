@@ -1,18 +1,24 @@
 """Many concurrent streaming clients through one router process, for its memory and its error count under
 load: a trivial instance (warmroute.bench.trivial, tokens `itl_ms` apart) and `warmroute serve` in front of
-it, each in a process of its own, and closed-loop streaming clients in this one."""
+it, each in a process of its own, and closed-loop streaming clients in this one. Also the router's liveness
+with its admission queue full (`livez_with_queue`)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 from warmroute.bench.processes import Child
+from warmroute.prometheus_text import read_samples
+
+QUEUE = "warmroute_queue_waiting"  # requests waiting in the router's queue, by priority class and tenant
 
 
 def raise_fd_limit(want: int = 16384) -> int:
@@ -46,8 +52,9 @@ class Stack:
         self.logs.cleanup()
 
 
-async def start_stack(itl_ms: float, *router_args: str) -> Stack:
-    """The trivial instance and a `least_loaded` router (admission off) in front of it, both on free ports."""
+async def start_stack(itl_ms: float, *router_args: str, admission: bool = False) -> Stack:
+    """The trivial instance and a `least_loaded` router in front of it (admission off unless asked), both on free
+    ports."""
     logs = tempfile.TemporaryDirectory(prefix="warmroute-streams-")
     upstream = Child("upstream", ["--count", "1", "--port", "0", "--itl-ms", f"{itl_ms:g}"], Path(logs.name),
                      module="warmroute.bench.trivial")
@@ -56,8 +63,7 @@ async def start_stack(itl_ms: float, *router_args: str) -> Stack:
         up_url = await upstream.wait_for_url(timeout_s=30)
         router = Child("router", [
             "serve", "--backend", f"up={up_url}", "--port", "0", "--strategy", "least_loaded",
-            "--no-engine-metrics",
-            "--no-admission",  # the router's own capacity to hold streams: admission would queue all but 32
+            "--no-engine-metrics", *(() if admission else ("--no-admission",)),  # (off: the router's own capacity)
             "--shutdown-timeout", "5", *router_args], Path(logs.name))
         return Stack(upstream, router, await router.wait_for_url(timeout_s=30), logs)
     except BaseException:
@@ -106,3 +112,50 @@ async def wave(url: str, clients: int, chunks: int) -> Tally:
     async with client_session() as s:
         await asyncio.gather(*(stream_once(s, url, i, chunks, tally) for i in range(clients)))
     return tally
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@dataclass
+class Liveness:
+    waiting: int  # requests waiting in the router's queue when /livez was probed
+    livez_ms: list[float]  # each probe's time
+    router_cores: float  # the router process's CPU over the probes, in cores
+
+
+async def livez_with_queue(stack: Stack, waiting: int, probes: int = 40) -> Liveness:
+    """With a router started `--engine-capacity 1` in front of an instance whose streams never end: one request
+    takes the engine's slot, `waiting` more wait in the router's queue, nothing completes; then /livez is probed
+    `probes` times, one after another, and the router's CPU read over that window."""
+    body = {"model": "m", "max_tokens": 1000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with client_session() as http:
+        async def post(i: int) -> None:
+            try:
+                async with http.post(stack.url + "/v1/chat/completions", json={**body, "user": f"u{i}"}) as r:
+                    await r.read()
+            except aiohttp.ClientError:
+                pass
+
+        tasks = [asyncio.create_task(post(i)) for i in range(waiting + 1)]
+        try:
+            seen, deadline = 0, asyncio.get_running_loop().time() + 120
+            while seen < waiting and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.5)
+                async with http.get(stack.url + "/metrics") as r:
+                    seen = int(sum(v for _, v in read_samples(await r.text(), (QUEUE,)).get(QUEUE, [])))
+            cpu0, t0, took = _cpu_seconds(stack.router.pid), time.monotonic(), []
+            for _ in range(probes):
+                start = time.perf_counter()
+                async with http.get(stack.url + "/livez") as r:
+                    await r.read()
+                took.append((time.perf_counter() - start) * 1000)
+                await asyncio.sleep(0.05)
+            cores = (_cpu_seconds(stack.router.pid) - cpu0) / (time.monotonic() - t0)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return Liveness(seen, took, cores)
