@@ -3,7 +3,7 @@
 The strategy chooses with the ConcurrencyThreshold as the reference router applies it: at the threshold a request
 spills to the instance its strategy ranks next among those under it. A request waits here only when the engine
 chosen for it is full: as many requests in flight as the engine runs at once (`Instance.capacity`: the operator's
-`engine_capacity`, or learned from the engine's reported queue; unknown, it never waits for room), or, with
+`engine_capacity`, or learned from the queue and KV usage it reports; unknown, it never waits for room), or, with
 `kv_limit` set, its KV demand with this one over that share of its cache. Sent on, it would queue in the engine,
 holding KV blocks while its prefix may be evicted before its turn; here it keeps its place and its prefix:
 
