@@ -390,12 +390,8 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
     streams = tuple(TenantStream(t, mixed(seed + i), r, start_s=noisy_from(args, t))
                     for i, (t, r) in enumerate(rates.items()))
     workload = Tenants(streams=streams, duration_s=args.duration)
-    sim = Simulation(sim_settings(args, admission, seed=seed), workload, "cache_aware")
-    if args.fair_lend is not None:
-        sim.admission.settings.fair_lend = args.fair_lend
-    for name, value in caps.items():
-        setattr(sim.admission.settings, name, value)
-    res = sim.run()
+    queue = {**caps, **({"fair_lend": args.fair_lend} if args.fair_lend is not None else {})}
+    res = Simulation(sim_settings(args, admission, seed=seed, queue=queue), workload, "cache_aware").run()
     done = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None)
             for x in res.records if x.arrival < args.duration]
     split = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None,

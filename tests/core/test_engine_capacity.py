@@ -81,10 +81,10 @@ def test_a_learned_limit_never_holds_a_few_long_prefills_back():
         f.engine_load(a, waiting=5, running=3, kv_usage=0.5)  # queueing at 3 running: busy with prefill
     adm = Admission(AdmissionSettings(concurrency_threshold=32), f)
     assert f.instances[a].capacity.learned == 3 and adm.limit(f.instances[a]) == MIN_LEARNED_LIMIT
-    f.engine_load(a, waiting=5, running=20, kv_usage=0.5)  # growing: admitting
+    f.engine_load(a, waiting=5, running=40, kv_usage=0.5)  # growing: admitting
     for _ in range(SUSTAINED):
-        f.engine_load(a, waiting=5, running=20, kv_usage=0.5)
-    assert adm.limit(f.instances[a]) == 20
+        f.engine_load(a, waiting=5, running=40, kv_usage=0.5)
+    assert adm.limit(f.instances[a]) == 40
 
 
 def _cache_aware_with_queue(f, threshold: int, **adm):

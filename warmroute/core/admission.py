@@ -60,8 +60,9 @@ SHARE = "share"  # its tenant had its share of its instance's queue (tenant_queu
 PREFILL = "prefill"  # its instance had its prefill_budget awaiting first tokens while several tenants were active
 WAIT_REASONS = (BUSY, KV, SHARE, PREFILL)
 # The least a learned engine limit holds requests at: an engine queueing with fewer running is busy with long prompts
-# or long contexts, not out of batch slots, and holding requests in the router then only reorders them.
-MIN_LEARNED_LIMIT = 16
+# (each step's token budget), not out of batch slots (vLLM's smallest default batch is 128), and holding requests in
+# the router below it costs throughput.
+MIN_LEARNED_LIMIT = 32
 UNBOUNDED = 1 << 30  # the room of an instance whose capacity is unknown: the router never holds requests for it
 MAX_TENANTS_TRACKED = 10_000
 # A tenant asking for less than this many times its weighted share of the requests arriving lately counts as under

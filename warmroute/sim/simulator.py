@@ -16,6 +16,7 @@ import itertools
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from warmroute.core.admission import Admission, AdmissionSettings, QueueFull, Waiter, admission_settings, decide_at
 from warmroute.core.cache_value import CacheValue, scale_in_victim
@@ -57,6 +58,9 @@ class SimSettings:
     window_s: float = 10.0  # time-series bucket
     admission: bool = True  # the router's admission queue (core/admission.py); off: every request goes at once
     queue_timeout_s: float = AdmissionSettings.timeout_s  # a waiting request is refused (429) after this
+    # The admission queue's other settings by their AdmissionSettings names (fair_lend, prefill_budget, ...), as
+    # `warmroute serve` takes them; unset ones keep the queue's defaults.
+    queue: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
 
     def engine_config(self, scale: int = 1) -> EngineConfig:
@@ -79,7 +83,7 @@ class SimSettings:
         return replace(self, routing=StrategySettings(**merge_layers(self.routing.model_dump(), {name: value})))
 
     def admission_settings(self) -> AdmissionSettings:
-        return admission_settings(self.routing, self.admission, timeout_s=self.queue_timeout_s)
+        return admission_settings(self.routing, self.admission, timeout_s=self.queue_timeout_s, **self.queue)
 
 
 @dataclass
