@@ -340,3 +340,31 @@ async def test_what_serve_would_not_forward_is_refused(picker, channel, path, ex
     reply = await s.reply()
     assert reply.immediate_response.status.code == status
     assert json.loads(reply.immediate_response.body)["error"]["code"] == status
+
+
+async def test_the_picker_dispatches_with_the_routing_key_and_the_tenant_as_serve_does(picker, channel,
+                                                                                         monkeypatch):
+    """#33: the gateway's requests carry what serve's do into the books: the routing key (precise mode holds the
+    prompt's token blocks at the chosen instance from it) and the tenant (by API key), admission on or off."""
+    router = picker.picker.router
+    seen: list[tuple[object, str]] = []
+    dispatch = router.dispatch
+
+    def spy(decision, defer_record=False, key=None, tenant=""):
+        seen.append((key, tenant))
+        return dispatch(decision, defer_record=defer_record, key=key, tenant=tenant)
+
+    monkeypatch.setattr(router, "dispatch", spy)
+    for enabled in (True, False):
+        monkeypatch.setattr(router.admission.settings, "enabled", enabled)
+        s = Stream(channel)
+        await s.send(request_headers=_headers("/v1/chat/completions", authorization="Bearer sk-team-a"))
+        await s.reply()
+        await s.send(request_body=ep.HttpBody(body=_chat_body("keyed"), end_of_stream=True))
+        await s.reply()
+        s.call.cancel()
+    await wait_for(lambda: _books(picker) == 0)
+    tenant = picker.picker.tenancy.key_tenant("sk-team-a")
+    assert len(seen) == 2 and tenant.startswith("key-")
+    for key, who in seen:
+        assert key is not None and key.model == "m" and who == tenant

@@ -151,6 +151,7 @@ class Exchange:
         self.session: str | None = None
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
         self.tenant = ""
+        self.key: RoutingKey | None = None  # set when decided; dispatched with it, as serve does
         self.request_mode = _Mode.BUFFERED
         self.response_mode = _Mode.NONE
         self.body_skipped = False  # the picker asked Envoy not to send the response body (mode_override)
@@ -236,9 +237,9 @@ class Exchange:
         body = b"".join(self.chunks)
         try:
             key, decision = self._route(body, await router.key_off_loop(self.path, body, self.session))
+            self.key, self.tenant = key, picker.tenancy.tenant_of(self.headers, key)
             if self.subset is None and router.admission.settings.enabled and self.path != "/v1/models":
                 # no room at its instance: it waits in the router's queue as serve's requests do (429 past it)
-                self.tenant = picker.tenancy.tenant_of(self.headers, key)
                 priority = picker.tenancy.priority_of(self.headers, self.tenant, key)
                 decision, _ = await router.admit(key, decision, priority, self.tenant, len(body))
         except ApiError as exc:
@@ -289,7 +290,8 @@ class Exchange:
 
     def _dispatch(self, decision: Decision) -> None:
         self.decision = decision
-        self.ticket = self.picker.router.dispatch(decision, defer_record=True, tenant=self.tenant)
+        # the key too, as serve passes it: precise mode holds the prompt's token blocks there until the events come
+        self.ticket = self.picker.router.dispatch(decision, defer_record=True, key=self.key, tenant=self.tenant)
 
     def _refuse(self, exc: ApiError) -> ep.ProcessingResponse:
         self.decided = self.done = True
