@@ -401,7 +401,7 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
 
 
 def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -> SimSettings:
-    routing = StrategySettings(concurrency_threshold=args.threshold or 32)
+    routing = StrategySettings(**({"concurrency_threshold": args.threshold} if args.threshold else {}))
     s = SimSettings(instances=args.instances, max_running=args.max_running, admission=admission,
                     queue_timeout_s=args.slo / args.time_scale, routing=routing, requests=10**7, seed=args.seed)
     return dataclasses.replace(s, **changes)
