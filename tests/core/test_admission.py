@@ -724,3 +724,33 @@ def test_with_a_prefill_budget_a_tenant_under_its_share_gets_the_next_slot_lent_
     f.instances[b].inflight -= 1
     (got,), _ = adm.pump(0.2)
     assert (got, got.instance) == ((quiet, a) if budget else (noisy, b))
+
+
+def test_a_standing_queue_serves_its_newest_request_first_and_a_short_one_its_oldest():
+    """Adaptive LIFO (lifo_after_s): under sustained overload some requests wait until their deadline whatever the
+    order; once the oldest has waited lifo_after_s, a freed slot takes the newest of those it would take alike, so
+    most waits stay short. Before that, the oldest goes first."""
+    f = fleet(1)
+    (a,) = f.instances
+    adm = _adm(f, concurrency_threshold=1, lifo_after_s=1.0, timeout_s=10.0)
+    _fill(f, a, 1)
+    old, new = _waiter(adm, a, now=0.0), _waiter(adm, a, now=0.5)
+    adm.offer(old)
+    adm.offer(new)
+    _fill(f, a, 0)
+    assert adm.pump(0.9)[0] == [old]  # the oldest has waited under lifo_after_s: first come, first served
+    adm.dispatched(old)
+    _fill(f, a, 1)  # `old` is in flight
+    newer = _waiter(adm, a, now=0.95)
+    adm.offer(newer)
+    _fill(f, a, 0)
+    assert adm.pump(1.6)[0] == [newer]  # `new` has waited 1.1 s: the queue is standing, the newest goes
+    adm.dispatched(newer)
+    plain = _adm(fleet(1), concurrency_threshold=1, lifo_after_s=0.0)
+    (b,) = plain.fleet.instances
+    _fill(plain.fleet, b, 1)
+    first, second = _waiter(plain, b, now=0.0), _waiter(plain, b, now=0.5)
+    plain.offer(first)
+    plain.offer(second)
+    _fill(plain.fleet, b, 0)
+    assert plain.pump(5.0)[0] == [first]  # 0: always the oldest first

@@ -92,6 +92,10 @@ class AdmissionSettings:
     # rule moves many waiters and scatters their prefixes. Nothing starves: timeout_s bounds every wait.
     spill_headroom: float = 1.0
     aging_tokens_per_s: float = 0.0  # matched tokens a waiter is willing to lose elsewhere per second waited
+    # Once the oldest waiter has waited this long, a freed slot takes the newest of the waiters it would take alike
+    # (adaptive LIFO; 0: always oldest first): under sustained overload some requests wait until their deadline
+    # whatever the order, and serving the newest first keeps the others' wait short instead of making all wait long.
+    lifo_after_s: float = 1.0
     fair_slack: float = 4.0  # requests a tenant may be ahead of the least-served waiting tenant
     # Slots past its capacity an instance may take, as a share of it, for a tenant behind its fair share (lent
     # by the instances serving tenants ahead of theirs: the fleet's total stays under the sum of capacities).
@@ -583,9 +587,19 @@ class Admission:
             fair = [w for w in local if w.tenant in under] or \
                 [w for w in local if served.get(w.tenant, 0.0) <= floor + slack]
             aging, name = self.settings.aging_tokens_per_s, inst.name
-            return max(fair, key=lambda w: (self.gain(w, name) + aging * (now - w.enqueued), -finish[w.seq],
-                                            -w.seq)), name
+            def score(w: Waiter) -> float:
+                return self.gain(w, name) + aging * (now - w.enqueued)
+            best = max(fair, key=lambda w: (score(w), -finish[w.seq], -w.seq))
+            if self._standing(now):  # adaptive LIFO: that tenant's newest of those scored alike
+                top = score(best)
+                best = max((w for w in fair if w.tenant == best.tenant and score(w) == top), key=lambda w: w.seq)
+            return best, name
         return None
+
+    def _standing(self, now: float) -> bool:
+        """Whether the queue is standing: its oldest waiter has waited lifo_after_s or more."""
+        after = self.settings.lifo_after_s
+        return after > 0 and bool(self.waiters) and now - next(iter(self.waiters.values())).enqueued >= after
 
     def _earliest_borrower(self, candidates: list[Waiter], finish: dict[int, float],
                            now: float) -> tuple[Waiter, str] | None:

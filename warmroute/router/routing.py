@@ -76,7 +76,8 @@ class Router:
         self.admission = Admission(admission_settings(
             settings, settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
             timeout_s=settings.queue_timeout, spill_headroom=settings.spill_headroom,
-            aging_tokens_per_s=settings.queue_aging, tenant_weights=settings.tenant_weights,
+            aging_tokens_per_s=settings.queue_aging, lifo_after_s=settings.queue_lifo_after,
+            tenant_weights=settings.tenant_weights,
             tenant_queue_share=settings.tenant_queue_share, tenant_pending=settings.tenant_pending,
             prefill_budget=settings.prefill_budget,
             record_queued=self.strategy.records_prefixes), self.fleet)

@@ -222,6 +222,11 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
     """A request waiting for its busy instance goes to another at once only if that one has at least this share of
     concurrency_threshold free (1: only an idle one); else it waits for its own (within queue_timeout). Lower values
     spill sooner, at the cost of cache hits under load."""
+    queue_lifo_after: float = Field(AdmissionSettings.lifo_after_s, ge=0.0, le=3600)
+    """Once the oldest waiting request has waited this many seconds, a freed slot takes the newest of the requests it
+    would take alike, not the oldest (adaptive LIFO; 0: always the oldest first). Under sustained overload some requests
+    wait until queue_timeout whatever the order; newest first keeps most waits short instead of making every request
+    wait almost that long. Requests its cache favours still go first."""
     queue_aging: float = Field(AdmissionSettings.aging_tokens_per_s, ge=0.0, le=1e9)
     """Prompt tokens a waiting request is willing to lose per second waited to go to another instance than its own (away
     from it, it loses at least its whole prompt); 0: never (only an idle instance takes it, or a free slot anywhere once
