@@ -55,16 +55,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_peers as cp  # noqa: E402
-import saturation as sat  # noqa: E402
-
-from warmroute.bench.formats import markdown_table, pct  # noqa: E402
-from warmroute.bench.processes import Child, free_ports  # noqa: E402
-from warmroute.bench.rawload import hostport  # noqa: E402
-from warmroute.bench.record import OUT, command_line, load_average, log, now_utc, tree_state, write_outputs  # noqa: E402
-from warmroute.bench.stats import percentile, to_ms  # noqa: E402
-from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
+from warmroute.bench import compare_peers as cp
+from warmroute.bench import saturation as sat
+from warmroute.bench.formats import markdown_table, pct
+from warmroute.bench.processes import Child, free_ports
+from warmroute.bench.rawload import hostport
+from warmroute.bench.record import OUT, command_line, load_average, log, now_utc, tree_state, write_outputs
+from warmroute.bench.stats import percentile, to_ms
+from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener
 
 SECTION = "Envoy + warmroute epp (issue #20)"
 CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+null hdrs", "envoy+null obs", "envoy+epp", "envoy+epp hdrs", "envoy+epp lean",
