@@ -47,8 +47,8 @@ from warmroute.core.routing_key import key_for_json
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("key (parse to bytes)", "block hashes", "choose", "record in index")
 # With --baseline, requests per turn of each core (per request, each would evict the other's caches). A turn's
-# first request finds the caches as the other core left them: with turns of 50 that was 2% of the samples,
-# enough to set the p99; with 250, 0.4%.
+# first request finds the caches as the other core left them, so turns are long enough that those requests are
+# too few to set the p99 (docs/tuning.md).
 CHUNK = 250
 
 
@@ -66,7 +66,7 @@ def baseline_core(rev: str) -> Core:
     mods["strategies"].rendezvous = mods["rendezvous"]
     # The compiled extensions are the working tree's builds, shared with it: the baseline's strategies just
     # configured the one _scan module with its own rendezvous; configure it again as the working tree does (so
-    # the baseline's ties are weighed by this tree's code too). Before 2026-11-30 the block hash returned a list.
+    # the baseline's ties are weighed by this tree's code too).
     if compiled._scan is not None:
         compiled._scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes, rendezvous.encoded,
                                  rendezvous.hash_fn_address())
@@ -74,7 +74,7 @@ def baseline_core(rev: str) -> Core:
         if hasattr(old, "scan_python"):  # a revision before the pipeline: its scan's interface is not this _scan's
             old.scan = old.scan_python
     hashes = mods["block_hash"].block_hashes
-    if not hasattr(mods["prefix_index"], "CompiledPrefixIndex"):
+    if not hasattr(mods["prefix_index"], "CompiledPrefixIndex"):  # its index wants the hashes as a list of ints
         def hashes(data: bytes, seed: int = 0, block_bytes: int = 64, _h=hashes) -> list[int]:
             got = _h(data, seed, block_bytes)
             return got if isinstance(got, list) else got.tolist()

@@ -39,9 +39,8 @@ PEERS_VENV = ROOT / ".peers-venv"  # git-ignored
 MOONCAKE = Path(os.environ.get("WARMROUTE_MOONCAKE", ROOT.parent / "shared" / "data" / "mooncake"))
 INSTANCES = 4
 SAMPLE_S = 0.5  # engine /metrics sampling period (per-instance load and queues)
-# Output tokens per request. Routing changes prefill, which dominates TTFT; short answers keep the Python
-# processes' per-token SSE work small on 2 cores. (The first runs also used 2 to avoid an engine-driver crash
-# on the fused-decode path; that crash is fixed in commit 15e1d44. docs/peers.md was produced with 2.)
+# Output tokens per request: routing changes prefill, which dominates TTFT, and short answers keep the Python
+# processes' per-token SSE work small on a small machine.
 MAX_TOKENS = 2
 PEER_PACKAGES = {"smg": "smg", "vllm-router": "vllm-router"}  # command -> PyPI package
 
@@ -169,14 +168,12 @@ def plans(quick: bool) -> list[WorkloadPlan]:
         WorkloadPlan("hot", "hot", {"hot": 0.6},
                      description="one hot 1,500-token prompt on 60% of requests, the rest from 40 Zipf prompts"),
         # The same traffic offered at a fixed rate: in the closed loop above every router runs at its own
-        # throughput, so TTFTs there compare different loads. 50/s is about 90% of the best peer's closed-loop
-        # throughput on `hot` in earlier runs (smg: 57/s at 07:44 UTC, docs/peers.md of that run).
+        # throughput, so TTFTs there compare different loads. The rate sits just under the best peer's
+        # closed-loop throughput on `hot` (docs/tuning.md).
         WorkloadPlan("hot-open", "hot", {"hot": 0.6}, concurrency=None, rate=50.0,
                      description="the hot workload as an open loop (Poisson arrivals) at a fixed rate"),
-        # A conversation lives 6-12 turns, several seconds: 15 s hold about two generations of them, and which
-        # instances end up overcommitted is settled by the first; 15-s runs of one setting of ours spread over
-        # 7-20 points in hit rate (44-64% for the default) and up to 750 ms in p99 (the 6th-slowest of ~600
-        # requests); 60-s runs within 2.4 points and 180 ms (docs/benchmarks.md, the chat tail).
+        # A conversation lives 6-12 turns, several seconds, so a normal window holds too few generations of them
+        # for runs of one setting to agree: chat is measured over 4x the window (docs/tuning.md).
         # KV pressure in llm-d's shape, scaled down: equally popular ~1,500-token contexts (one customer's
         # document each) whose whole set fills 75% of the fleet's KV cache, a unique 300-token question each.
         WorkloadPlan("kv-pressure", "rag", {"docs": 60, "doc_tokens": 1500, "question_tokens": 300, "zipf": 0.0,
