@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Scale events over HTTP: emulated engines as the pods of a Service in a test Kubernetes API (warmroute/bench/kube_api.py),
-a router discovering them, a workload (the demo's mixed one by default) in open loop (warmroute.bench.loadgen).
+"""Scale events over HTTP: emulated engines as the pods of a Service in a test Kubernetes API
+(warmroute/bench/kube_api.py), a router discovering them, a workload (the demo's mixed one by default) in open loop
+(warmroute.bench.loadgen).
 
     .venv/bin/python benchmarks/autoscale_http.py scale-in  [--before 25] [--after 25] [--rate 3] [--workload W] [--seed N]
     .venv/bin/python benchmarks/autoscale_http.py scale-out [--before 15] [--after 30] [--rate 3] [--window 20]

@@ -3,12 +3,13 @@
 
     .venv/bin/python benchmarks/decision_tail.py [--samples 3000]
 
-Runs decision_latency.py's setup (warmroute.bench.decision_setup) and requests (64 instances, 100,000 prefixes, 32,000-character prompts; key +
-block hashes + choose timed, the record untimed) and notes, per decision, whether a collection ran inside it
-(gc.callbacks), and its page faults and context switches (getrusage, read outside the timed part). Prints, for a
-warm and a cold prompt, the p50 / p99, how many decisions had each, how many of the slowest 1% did, and the p99
-without them. Then the same pure-Python work as the noise-floor row at four lengths: how many of its samples pass
-50 µs, which shows how often this machine interrupts work that never varies, as a function of its length.
+Runs decision_latency.py's setup and requests (warmroute.bench.decision_setup: 64 instances, 100,000 prefixes,
+32,000-character prompts; key + block hashes + choose timed, the record untimed) and notes, per decision, whether a
+collection ran inside it (gc.callbacks), and its page faults and context switches (getrusage, read outside the timed
+part). Prints, for a warm and a cold prompt, the p50 / p99, how many decisions had each, how many of the slowest 1%
+did, and the p99 without them. Then the same pure-Python work as the noise-floor row at four lengths: how many of its
+samples pass 50 µs, which shows how often this machine interrupts work that never varies, as a function of its
+length.
 """
 
 from __future__ import annotations

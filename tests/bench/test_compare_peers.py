@@ -1,4 +1,5 @@
-"""The peer comparison's machinery (warmroute.bench.compare_peers): its pure helpers (ratios, targets, sizing, trace windows, the report).
+"""The peer comparison's machinery (warmroute.bench.compare_peers): its pure helpers (ratios, targets, sizing, trace
+windows, the report).
 
 Nothing here installs or starts a peer: the peers' virtualenv and network installs are for the benchmark only.
 """
