@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/gateway.py [--rounds N] [--duration S] [--phases saturation latency]
 
 Issue #20's measurements, in one run on one machine, with warmroute.bench's raw-socket load generator and CPU
-accounting, and benchmarks/saturation.py's fleets and windows (imported from it):
+accounting, and the saturation benchmark's fleets and windows (warmroute.bench.saturation):
 
 (a) Saturation throughput on 4 trivial instances (warmroute.bench.trivial): a closed loop of 128 keep-alive
     connections sending small chat completions (every other one streamed, 8 tokens). Contenders:
@@ -81,7 +81,7 @@ class Stack:
 
 @dataclass
 class Running:
-    """The instances and every stack in front of them (saturation.py's Running, with several processes per
+    """The instances and every stack in front of them (warmroute.bench.saturation's Running, with several processes per
     router)."""
 
     fleet: sat.FleetSpec
@@ -93,7 +93,7 @@ class Running:
     peers_venv: Path = cp.PEERS_VENV
 
     @property
-    def routers(self) -> dict[str, tuple[Child, str]]:  # what saturation.py's windows read
+    def routers(self) -> dict[str, tuple[Child, str]]:  # what warmroute.bench.saturation's windows read
         return {label: (next(iter(s.processes.values())), s.url) for label, s in self.stacks.items()}
 
     def sids(self) -> dict[str, list[int]]:
