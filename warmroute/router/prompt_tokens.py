@@ -326,7 +326,7 @@ def _flatten(content: Any) -> Any:
 def _entry_bytes(key: str, data: bytes) -> int:
     """What a cache entry costs in memory: its two objects (headers included, rounded up as the allocator does), the
     UTF-8 copy the tokenizer leaves on a non-ASCII string, and its share of the ordered dict (checked against
-    tracemalloc: docs/benchmarks.md, "Tokenizer cache memory")."""
+    tracemalloc: docs/tuning.md)."""
     size = _rounded(sys.getsizeof(key)) + _rounded(sys.getsizeof(data)) + ENTRY_OVERHEAD
     if not key.isascii():
         size += _rounded(len(key.encode("utf-8", "surrogatepass")) + 1)

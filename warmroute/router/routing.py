@@ -39,7 +39,7 @@ _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
 QUEUE_POLL = 0.25  # seconds: while requests wait, the queue is pumped at least this often (one timer, not one each)
 TOKENIZED_ROUTES = CHAT_ROUTES | PROMPT_ROUTES  # what precise mode tokenizes (the others: approximate model only)
 # msgspec rather than json because the parse runs in the event loop (a thread would not help: neither parser lets
-# go of the GIL), and msgspec's is the shorter stall (docs/benchmarks.md, "Parsing large bodies").
+# go of the GIL), and msgspec's is the shorter stall (docs/tuning.md).
 _decode = msgspec.json.Decoder().decode
 OFF_LOOP_BYTES = 1 << 20  # bodies from this size get their key built in a thread (key_off_loop)
 
