@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Scale events over HTTP: emulated engines as the pods of a Service in a test Kubernetes API (tests/kube_api.py),
-a router discovering them, a workload (the demo's mixed one by default) in open loop (warmroute.bench.loadgen).
+"""Scale events over HTTP: emulated engines as the pods of a Service in a test Kubernetes API
+(warmroute/bench/kube_api.py), a router discovering them, a workload (the demo's mixed one by default) in open loop
+(warmroute.bench.loadgen).
 
     .venv/bin/python benchmarks/autoscale_http.py scale-in  [--before 25] [--after 25] [--rate 3] [--workload W] [--seed N]
     .venv/bin/python benchmarks/autoscale_http.py scale-out [--before 15] [--after 30] [--rate 3] [--window 20]
@@ -25,20 +26,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from kube_api import Stack  # noqa: E402
-
-from warmroute.bench.loadgen import BenchSettings, run_bench  # noqa: E402
-from warmroute.bench.stats import RequestRecord, percentile  # noqa: E402
-from warmroute.workloads.registry import make_workload  # noqa: E402
+from warmroute.bench.kube_api import Stack
+from warmroute.bench.loadgen import BenchSettings, run_bench
+from warmroute.bench.stats import RequestRecord, percentile
+from warmroute.workloads.registry import make_workload
 
 PODS = 4
 BIN_S = 5.0

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from warmroute.core.fleet import Fleet
+from warmroute.core.pipeline import Pipeline
 from warmroute.core.stages import Handles
 from warmroute.core.stages.prefix_match import PRIVATE, SWAMPED, PrefixMatch, index_depths, kv_pressure
 from warmroute.core.strategies import (CACHE_AWARE, CacheAwareStrategy, Decision, Strategy, StrategySettings,
@@ -166,7 +167,9 @@ class CountRelease(PrefixMatch):
 def count_release(k: float, settings: StrategySettings) -> Strategy:
     s = make_strategy("cache_aware", settings)
     s.name = f"count release {k:g}x mean"
-    s.pipeline = s.pipeline.replaced("prefix_match", CountRelease(s.pipeline.stage("prefix_match"), k))
+    p = s.pipeline
+    facts = [CountRelease(f, k) if f.name == "prefix_match" else f for f in p.facts]
+    s.pipeline = Pipeline(facts, p.filters, p.scorers, p.pickers)
     return s
 
 

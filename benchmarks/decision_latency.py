@@ -30,62 +30,26 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
 import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from warmroute.core import block_hash, prefix_index, rendezvous, strategies
-from warmroute.core.fleet import Fleet, FleetSettings, Instance
+from warmroute.bench.decision_setup import (SIZES, Core, body, build_fleet, current_core, pct, timed_work, words,
+                                           work_steps)
+from warmroute.core import rendezvous
+from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.stages import compiled
-from warmroute.core.routing_key import RoutingKey, key_for_json
+from warmroute.core.routing_key import key_for_json
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("key (parse to bytes)", "block hashes", "choose", "record in index")
-SIZES = {"instances": 64, "prefixes": 100_000, "chars": 32_000, "samples": 2_000}  # the documented setup
 # With --baseline, requests per turn of each core (per request, each would evict the other's caches). A turn's
-# first request finds the caches as the other core left them: with turns of 50 that was 2% of the samples,
-# enough to set the p99; with 250, 0.4%.
+# first request finds the caches as the other core left them, so turns are long enough that those requests are
+# too few to set the p99 (docs/tuning.md).
 CHUNK = 250
-
-
-def words(rng: random.Random, n_chars: int) -> str:
-    vocab = ["cache", "router", "prefix", "token", "block", "fleet", "engine", "model", "latency", "policy"]
-    out, size = [], 0
-    while size < n_chars:
-        w = rng.choice(vocab)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)[:n_chars]
-
-
-def body(system: str, user: str) -> dict:
-    return {"model": "llama", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
-
-
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=1000)[int(q * 10) - 1] if len(xs) > 1 else xs[0]
-
-
-class Core:
-    """The functions a request goes through, from one version of warmroute.core."""
-
-    def __init__(self, label: str, hashes: Callable[..., list[int]], index_cls: type,
-                 make_strategy: Callable[..., Any]) -> None:
-        self.label, self.hashes, self.index_cls, self.make_strategy = label, hashes, index_cls, make_strategy
-
-    def blocks(self, key: RoutingKey, block_bytes: int = 64) -> list[int]:
-        # RoutingKey caches its block hashes per block size; seeding that cache makes the strategy use them.
-        got = key._blocks[block_bytes] = self.hashes(key.source, key.seed, block_bytes)
-        return got
-
-
-def current_core() -> Core:
-    return Core("now", block_hash.block_hashes, prefix_index.PrefixIndex, strategies.make_strategy)
 
 
 def baseline_core(rev: str) -> Core:
@@ -102,7 +66,7 @@ def baseline_core(rev: str) -> Core:
     mods["strategies"].rendezvous = mods["rendezvous"]
     # The compiled extensions are the working tree's builds, shared with it: the baseline's strategies just
     # configured the one _scan module with its own rendezvous; configure it again as the working tree does (so
-    # the baseline's ties are weighed by this tree's code too). Before 2026-11-30 the block hash returned a list.
+    # the baseline's ties are weighed by this tree's code too).
     if compiled._scan is not None:
         compiled._scan.configure(Instance, rendezvous.hash_fn, rendezvous.name_bytes, rendezvous.encoded,
                                  rendezvous.hash_fn_address())
@@ -110,31 +74,11 @@ def baseline_core(rev: str) -> Core:
         if hasattr(old, "scan_python"):  # a revision before the pipeline: its scan's interface is not this _scan's
             old.scan = old.scan_python
     hashes = mods["block_hash"].block_hashes
-    if not hasattr(mods["prefix_index"], "CompiledPrefixIndex"):
+    if not hasattr(mods["prefix_index"], "CompiledPrefixIndex"):  # its index wants the hashes as a list of ints
         def hashes(data: bytes, seed: int = 0, block_bytes: int = 64, _h=hashes) -> list[int]:
             got = _h(data, seed, block_bytes)
             return got if isinstance(got, list) else got.tolist()
     return Core(rev, hashes, mods["prefix_index"].PrefixIndex, mods["strategies"].make_strategy)
-
-
-def build_fleet(core: Core, args: argparse.Namespace) -> tuple[Fleet, str]:
-    rng = random.Random(0)
-    fleet = Fleet(FleetSettings())
-    fleet.index = core.index_cls(fleet.index.max_entries)
-    for i in range(args.instances):
-        fleet.add(f"instance-{i}", kv_capacity_tokens=10**8)
-    if args.engine_load:
-        for inst in fleet.instances.values():
-            fleet.engine_load(inst.name, waiting=rng.randint(0, 3), running=rng.randint(0, 8), kv_usage=0.3)
-    t0 = time.perf_counter()
-    for p in range(args.prefixes):  # 100k distinct ~600-character prompts spread over the fleet
-        k = key_for_json("/v1/chat/completions", body(f"tenant {p} " + words(rng, 600), "hi"))
-        fleet.index.record(f"instance-{p % args.instances}", core.blocks(k))
-    print(f"[{core.label}] indexed {args.prefixes:,} prefixes ({fleet.index.entries():,} block entries, "
-          f"≈{fleet.index.estimated_bytes() / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s")
-    long_system = words(rng, args.chars - 200)
-    fleet.index.record("instance-7", core.blocks(key_for_json("/v1/chat/completions", body(long_system, "warm-up"))))
-    return fleet, long_system
 
 
 def one_request(core: Core, strategy: Any, fleet: Fleet, raw: bytes) -> list[float]:
@@ -201,26 +145,11 @@ def main() -> None:
     noise_floor(args.samples)
 
 
-def _fixed_work(n: int) -> int:
-    s = 0
-    for i in range(n):
-        s += i * i
-    return s
-
-
-def _timed(n: int) -> float:
-    t0 = time.perf_counter_ns()
-    _fixed_work(n)
-    return (time.perf_counter_ns() - t0) / 1000
-
-
 def noise_floor(samples: int, target_us: float = 18.0) -> None:
     """The machine's own tail: the same pure-Python work, about as long as a decision, timed as often. Its p99
     over its p50 is what this machine adds to any p99 here (on a quiet dedicated core it would be ~1.0)."""
-    probe = 2000  # calibrate: the fastest of a few runs of a probe size, scaled to target_us
-    fastest = min(_timed(probe) for _ in range(20))
-    n = max(1, int(probe * target_us / max(fastest, 1e-3)))
-    times = [_timed(n) for _ in range(samples)]
+    n = work_steps(target_us)
+    times = [timed_work(n) for _ in range(samples)]
     print(f"{'noise floor':<12} {'-':<5} {'fixed work, same length every time':<34} {pct(times, 50):8.1f} "
           f"{pct(times, 99):8.1f}", flush=True)
 

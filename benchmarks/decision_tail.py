@@ -3,12 +3,13 @@
 
     .venv/bin/python benchmarks/decision_tail.py [--samples 3000]
 
-Runs decision_latency.py's setup and requests (64 instances, 100,000 prefixes, 32,000-character prompts; key +
-block hashes + choose timed, the record untimed) and notes, per decision, whether a collection ran inside it
-(gc.callbacks), and its page faults and context switches (getrusage, read outside the timed part). Prints, for a
-warm and a cold prompt, the p50 / p99, how many decisions had each, how many of the slowest 1% did, and the p99
-without them. Then the same pure-Python work as the noise-floor row at four lengths: how many of its samples pass
-50 µs, which shows how often this machine interrupts work that never varies, as a function of its length.
+Runs decision_latency.py's setup and requests (warmroute.bench.decision_setup: 64 instances, 100,000 prefixes,
+32,000-character prompts; key + block hashes + choose timed, the record untimed) and notes, per decision, whether a
+collection ran inside it (gc.callbacks), and its page faults and context switches (getrusage, read outside the timed
+part). Prints, for a warm and a cold prompt, the p50 / p99, how many decisions had each, how many of the slowest 1%
+did, and the p99 without them. Then the same pure-Python work as the noise-floor row at four lengths: how many of its
+samples pass 50 µs, which shows how often this machine interrupts work that never varies, as a function of its
+length.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import random
 import resource
 import time
 
-import decision_latency as dl
+from warmroute.bench import decision_setup as dl
 from warmroute.core.routing_key import key_for_json
 
 LENGTHS_US = (8, 12, 18, 25)
@@ -72,11 +73,9 @@ def report(label: str, rows: list[tuple[float, bool, int, int]]) -> None:
 
 
 def interruptions(samples: int) -> None:
-    probe = 2000
     for target in LENGTHS_US:
-        fastest = min(dl._timed(probe) for _ in range(20))
-        n = max(1, int(probe * target / max(fastest, 1e-3)))
-        times = [dl._timed(n) for _ in range(samples)]
+        n = dl.work_steps(target)
+        times = [dl.timed_work(n) for _ in range(samples)]
         print(f"fixed work {target:>2} µs: p50 {dl.pct(times, 50):.1f} p99 {dl.pct(times, 99):.1f} µs, "
               f"{sum(t > 50 for t in times)} of {samples} over 50 µs")
 

@@ -24,17 +24,15 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from warmroute.bench.client import send  # noqa: E402
-from warmroute.bench.formats import markdown_table  # noqa: E402
-from warmroute.bench.processes import Child, free_ports  # noqa: E402
-from warmroute.bench.record import OUT, command_line, now_utc, tree_state, write_outputs  # noqa: E402
-from warmroute.bench.stats import percentile  # noqa: E402
-from warmroute.engine.kv_hash import block_hashes  # noqa: E402
-from warmroute.engine.model import EngineConfig, EngineModel  # noqa: E402
-from warmroute.engine.tokenizer import load_tokenizer  # noqa: E402
-from warmroute.workloads import WorkloadRequest, make_workload  # noqa: E402
+from warmroute.bench.client import send
+from warmroute.bench.formats import markdown_table
+from warmroute.bench.processes import Child, free_ports
+from warmroute.bench.record import OUT, command_line, now_utc, tree_state, write_outputs
+from warmroute.bench.stats import percentile
+from warmroute.engine.kv_hash import block_hashes
+from warmroute.engine.model import EngineConfig, EngineModel
+from warmroute.engine.tokenizer import load_tokenizer
+from warmroute.workloads import WorkloadRequest, make_workload
 
 
 def requests(workload: str, n: int) -> list[WorkloadRequest]:

@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from warmroute.engine.kv_hash import block_hashes  # noqa: E402
-from warmroute.engine.tokenizer import load_tokenizer  # noqa: E402
-from warmroute.workloads.registry import make_workload  # noqa: E402
+from warmroute.engine.kv_hash import block_hashes
+from warmroute.engine.tokenizer import load_tokenizer
+from warmroute.workloads.registry import make_workload
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/gateway.py [--rounds N] [--duration S] [--phases saturation latency]
 
 Issue #20's measurements, in one run on one machine, with warmroute.bench's raw-socket load generator and CPU
-accounting, and benchmarks/saturation.py's fleets and windows (imported from it):
+accounting, and the saturation benchmark's fleets and windows (warmroute.bench.saturation):
 
 (a) Saturation throughput on 4 trivial instances (warmroute.bench.trivial): a closed loop of 128 keep-alive
     connections sending small chat completions (every other one streamed, 8 tokens). Contenders:
@@ -55,16 +55,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_peers as cp  # noqa: E402
-import saturation as sat  # noqa: E402
-
-from warmroute.bench.formats import markdown_table, pct  # noqa: E402
-from warmroute.bench.processes import Child, free_ports  # noqa: E402
-from warmroute.bench.rawload import hostport  # noqa: E402
-from warmroute.bench.record import OUT, command_line, load_average, log, now_utc, tree_state, write_outputs  # noqa: E402
-from warmroute.bench.stats import percentile, to_ms  # noqa: E402
-from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener  # noqa: E402
+from warmroute.bench import compare_peers as cp
+from warmroute.bench import saturation as sat
+from warmroute.bench.formats import markdown_table, pct
+from warmroute.bench.processes import Child, free_ports
+from warmroute.bench.rawload import hostport
+from warmroute.bench.record import OUT, command_line, load_average, log, now_utc, tree_state, write_outputs
+from warmroute.bench.stats import percentile, to_ms
+from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, local_listener
 
 SECTION = "Envoy + warmroute epp (issue #20)"
 CONTENDERS = ["direct", "serve", "smg", "envoy", "envoy+null hdrs", "envoy+null obs", "envoy+epp", "envoy+epp hdrs", "envoy+epp lean",
@@ -83,7 +81,7 @@ class Stack:
 
 @dataclass
 class Running:
-    """The instances and every stack in front of them (saturation.py's Running, with several processes per
+    """The instances and every stack in front of them (warmroute.bench.saturation's Running, with several processes per
     router)."""
 
     fleet: sat.FleetSpec
@@ -95,7 +93,7 @@ class Running:
     peers_venv: Path = cp.PEERS_VENV
 
     @property
-    def routers(self) -> dict[str, tuple[Child, str]]:  # what saturation.py's windows read
+    def routers(self) -> dict[str, tuple[Child, str]]:  # what warmroute.bench.saturation's windows read
         return {label: (next(iter(s.processes.values())), s.url) for label, s in self.stacks.items()}
 
     def sids(self) -> dict[str, list[int]]:

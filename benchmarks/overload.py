@@ -50,19 +50,17 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import PEERS_VENV  # noqa: E402
-
-from warmroute.bench.client import send  # noqa: E402
-from warmroute.bench.loadgen import BenchSettings, run_bench  # noqa: E402
-from warmroute.bench.processes import Child, free_ports  # noqa: E402
-from warmroute.bench.record import write_outputs  # noqa: E402
-from warmroute.bench.scrape import CacheCounters, scrape  # noqa: E402
-from warmroute.bench.stats import RequestRecord, percentile, to_ms  # noqa: E402
-from warmroute.core.strategies import StrategySettings  # noqa: E402
-from warmroute.sim.simulator import SimSettings, Simulation  # noqa: E402
-from warmroute.workloads import Session, Workload, make_workload  # noqa: E402
-from warmroute.workloads.tenants import Tenants, TenantStream, tagged, turns_per_session  # noqa: E402
+from warmroute.bench.client import send
+from warmroute.bench.compare_peers import PEERS_VENV
+from warmroute.bench.loadgen import BenchSettings, run_bench
+from warmroute.bench.processes import Child, free_ports
+from warmroute.bench.record import write_outputs
+from warmroute.bench.scrape import CacheCounters, scrape
+from warmroute.bench.stats import RequestRecord, percentile, to_ms
+from warmroute.core.strategies import StrategySettings
+from warmroute.sim.simulator import SimSettings, Simulation
+from warmroute.workloads import Session, Workload, make_workload
+from warmroute.workloads.tenants import Tenants, TenantStream, tagged, turns_per_session
 
 MAX_TOKENS = 16
 

@@ -20,7 +20,6 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,8 +39,7 @@ def write_model(directory: Path) -> None:
     try:  # the tiny model's tokenizer (a 4k-token BPE trained on the workloads' text), where it is installed
         from warmroute.realengine.hf_model import write_tokenizer
     except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from tokenizer_helpers import write_model_dir
+        from warmroute.bench.tiny_tokenizer import write_model_dir
 
         write_model_dir(directory)
     else:

@@ -19,11 +19,8 @@ import tempfile
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from tokenizer_helpers import WORDS, write_model_dir  # noqa: E402
-from warmroute.router.prompt_tokens import PromptTokenizer  # noqa: E402
+from warmroute.bench.tiny_tokenizer import WORDS, write_model_dir
+from warmroute.router.prompt_tokens import PromptTokenizer
 
 
 def rss() -> int:

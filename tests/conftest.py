@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from fake_upstream import JSON_TYPE, Upstream
-from kube_api import write_kubeconfig
 from tokenizer_fixture import write_test_tokenizer
+from warmroute.bench.kube_api import write_kubeconfig
 from warmroute.bench.processes import Child, free_ports
 from warmroute.engine.tokenizer import PromptTokenizer
 

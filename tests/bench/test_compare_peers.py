@@ -1,24 +1,18 @@
-"""benchmarks/compare_peers.py: its pure helpers (ratios, targets, sizing, trace windows, the report).
+"""The peer comparison's machinery (warmroute.bench.compare_peers): its pure helpers (ratios, targets, sizing, trace
+windows, the report).
 
 Nothing here installs or starts a peer: the peers' virtualenv and network installs are for the benchmark only.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from warmroute.bench import compare_peers as cp
 from warmroute.workloads.trace import TraceRecord
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_peers.py"
-_spec = importlib.util.spec_from_file_location("compare_peers", _PATH)
-cp = importlib.util.module_from_spec(_spec)
-sys.modules["compare_peers"] = cp  # dataclasses look their module up while the file executes
-_spec.loader.exec_module(cp)
 
 PEERS = ["smg cache_aware", "vllm-router cache_aware", "vllm-router consistent_hash"]
 

@@ -1,4 +1,5 @@
-"""benchmarks/saturation.py: its machinery in a tiny configuration (warmroute only, no peer), and its pure parts.
+"""benchmarks/saturation.py in a tiny configuration (warmroute only, no peer), and its machinery's pure parts
+(warmroute.bench.saturation).
 
 No timing assertions: only that requests complete, without errors, and that the numbers are well formed.
 """
@@ -6,30 +7,28 @@ No timing assertions: only that requests complete, without errors, and that the 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from warmroute.bench import saturation as sat
 from warmroute.bench.trivial import start_trivial_fleet
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "saturation.py"
-_spec = importlib.util.spec_from_file_location("saturation", _PATH)
-sat = importlib.util.module_from_spec(_spec)
-sys.modules["saturation"] = sat  # dataclasses look their module up while the file executes
-_spec.loader.exec_module(sat)
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "saturation.py"
 
 
 def test_tiny_run_of_both_phases(tmp_path):
-    """The script's own driver: stub fleet, direct and warmroute, one short round of each phase."""
+    """The script as a user runs it: stub fleet, direct and warmroute, one short round of each phase."""
     argv = ["--contenders", "direct", "warmroute", "--fleets", "stub", "--rounds", "1", "--duration", "1",
             "--warmup", "0.3", "--connections", "8", "--streams", "4", "--stream-tokens", "4", "--itl-ms", "5",
             "--json", str(tmp_path / "sat.json"), "--logs", str(tmp_path / "logs")]
-    args = sat.parse_args(argv)
-    result = asyncio.run(sat.measure(args, argv))
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "sat.json").read_text())
 
     rows = result["saturation"]["stub"]
     assert set(rows) == {"direct", "warmroute"}

@@ -1,6 +1,6 @@
 """Autoscaling end to end, over real HTTP on loopback: emulated engines whose pods the router finds through a test
-Kubernetes API (tests/kube_api.py). The deletion-cost annotations follow what each instance's cache is worth and a
-ReplicaSet-style scale-in removes the lowest, `GET /admin/scale-in` names it, a pod that joins ramps up (slow
+Kubernetes API (warmroute/bench/kube_api.py). The deletion-cost annotations follow what each instance's cache is worth
+and a ReplicaSet-style scale-in removes the lowest, `GET /admin/scale-in` names it, a pod that joins ramps up (slow
 start) with a hot prefix copied to it first, and /metrics carries the demand signal."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from client_helpers import ask, wait_for
-from kube_api import Stack
+from warmroute.bench.kube_api import Stack
 from warmroute.core.demand import desired_for
 from warmroute.engine.server import DEFAULT_MODEL
 from warmroute.router.app import ROUTER

@@ -7,7 +7,7 @@ import aiohttp
 
 from client_helpers import wait_for
 from fake_upstream import Upstream
-from kube_api import FakeApi, endpoint, slice_
+from warmroute.bench.kube_api import FakeApi, endpoint, slice_
 from warmroute.router.app import ROUTER
 from warmroute.router.kubernetes import instances_of
 from warmroute.router.server import start_router

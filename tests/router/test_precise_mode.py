@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from client_helpers import wait_for
 from fake_upstream import Upstream
-from tokenizer_helpers import write_model_dir
+from warmroute.bench.tiny_tokenizer import write_model_dir
 from warmroute.engine.kv_events import KvEventPublisher
 from warmroute.errors import UsageError
 from warmroute.router.app import CATALOG, KV_EVENTS, ROUTER
@@ -258,7 +258,7 @@ async def test_a_request_the_router_cannot_tokenize_is_still_served(tmp_path, ca
     template) is routed on the approximate model, said so, counted and logged once -- never refused."""
     import logging
 
-    from tokenizer_helpers import CHATML
+    from warmroute.bench.tiny_tokenizer import CHATML
 
     write_model_dir(tmp_path, template=None)
     picky = "{% for m in messages %}{% if m['role'] == 'critic' %}{{ raise_exception('no critics') }}{% endif %}" \

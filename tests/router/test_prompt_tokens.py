@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from warmroute.core.routing_key import KeyError_
-from tokenizer_helpers import WORDS, write_model_dir
+from warmroute.bench.tiny_tokenizer import WORDS, write_model_dir
 from warmroute.router.prompt_tokens import PromptTokenizer, TokenizerError, Untokenizable
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def model_with(tmp_path, model_dir, config_template=None, files=None):
 
 
 def test_the_template_in_chat_template_jinja_is_used_and_wins_over_the_config(tmp_path, model_dir):
-    from tokenizer_helpers import CHATML
+    from warmroute.bench.tiny_tokenizer import CHATML
 
     (tmp_path / "a").mkdir()
     only_file = PromptTokenizer(model_with(tmp_path / "a", model_dir, None, {"chat_template.jinja": CHATML}))

@@ -1,35 +1,11 @@
 """Admission control: which requests go to an instance now, which wait in the router, and who goes next.
 
-The strategy chooses with the ConcurrencyThreshold as the reference router applies it: at the threshold a request
-spills to the instance its strategy ranks next among those under it. A request waits here only when the engine
-chosen for it is full: as many requests in flight as the engine runs at once (`Instance.capacity`: the operator's
-`engine_capacity`, or learned from the queue and KV usage it reports; unknown, it never waits for room), or, with
-`kv_limit` set, its KV demand with this one over that share of its cache. Sent on, it would queue in the engine,
-holding KV blocks while its prefix may be evicted before its turn; here it keeps its place and its prefix:
-
-  * waiting for its instance (`Waiter.pin`, the instance the strategy chose for its cache). Another instance
-    takes it when the aging term (`aging_tokens_per_s` x seconds waited) outweighs the cached match it would
-    lose there (away from its instance, at least its whole prompt), or at once when that instance has ample room
-    (`spill_headroom` x its capacity free; not for a request waiting on KV demand). A request waiting on KV
-    demand may go elsewhere once `patience_s` is over, and a conversation (`Decision.private`) keeps its instance
-    `hold_keep` x the fleet's mean time to first token first.
-  * waiting for any instance with room (a strategy that knows nothing of caches).
-
-A waiting request's chain is recorded in the prefix index at the instance it waits for, so the requests
-sharing its prefix that arrive meanwhile wait there too instead of scattering.
-
-When an instance has room (a request finished there, it came back, or its capacity grew), `pump` gives it, of the
-waiters it may take, the highest priority first; within a priority, the tenants that have had no more than their
-fair share (start-time fair queuing in requests, by tenant weight, within `fair_slack`); among those, the one
-losing least of its predicted cached match there plus aging, and on a tie the earliest virtual finish time (a
-burst queues behind itself). Fairness holds fleet-wide: a tenant behind its share gets the freed slot, lent to the
-instance its request waits for (up to `fair_lend` x its capacity past it). Optionally (`tenant_queue_share`,
-`prefill_budget`) a tenant's requests awaiting their first token at an instance are capped while others are active:
-engines prefill first come first served, so one tenant's backlog in them would delay every other tenant's first
-tokens however fair the order here; a tenant asking for less than its share (`under_share`) goes first. The queue is
-bounded in requests and bytes (a full queue refuses its lowest priority first) and every waiter has a deadline; the
-shell answers those with 429. All of it is pure: the router (asyncio) and the simulator (virtual time) drive the
-same object with their own clocks.
+A request waits here only when the engine chosen for it is full (`Instance.capacity` requests in flight, or with
+`kv_limit` set, its KV demand over that share of the cache), keeping its place and its prefix instead of queueing in
+the engine. When an instance has room, `pump` gives it the waiter of highest priority, then of the tenant furthest
+behind its fair share, then the one losing least of its cached match there. The queue is bounded and every waiter
+has a deadline; the shell answers those refused with 429. Pure: the router (asyncio) and the simulator (virtual
+time) drive the same object with their own clocks. The rules in full, and why: docs/architecture.md, "Admission".
 """
 
 from __future__ import annotations
@@ -668,7 +644,7 @@ class Admission:
         while one that loses nothing here goes first. Away from the instance the strategy chose for it (`pin`)
         it loses at least its whole prompt: a prompt nobody holds yet was placed where the others sharing its
         prefix go (they wait in the router too, so the index cannot show it), and scattering them costs each
-        its prefix. (Without that, the Mooncake trace's cold prompts went anywhere: 4% hit in the simulator.)"""
+        its prefix."""
         deepest = max(w.depths.values(), default=0)
         if w.pin is not None and name != w.pin:
             deepest = max(deepest, w.prompt_tokens)

@@ -47,8 +47,8 @@ class CacheValue:
     def __init__(self, max_chains: int = 512, window: float = 512.0) -> None:
         self.max_chains = max_chains
         self.window = window  # requests over which a chain's weight fades by 1/e
-        # last block -> (chain, weight); the chain is the request's own (read-only, never copied: a 2,000-block
-        # prompt's copy cost ~100 µs on the request path)
+        # last block -> (chain, weight); the chain is the request's own (read-only, never copied: a long prompt's
+        # copy would be paid on the request path; docs/tuning.md)
         self._chains: dict[int, tuple[Sequence[int], float]] = {}
         self._unit = FadingUnit()
 

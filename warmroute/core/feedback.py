@@ -53,8 +53,8 @@ def reported_blocks(cached_tokens: int, engine_prompt_tokens: int | None, prompt
 def tolerance_blocks(predicted_blocks: int, engine_prompt_tokens: int | None, prompt_tokens: int,
                      block_tokens: int) -> int:
     """How far a report may fall from the prediction and still confirm it: one router block, one engine block
-    (in router blocks) and a share of the prediction. Without it, reports from an engine with a real tokenizer
-    judged about 30% of correct predictions wrong and shrank an index that was right (docs/feedback.md)."""
+    (in router blocks) and a share of the prediction, so that reports from an engine with a real tokenizer do not
+    judge correct predictions wrong and shrink an index that is right (docs/feedback.md)."""
     ratio = prompt_tokens / engine_prompt_tokens if engine_prompt_tokens else 1.0
     engine_block = -(-ENGINE_BLOCK_TOKENS * ratio // block_tokens)
     return TOLERANCE_BLOCKS + int(engine_block) + int(RATIO_SLACK * predicted_blocks)

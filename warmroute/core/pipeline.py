@@ -113,11 +113,6 @@ class Pipeline:
         self._pick = self.pickers[-1].pick
         self._narrowers = self.pickers[:-1]
 
-    def replaced(self, name: str, stage: Stage) -> Pipeline:
-        """A copy with the stage registered as `name` replaced by `stage` (of the same kind), to try a variant."""
-        swap = lambda stages: [stage if s.name == name else s for s in stages]  # noqa: E731
-        return Pipeline(swap(self.facts), swap(self.filters), swap(self.scorers), swap(self.pickers))
-
     def stage(self, name: str) -> Any:
         """The stage registered under `name` in this pipeline (KeyError if none)."""
         for s in self._stages:

@@ -90,11 +90,10 @@ class _Membership:
 class PythonPrefixIndex(_Membership):
     """The store in Python: a BlockCache per instance and a dict of owner bitmasks."""
 
-    # Measured cost of one indexed block at its peak under churn: the OrderedDict entry in the instance's
-    # cache, its share of the bitmask dict, the hash int itself, and the transient of a dict resizing while
-    # full (tracemalloc peaks of 270-390 bytes per entry from 4k to 250k entries); see
-    # tests/core/test_prefix_index.py::test_memory_per_entry_estimate and tests/reliability/test_reliability_state.py. (220, the
-    # steady-state figure without churn, let a full index peak at 1.4x its byte cap.)
+    # One indexed block at its peak under churn, not at steady state, so a full index stays within its byte cap:
+    # the OrderedDict entry in the instance's cache, its share of the bitmask dict, the hash int itself, and the
+    # transient of a dict resizing while full (measurements: docs/tuning.md; checked by
+    # tests/core/test_prefix_index.py::test_memory_per_entry_estimate and tests/reliability/test_reliability_state.py).
     bytes_per_entry = 400
 
     def __init__(self, max_entries: int) -> None:
@@ -205,7 +204,7 @@ class CompiledPrefixIndex(_Membership):
     """The store in C (`_index.c`): the same state and results as PythonPrefixIndex, in a fraction of its memory
     and time. Block hashes must be 64-bit ints (block_hash makes nothing else)."""
 
-    # Measured peak of one entry under churn, tables' doubling included (tracemalloc sees the C allocations):
+    # The peak of one entry under churn, tables' doubling included (tracemalloc sees the C allocations), checked by
     # tests/core/test_prefix_index.py::test_memory_per_entry_estimate and tests/reliability/test_reliability_state.py.
     bytes_per_entry = 144
 

@@ -75,7 +75,7 @@ class CacheAwareSettings(SettingsModel):
     """cache_aware holds such a prompt in the router while the prompts in flight at its instance, with it, would need
     more than this many times its KV cache (there the engine would evict its history while it queues), and looks again
     whenever a request finishes (see hold_keep). 1000 (the default): never holds on KV demand, only at the concurrency
-    threshold; with the admission queue a limit of 1.4 cost hit rate and throughput (docs/tuning.md)."""
+    threshold (why: docs/tuning.md)."""
     hold_keep: float = Field(1.5, ge=0.0, le=1000.0)
     """A held request keeps the instance first chosen for it until it has waited this many times the fleet's mean time
     to first token; then it is decided again (and may go elsewhere) whenever a request finishes. 0: decided again every

@@ -39,7 +39,7 @@ TEMPLATE_PLACES = f"--chat-template, {TEMPLATE_FILE}, {PROCESSOR_TEMPLATE_FILE} 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 CACHE_BYTES = 64 * 1024 * 1024  # memory for the packed token ids of pieces seen before (with their text)
 ENTRY_OVERHEAD = 104  # bytes a cache entry costs beyond its two objects: an OrderedDict's slots and node (measured)
-OFFLOAD_CHARS = 4 * 1024  # new text beyond this is tokenized in a worker thread (≈ 1 ms and more on the loop)
+OFFLOAD_CHARS = 4 * 1024  # new text beyond this is tokenized in a worker thread, as it would stall the event loop
 CHUNK_CHARS = 1024  # a long message is cut into pieces of about this many characters (see _chunks)
 _WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")  # a space after a non-space, before a letter
 _LONG = "".join(f"Clause {i}: the party's term {i * 7}, (see {i}.{i % 3}) - naïve  \"quoted\"\n\nNext{i} 中文 "
@@ -325,8 +325,8 @@ def _flatten(content: Any) -> Any:
 
 def _entry_bytes(key: str, data: bytes) -> int:
     """What a cache entry costs in memory: its two objects (headers included, rounded up as the allocator does), the
-    UTF-8 copy the tokenizer leaves on a non-ASCII string, and its share of the ordered dict (docs/benchmarks.md,
-    "Tokenizer cache memory": within a few percent of tracemalloc's count, short prompts to long)."""
+    UTF-8 copy the tokenizer leaves on a non-ASCII string, and its share of the ordered dict (checked against
+    tracemalloc: docs/tuning.md)."""
     size = _rounded(sys.getsizeof(key)) + _rounded(sys.getsizeof(data)) + ENTRY_OVERHEAD
     if not key.isascii():
         size += _rounded(len(key.encode("utf-8", "surrogatepass")) + 1)

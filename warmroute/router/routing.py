@@ -38,8 +38,8 @@ SESSION_HEADER = "x-session-id"
 _NO_KEY = key_for_raw(b"")  # for paths that carry no prompt: only load matters
 QUEUE_POLL = 0.25  # seconds: while requests wait, the queue is pumped at least this often (one timer, not one each)
 TOKENIZED_ROUTES = CHAT_ROUTES | PROMPT_ROUTES  # what precise mode tokenizes (the others: approximate model only)
-# msgspec parses a long prompt 3x faster than json (docs/benchmarks.md, "Parsing large bodies"): the parse
-# runs in the event loop, and a thread would not help, as neither parser lets go of the GIL.
+# msgspec rather than json because the parse runs in the event loop (a thread would not help: neither parser lets
+# go of the GIL), and msgspec's is the shorter stall (docs/tuning.md).
 _decode = msgspec.json.Decoder().decode
 OFF_LOOP_BYTES = 1 << 20  # bodies from this size get their key built in a thread (key_off_loop)
 
@@ -290,9 +290,9 @@ class Router:
                  tenant: str = "") -> Ticket:
         """The request is being sent: its books now; its chain into the index now, or (`defer_record`, from a
         running event loop) on the loop's next turn, once the request is on its way to the instance: a long
-        prompt's chain is thousands of blocks (1-2 ms for a cold 64k-token prompt), time the request need not
-        wait. A request routed in between does not see it yet, as if it had arrived a moment earlier. In precise
-        mode its token blocks are speculatively held there until the engine's events arrive."""
+        prompt's chain is thousands of blocks, time the request need not wait (docs/tuning.md). A request routed in
+        between does not see it yet, as if it had arrived a moment earlier. In precise mode its token blocks are
+        speculatively held there until the engine's events arrive."""
         if self.exact is not None and key is not None and key.token_data:
             blocks = self.exact.instances.get(decision.instance)
             if blocks is not None and blocks.block_size:

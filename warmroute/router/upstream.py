@@ -1,11 +1,10 @@
 """The data-plane HTTP/1.1 client: pooled keep-alive connections from the router to its instances.
 
 Every proxied request goes through here; the control plane (health checks, engine scrapes, /v1/models,
-discovery) keeps aiohttp's client, which it uses a few times a second. Why a second client: aiohttp's costs
-≈ 110 µs of CPU per request (URL and header objects, its request/response machinery, a task wake-up per
-chunk through its stream reader); this one ≈ 22 µs (benchmarks/upstream_client.py; docs/benchmarks.md,
-"Where a proxied request's time goes"). It is an
-asyncio protocol around httptools (llhttp, Node.js's HTTP parser, from the uvloop authors) that
+discovery) keeps aiohttp's client, which it uses a few times a second. Why a second client: aiohttp's
+per-request machinery (URL and header objects, its request/response classes, a task wake-up per chunk through
+its stream reader) costs several times this one's CPU per request (docs/tuning.md). It is an asyncio protocol
+around httptools (llhttp, Node.js's HTTP parser, from the uvloop authors) that
   * writes the request head and body as they are (the caller filters the headers; Host and Content-Length
     are set here), with no retries of its own but one: a reused keep-alive connection that closes before any
     byte of an answer (the instance closed it while idle) is replaced by a fresh one;

@@ -59,8 +59,8 @@ def filler(rng: random.Random, n_chars: int) -> str:
 
 @lru_cache(maxsize=1)
 def _corpus() -> str:
-    """1 MiB of filler, generated once: trace blocks are cut from it instead of generated word by word
-    (a trace has ~300,000 distinct blocks; generating each costs ~0.3 ms, cutting one ~1 µs)."""
+    """1 MiB of filler, generated once: trace blocks are cut from it instead of generated word by word, which for
+    a trace's hundreds of thousands of distinct blocks would take over a minute (docs/tuning.md)."""
     return filler(rng_for(0, "trace-corpus"), 1 << 20)
 
 

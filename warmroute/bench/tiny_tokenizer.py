@@ -1,5 +1,5 @@
 """A small model directory (tokenizer.json with ChatML's added tokens, tokenizer_config.json with its chat
-template) for the tests of precise mode, made without a download."""
+template) for precise mode's tests and benchmarks, made without a download."""
 
 from __future__ import annotations
 
