@@ -8,7 +8,8 @@
 
 Every run: a fresh emulated fleet (--instances, 4; the 8b profile; each engine batching --max-running, 256; cold
 caches) and a fresh router in front of it; contenders `flow` (cache_aware, admission on: the default), `no-flow`
-(cache_aware --no-admission), `direct` (no router: only with --instances 1) and, where .peers-venv holds it
+(cache_aware --no-admission), `flow-defaults` (as `flow`, but surge and tenants leave --queue-timeout at its
+default instead of the SLO), `direct` (no router: only with --instances 1) and, where .peers-venv holds it
 (benchmarks/compare_peers.py installs it), `smg` (smg launch --policy cache_aware).
 
   closed   the mixed workload by N closed-loop clients (16, then 8x as many): hit rate (the engines'
@@ -72,6 +73,7 @@ class Contender:
     peer: bool = False
     code: Path | None = None  # run the router from this checkout (--baseline-code: before / after a change)
     direct: bool = False  # no router: the clients talk to the one engine (--instances 1)
+    defaults: bool = False  # the router exactly at its defaults: no --queue-timeout set to the SLO
 
     def argv(self, port: int, urls: list[str], venv: Path, slo: float | None, threshold: int | None,
              flags: list[str]) -> list[str]:
@@ -80,7 +82,7 @@ class Contender:
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1), "--policy", "cache_aware",
                     "--log-level", "warn", "--worker-urls", *urls]
         args = [sys.executable, "-m", "warmroute", "serve", "--port", str(port), "--log-level", "warning", *self.extra]
-        if slo is not None and "--no-admission" not in self.extra:
+        if slo is not None and "--no-admission" not in self.extra and not self.defaults:
             args += ["--queue-timeout", f"{slo:g}"]
         if threshold is not None:
             args += ["--concurrency-threshold", str(threshold)]
@@ -92,6 +94,7 @@ class Contender:
 
 
 CONTENDERS = {"flow": Contender("flow"), "no-flow": Contender("no-flow", ("--no-admission",)),
+              "flow-defaults": Contender("flow-defaults", defaults=True),
               "smg": Contender("smg", peer=True), "direct": Contender("direct", direct=True)}
 
 
