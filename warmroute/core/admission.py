@@ -39,6 +39,10 @@ WAIT_REASONS = (BUSY, KV, SHARE, PREFILL)
 # (each step's token budget), not out of batch slots (vLLM's smallest default batch is 128), and holding requests in
 # the router below it costs throughput.
 MIN_LEARNED_LIMIT = 32
+# A learned limit lets the engine queue this share of its batch beyond it: the router learns that a request finished
+# only once its last byte is back, and sends the next one after that, so holding at exactly the batch it was seen
+# running would leave the engine short of work between a request's end and the next one's arrival.
+ENGINE_QUEUE_SHARE = 0.25
 UNBOUNDED = 1 << 30  # the room of an instance whose capacity is unknown: the router never holds requests for it
 MAX_TENANTS_TRACKED = 10_000
 # A tenant asking for less than this many times its weighted share of the requests arriving lately counts as under
@@ -196,7 +200,7 @@ class Admission:
         cap = inst.capacity
         if cap.stated is not None or cap.learned is None:
             return cap.stated
-        return max(cap.learned, MIN_LEARNED_LIMIT)
+        return max(math.ceil(cap.learned * (1 + ENGINE_QUEUE_SHARE)), MIN_LEARNED_LIMIT)
 
     def spare(self, inst: Instance) -> int:
         """Requests `inst`'s engine takes before it is full: its limit less what is in flight there (other routers'
