@@ -212,6 +212,36 @@ async def test_repeated_and_out_of_order_messages_never_open_a_second_ticket(pic
     assert await _pick(channel, "after the flood")  # the next stream is decided as usual
 
 
+async def test_response_messages_out_of_order_are_refused_and_the_books_return_to_zero(picker, channel):
+    """#33: a second response_headers naming another endpoint after the first byte was seen, or a response body
+    after the answer ended, opens nothing: the first is refused, the other passes, and every book is at zero."""
+    s = Stream(channel)
+    await s.send(request_headers=_headers("/v1/chat/completions"))
+    await s.reply()
+    await s.send(request_body=ep.HttpBody(body=_chat_body("twice"), end_of_stream=True))
+    first, fallback = _set_headers((await s.reply()).request_body.response.header_mutation)[DESTINATION].split(",")
+    await s.send(response_headers=_headers("", **{":status": "200"}))
+    await s.reply()
+    await s.send(response_body=ep.HttpBody(body=b"data: {}\n\n"))
+    await s.reply()
+    assert _books(picker) == 1
+    served = struct_pb2.Struct()
+    served.update({SERVED: fallback})
+    await s.send(response_headers=_headers("", **{":status": "200"}),
+                 metadata_context=core.Metadata(filter_metadata={"envoy.lb": served}))
+    refused = await s.reply()
+    assert refused.immediate_response.status.code == 400 and b"response_headers" in refused.immediate_response.body
+    await s.send(response_body=ep.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True))
+    await s.reply()
+    router = picker.picker.router
+    assert _books(picker) == 0 and router.fleet.instances  # nothing moved to the fallback either
+    assert all((i.pending, i.inflight_prompt_tokens, i.queued_prefill_tokens) == (0, 0, 0)
+               for i in router.fleet.instances.values())
+    assert router.admission.idle() and not router.admission.active_tenants
+    s.call.cancel()
+    await wait_for(lambda: picker.picker.streams == 0)
+
+
 async def test_the_books_follow_the_endpoint_that_served(picker, stand_ins, channel):
     s = Stream(channel)
     await s.send(request_headers=_headers("/v1/chat/completions"))
@@ -350,9 +380,9 @@ async def test_the_picker_dispatches_with_the_routing_key_and_the_tenant_as_serv
     seen: list[tuple[object, str]] = []
     dispatch = router.dispatch
 
-    def spy(decision, defer_record=False, key=None, tenant=""):
-        seen.append((key, tenant))
-        return dispatch(decision, defer_record=defer_record, key=key, tenant=tenant)
+    def spy(life, decision, defer_record=False):
+        seen.append((life.key, life.tenant))
+        return dispatch(life, decision, defer_record)
 
     monkeypatch.setattr(router, "dispatch", spy)
     for enabled in (True, False):

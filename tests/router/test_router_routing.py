@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from warmroute.core.routing_key import ROUTED_PATHS
+from warmroute.core.lifecycle import Lifecycle, OutOfOrder
+from warmroute.core.routing_key import ROUTED_PATHS, RoutingKey
 from warmroute.core.strategies import CACHE_HIT, Decision
 from warmroute.router.errors import ApiError
 from warmroute.router.metrics import Metrics
@@ -27,6 +28,23 @@ json_values = st.recursive(
 def make_router(**overrides) -> Router:
     s = load_settings({"backends": ["a=http://127.0.0.1:1", "b=http://127.0.0.1:2"], **overrides}, env={})
     return Router(s, Metrics(s.strategy, ["a", "b"]))
+
+
+def send(router: Router, decision: Decision, defer_record: bool = False, key: RoutingKey | None = None) -> Lifecycle:
+    """A request sent at once (past the queue): its lifecycle, dispatched."""
+    life = router.open()
+    life.keyed(key)
+    life.admit(decision, 0.0, queue=False)
+    router.dispatch(life, decision, defer_record)
+    return life
+
+
+async def admit(router: Router, key: RoutingKey | None, decision: Decision, priority: int = 0, tenant: str = "",
+                size_bytes: int = 0) -> tuple[Decision, float]:
+    """Router.admit for a new request of this key, tenant and priority."""
+    life = router.open()
+    life.keyed(key, tenant, priority)
+    return await router.admit(life, decision, size_bytes)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,18 +69,20 @@ def test_any_bytes_give_a_key_or_a_400(raw):
         assert exc.status == 400
 
 
-def test_tickets_balance_the_books():
+def test_lives_balance_the_books():
     router = make_router()
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 4000}]}).encode()
     key, decision = router.route("/v1/chat/completions", body, None)
     inst = router.fleet.instances[decision.instance]
-    ticket = router.dispatch(decision)
+    life = send(router, decision)
     assert inst.inflight == 1 and inst.queued_prefill_tokens == decision.uncached_tokens > 0
-    ticket.first_byte()
-    ticket.first_byte()
+    life.first_token()
+    with pytest.raises(OutOfOrder):  # a second first token is refused, and counts nothing
+        life.first_token()
     assert inst.queued_prefill_tokens == 0
-    ticket.finish()
-    ticket.finish()
+    life.finish()
+    with pytest.raises(OutOfOrder):
+        life.finish()
     assert inst.inflight == 0
     # cache_aware records the prefix, so the same prompt now matches where it went
     _, again = router.route("/v1/chat/completions", body, None)
@@ -88,12 +108,12 @@ def test_the_other_replicas_hear_of_a_chain_when_sent_and_again_when_finished():
     router.shared = shared = Shared()
     body = json.dumps({"model": "m", "prompt": "w" * 4000}).encode()
     _, decision = router.route("/v1/completions", body, None)
-    ticket = router.dispatch(decision)
+    life = send(router, decision)
     assert shared.calls == [("recorded", decision.instance, len(decision.blocks))]
-    ticket.first_byte()
-    ticket.finish()
+    life.first_token()
+    life.finish()
     assert shared.calls == [("recorded", decision.instance, len(decision.blocks))] * 2
-    router.dispatch(decision).finish()  # no first token: nothing to refresh
+    send(router, decision).finish()  # no first token: nothing to refresh
     assert len(shared.calls) == 3
 
 
@@ -101,17 +121,17 @@ async def test_a_deferred_record_lands_on_the_next_loop_turn_unless_the_request_
     router = make_router()
     body = json.dumps({"model": "m", "prompt": "v" * 4000}).encode()
     _, decision = router.route("/v1/completions", body, None)
-    ticket = router.dispatch(decision, defer_record=True)
+    life = send(router, decision, defer_record=True)
     assert router.fleet.instances[decision.instance].inflight == 1  # the books at once
     assert router.fleet.index.entries() == 0  # the chain on the next turn, once the request is on its way
     await asyncio.sleep(0)
     assert router.fleet.index.entries(decision.instance) == len(decision.blocks)
-    ticket.first_byte()
-    ticket.finish()
+    life.first_token()
+    life.finish()
 
     other = make_router()
     _, decision = other.route("/v1/completions", body, None)
-    other.dispatch(decision, defer_record=True).finish()  # failed before the loop came round (no first byte)
+    send(other, decision, defer_record=True).finish()  # failed before the loop came round (no first byte)
     await asyncio.sleep(0)
     assert other.fleet.index.entries() == 0
 
@@ -120,7 +140,7 @@ def test_unrecord_forgets_a_prefix_that_never_arrived():
     router = make_router()
     body = json.dumps({"model": "m", "prompt": "y" * 4000}).encode()
     _, decision = router.route("/v1/completions", body, None)
-    router.dispatch(decision).finish()
+    send(router, decision).finish()
     router.unrecord(decision)
     _, again = router.route("/v1/completions", body, None)
     assert again.matched_tokens == 0
@@ -131,7 +151,7 @@ def test_strategies_without_an_index_record_nothing(strategy):
     router = make_router(strategy=strategy)
     body = json.dumps({"model": "m", "prompt": "z" * 4000}).encode()
     _, decision = router.route("/v1/completions", body, "session-1")
-    router.dispatch(decision).finish()
+    send(router, decision).finish()
     assert router.fleet.index.entries() == 0
 
 
@@ -180,8 +200,8 @@ def _swamped_router(**settings):
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "tell me about caches " * 60}]})
     key = router.key_of("/v1/chat/completions", body.encode(), None)
     router.fleet.index.record("a", key.blocks())
-    tickets = [router.dispatch(Decision("a", CACHE_HIT, 4_600, 4_600, (), True)) for _ in range(3)]
-    return router, key, tickets
+    lives = [send(router, Decision("a", CACHE_HIT, 4_600, 4_600, (), True)) for _ in range(3)]
+    return router, key, lives
 
 
 def _metric(router, name: str, **labels) -> float:
@@ -190,13 +210,13 @@ def _metric(router, name: str, **labels) -> float:
 
 async def test_a_held_request_waits_for_room_and_goes_when_a_request_finishes():
     """The former hold, now a case of the admission queue: the conversation waits for its own instance."""
-    router, key, tickets = _swamped_router()
+    router, key, lives = _swamped_router()
     decision = router.decide(key)
     assert decision.instance == "a" and decision.private
-    held = asyncio.create_task(router.admit(key, decision))
+    held = asyncio.create_task(admit(router, key, decision))
     await asyncio.sleep(0.05)
     assert not held.done() and _metric(router, "warmroute_queue_waiting", priority="0", tenant="") == 1
-    tickets[0].finish()  # 0.87x + the prompt: room now
+    lives[0].finish()  # 0.87x + the prompt: room now
     sent, waited = await asyncio.wait_for(held, 1.0)
     assert sent.instance == "a" and sent.private and 0.05 <= waited < 1.0
     assert _metric(router, "warmroute_queue_waiting", priority="0", tenant="") == 0
@@ -211,21 +231,21 @@ async def test_a_held_request_goes_elsewhere_after_hold_timeout():
     router.fleet.mean_ttft_s = 1.0
     loop = asyncio.get_running_loop()
     start = loop.time()
-    sent, waited = await asyncio.wait_for(router.admit(key, router.decide(key)), 2.0)
+    sent, waited = await asyncio.wait_for(admit(router, key, router.decide(key)), 2.0)
     assert sent.instance == "a" and 0.29 <= waited <= loop.time() - start < 1.0
 
 
 async def test_a_client_that_leaves_while_queued_leaves_nothing_behind():
-    router, key, tickets = _swamped_router()
-    held = asyncio.create_task(router.admit(key, router.decide(key)))
+    router, key, lives = _swamped_router()
+    held = asyncio.create_task(admit(router, key, router.decide(key)))
     await asyncio.sleep(0.05)
     held.cancel()
     with pytest.raises(asyncio.CancelledError):
         await held
     assert _metric(router, "warmroute_queue_waiting", priority="0", tenant="") == 0
     assert _metric(router, "warmroute_sheds_total", reason="client_closed", priority="0") == 1
-    for t in tickets:
-        t.finish()
+    for life in lives:
+        life.finish()
     a = router.fleet.instances["a"]
     assert a.inflight == 0 and a.inflight_prompt_tokens == 0 and router.admission.idle()
 
@@ -234,26 +254,26 @@ async def test_hold_kv_limit_1000_or_admission_off_never_waits():
     for settings in ({"hold_kv_limit": 1000.0}, {"admission": False, "hold_kv_limit": 1.4}):
         router, key, _ = _swamped_router(**settings)
         decision = router.decide(key)
-        assert await asyncio.wait_for(router.admit(key, decision), 0.1) == (decision, 0.0)
+        assert await asyncio.wait_for(admit(router, key, decision), 0.1) == (decision, 0.0)
 
 
 async def test_a_full_fleet_queues_then_refuses_with_429_past_its_bounds_and_deadline():
     router = make_router(concurrency_threshold=1, engine_capacity=1, queue_max_requests=1, queue_timeout=0.3)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
     key = router.key_of("/v1/chat/completions", body, None)
-    tickets = [router.dispatch(Decision(n, CACHE_HIT)) for n in "ab"]  # a and b each at the threshold
-    first = asyncio.create_task(router.admit(key, router.decide(key), size_bytes=len(body)))
+    lives = [send(router, Decision(n, CACHE_HIT)) for n in "ab"]  # a and b each at the threshold
+    first = asyncio.create_task(admit(router, key, router.decide(key), size_bytes=len(body)))
     await asyncio.sleep(0.02)
     with pytest.raises(ApiError) as full:
-        await router.admit(key, router.decide(key))
+        await admit(router, key, router.decide(key))
     assert full.value.status == 429 and full.value.headers["Retry-After"] == "1"
     with pytest.raises(ApiError) as late:
         await asyncio.wait_for(first, 2.0)
     assert late.value.status == 429 and "queue_timeout" in late.value.message
     assert _metric(router, "warmroute_sheds_total", reason="queue_full", priority="0") == 1
     assert _metric(router, "warmroute_sheds_total", reason="deadline", priority="0") == 1
-    for t in tickets:
-        t.finish()
+    for life in lives:
+        life.finish()
     assert router.admission.idle() and all(i.inflight == 0 for i in router.fleet.instances.values())
 
 
@@ -261,17 +281,17 @@ async def test_a_higher_priority_request_takes_a_lower_ones_place_in_a_full_queu
     router = make_router(concurrency_threshold=1, engine_capacity=1, queue_max_requests=1)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
     key = router.key_of("/v1/chat/completions", body, None)
-    tickets = [router.dispatch(Decision(n, CACHE_HIT)) for n in "ab"]
-    low = asyncio.create_task(router.admit(key, router.decide(key), priority=-1))
+    lives = [send(router, Decision(n, CACHE_HIT)) for n in "ab"]
+    low = asyncio.create_task(admit(router, key, router.decide(key), priority=-1))
     await asyncio.sleep(0.02)
-    high = asyncio.create_task(router.admit(key, router.decide(key), priority=1))
+    high = asyncio.create_task(admit(router, key, router.decide(key), priority=1))
     with pytest.raises(ApiError) as refused:
         await asyncio.wait_for(low, 1.0)
     assert refused.value.status == 429 and "higher-priority" in refused.value.message
-    tickets[0].finish()
+    lives[0].finish()
     sent, waited = await asyncio.wait_for(high, 1.0)
     assert waited > 0 and router.admission.reserved == {}
-    tickets[1].finish()
+    lives[1].finish()
     assert router.admission.idle()
 
 
@@ -280,8 +300,8 @@ async def test_waiters_get_503_when_every_instance_goes_down():
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
     key = router.key_of("/v1/chat/completions", body, None)
     for n in "ab":
-        router.dispatch(Decision(n, CACHE_HIT))
-    waiting = asyncio.create_task(router.admit(key, router.decide(key)))
+        send(router, Decision(n, CACHE_HIT))
+    waiting = asyncio.create_task(admit(router, key, router.decide(key)))
     await asyncio.sleep(0.02)
     for inst in router.fleet.instances.values():
         inst.healthy = False

@@ -40,7 +40,7 @@ def test_the_books_follow_the_kv_demand_in_flight_and_balance_at_the_end():
 
     def checking(key, fleet):
         for name, inst in fleet.instances.items():
-            live = sum(d.kv_tokens for rec, _, _, d, _ in sim._inflight.values()
+            live = sum(life.leg.kv_tokens for rec, life in sim._inflight.values()
                        if rec.instance == name and rec.done is None)
             checked.append((inst.inflight_prompt_tokens, live))
         seen.append(choose(key, fleet))

@@ -33,6 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from warmroute.core.lifecycle import ENDED, Lifecycle, OutOfOrder, State
 from warmroute.core.routing_key import ROUTED_PATHS, RoutingKey
 from warmroute.core.strategies import UNHEALTHY_FALLBACK, Decision, ModelNotServed, NoInstanceAvailable
 from warmroute.gateway.endpoints import endpoint_of, names_at, only
@@ -42,7 +43,7 @@ from warmroute.router.errors import ApiError, error_body, no_instance, too_large
 from warmroute.router.health import Health
 from warmroute.router.metrics import NO_INSTANCE
 from warmroute.router.proxy import CLIENT_CLOSED
-from warmroute.router.routing import SESSION_HEADER, Router, Ticket, is_routed
+from warmroute.router.routing import SESSION_HEADER, Router, is_routed
 from warmroute.router.settings import RouterSettings
 from warmroute.router.tenancy import Tenancy
 from warmroute.router.usage import UsageTap
@@ -143,15 +144,14 @@ class Picker(ep_grpc.ExternalProcessorServicer):
 
 
 class Exchange:
-    """One HTTP request through the gateway, message by message."""
+    """One HTTP request through the gateway, message by message; its books are its `Lifecycle`'s, so a message
+    out of order is refused and never opens a second set."""
 
     def __init__(self, picker: Picker) -> None:
         self.picker = picker
         self.path = "/"
         self.session: str | None = None
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
-        self.tenant = ""
-        self.key: RoutingKey | None = None  # set when decided; dispatched with it, as serve does
         self.request_mode = _Mode.BUFFERED
         self.response_mode = _Mode.NONE
         self.body_skipped = False  # the picker asked Envoy not to send the response body (mode_override)
@@ -159,29 +159,40 @@ class Exchange:
         self.chunks: list[bytes] = []
         self.size = 0
         self.choices: list[Decision] = []  # the chosen instance, then its fallbacks, in the gateway's order
-        self.decision: Decision | None = None  # the one serving it (books)
-        self.ticket: Ticket | None = None
+        self.life: Lifecycle = picker.router.open()
         self.tap: UsageTap | None = None
         self.status = 0
-        self.decided = False  # answered with a destination or an immediate response
-        self.done = False
+
+    @property
+    def decision(self) -> Decision | None:
+        """The decision of the instance serving it (its open leg), if any."""
+        leg = self.life.leg
+        return leg.decision if leg is not None and not leg.done else None
 
     async def on(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         kind = message.WhichOneof("request")
-        if kind in ("request_headers", "request_body") and self.decided:
+        if kind in ("request_headers", "request_body") and self.life.state is not State.RECEIVED:
             # One request per stream: a second request's headers, or a body after the decision, close this one's
             # books and are refused (never a second decision, whose books would stay open).
-            if self.done:
-                return []
-            self.close()
-            return [self._refuse(ApiError(400, f"ext_proc {kind} after this stream's request was decided",
-                                          "invalid_request_error"))]
+            return self._out_of_order(kind, "after this stream's request was decided")
+        try:
+            return await self._on(kind, message)
+        except OutOfOrder as exc:  # a response message the request's state does not allow
+            return self._out_of_order(kind, str(exc))
+
+    def _out_of_order(self, kind: str | None, why: str) -> list[ep.ProcessingResponse]:
+        if self.life.state in ENDED:
+            return []
+        self.close()
+        return [self._refuse(ApiError(400, f"ext_proc {kind} {why}", "invalid_request_error"))]
+
+    async def _on(self, kind: str | None, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         if kind == "request_headers":
             return await self._request_headers(message)
         if kind == "request_body":
             return await self._request_body(message.request_body)
         if kind == "request_trailers":  # a body that ended with trailers: decided now if not yet
-            replies = [] if self.decided else await self._decide(body_end=True)
+            replies = [] if self.life.state is not State.RECEIVED else await self._decide(body_end=True)
             return replies + [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
         if kind == "response_headers":
             return [self._response_headers(message)]
@@ -231,17 +242,17 @@ class Exchange:
         return [] if self.request_mode == _Mode.FULL_DUPLEX_STREAMED else [_CONTINUE_BODY]
 
     async def _decide(self, body_end: bool) -> list[ep.ProcessingResponse]:
-        self.decided = True
         picker = self.picker
         router = picker.router
         body = b"".join(self.chunks)
         try:
             key, decision = self._route(body, await router.key_off_loop(self.path, body, self.session))
-            self.key, self.tenant = key, picker.tenancy.tenant_of(self.headers, key)
-            if self.subset is None and router.admission.settings.enabled and self.path != "/v1/models":
-                # no room at its instance: it waits in the router's queue as serve's requests do (429 past it)
-                priority = picker.tenancy.priority_of(self.headers, self.tenant, key)
-                decision, _ = await router.admit(key, decision, priority, self.tenant, len(body))
+            tenant = picker.tenancy.tenant_of(self.headers, key)
+            self.life.keyed(key, tenant, picker.tenancy.priority_of(self.headers, tenant, key))
+            # no room at its instance: it waits in the router's queue as serve's requests do (429 past it); not with
+            # a subset, which the queue does not know
+            queue = self.subset is None and self.path != "/v1/models"
+            decision, _ = await router.admit(self.life, decision, len(body), queue)
         except ApiError as exc:
             return [self._refuse(exc)]
         except NoInstanceAvailable as exc:
@@ -289,12 +300,11 @@ class Exchange:
                 for i in others[:count]]
 
     def _dispatch(self, decision: Decision) -> None:
-        self.decision = decision
-        # the key too, as serve passes it: precise mode holds the prompt's token blocks there until the events come
-        self.ticket = self.picker.router.dispatch(decision, defer_record=True, key=self.key, tenant=self.tenant)
+        self.picker.router.dispatch(self.life, decision, defer_record=True)
 
     def _refuse(self, exc: ApiError) -> ep.ProcessingResponse:
-        self.decided = self.done = True
+        if self.life.state not in ENDED:
+            self.life.refuse()
         self.picker.router.metrics.answered(NO_INSTANCE, exc.status)
         return immediate(exc)
 
@@ -307,7 +317,7 @@ class Exchange:
         status = headers.get(":status", "0")
         self.status = int(status) if status.isdigit() else 0
         decision, picker = self.decision, self.picker
-        if decision is None or self.ticket is None:
+        if decision is None:
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
         if _connect_failed(message):  # Envoy answered for the instance: it refused the connection
             picker.router.metrics.upstream_error(decision.instance, "connect")
@@ -322,7 +332,7 @@ class Exchange:
             override = _NO_RESPONSE_BODY  # nothing to learn from it: Envoy stops sending its chunks (fewer messages)
             self.body_skipped = True
         if message.response_headers.end_of_stream or self.response_mode == _Mode.NONE or self.body_skipped:
-            self.ticket.first_byte()  # nothing more will be seen of it: its first byte is now
+            self.life.first_token()  # nothing more will be seen of it: its first byte is now
         if message.response_headers.end_of_stream:
             self._complete()
         mutation = None
@@ -350,27 +360,24 @@ class Exchange:
                    if d.instance in urls and endpoint_of(urls[d.instance]) == served), None)
         if at == 0:
             return
-        failed = names if at is None else names[:at]
-        for name in failed:
+        sent = self.life.retry().decision  # it never reached the first instance (a later message: OutOfOrder)
+        for name in names if at is None else names[:at]:
             picker.router.metrics.upstream_error(name, "connect")
             picker.health.connection_failed(name)
-        assert self.ticket is not None and self.decision is not None
-        self.ticket.finish()  # it never reached the first instance
-        picker.router.unrecord(self.decision)
+        picker.router.unrecord(sent)
         if at is not None:
             picker.router.metrics.retried(names[0], "connect")
             self._dispatch(self.choices[at])
             return
         elsewhere = sorted(names_at(urls, [served]))  # served by an instance the picker did not name (FailOpen)
         if elsewhere:
-            self._dispatch(Decision(elsewhere[0], UNHEALTHY_FALLBACK, 0, self.decision.prompt_tokens))
-        else:
-            self.ticket = self.decision = None
+            self._dispatch(Decision(elsewhere[0], UNHEALTHY_FALLBACK, 0, sent.prompt_tokens))
 
     def _response_body(self, body: ep.HttpBody) -> ep.ProcessingResponse:
         self.body_skipped = False  # sent after all (the gateway does not allow mode_override): read to its end
-        if self.ticket is not None:
-            self.ticket.first_byte()
+        if self.decision is not None:
+            if self.life.state is State.DISPATCHED:
+                self.life.first_token()
             if self.tap is not None and body.body:
                 self.tap.feed(body.body)
             if body.end_of_stream:
@@ -383,23 +390,25 @@ class Exchange:
 
     def _complete(self) -> None:
         """The whole answer went through: counted, its usage read, its books closed."""
-        if self.done or self.ticket is None or self.decision is None:
+        decision = self.decision
+        if decision is None:
             return
-        self.done = True
         router = self.picker.router
-        router.metrics.answered(self.decision.instance, self.status)
+        router.metrics.answered(decision.instance, self.status)
         usage = self.tap.result() if self.tap is not None else None
-        if usage is not None:
-            router.engine_usage(self.decision, usage, self.ticket.queued_ahead)
-        self.ticket.finish()
+        if usage is not None and self.life.state is State.FIRST_TOKEN:
+            router.engine_usage(self.life, usage)
+        self.life.finish()
 
     def close(self) -> None:
-        """The stream is over: an answer not seen to its end was cut off (or its body was not sent to the picker)."""
-        if self.done or self.ticket is None or self.decision is None:
+        """The stream is over: an answer not seen to its end was cut off (or its body was not sent to the picker);
+        whatever else is open closes."""
+        decision = self.decision
+        if decision is None or self.life.state in ENDED:
+            self.life.close()
             return
         if self.status and (self.response_mode == _Mode.NONE or self.body_skipped):
             self._complete()
             return
-        self.done = True
-        self.picker.router.metrics.answered(self.decision.instance, CLIENT_CLOSED)
-        self.ticket.finish()
+        self.picker.router.metrics.answered(decision.instance, CLIENT_CLOSED)
+        self.life.finish()

@@ -92,17 +92,16 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     session = request.headers.get(SESSION_HEADER)
     key = await router.key_off_loop(request.path, body, session)
     parsed = await router.tokenize_ahead(request.path, body) if key is None and router.tokenizer is not None else None
+    life = router.open()
     key, decision = router.route(request.path, body, session, key, parsed)
-    tenant = ""
-    if router.admission.settings.enabled:  # no room at its instance: wait in the router (keyless paths too)
-        tenancy = app[TENANCY]
-        tenant = tenancy.tenant_of(request.headers, key)
-        priority = tenancy.priority_of(request.headers, tenant, key)
-        decision, waited = await router.admit(key, decision, priority, tenant, len(body))
-        if waited:
-            request[access.WAITED] = waited
+    tenancy = app[TENANCY]
+    tenant = tenancy.tenant_of(request.headers, key)
+    life.keyed(key, tenant, tenancy.priority_of(request.headers, tenant, key))
+    decision, waited = await router.admit(life, decision, len(body))  # no room at its instance: it waits here
+    if waited:
+        request[access.WAITED] = waited
     app[ACTIVITY].note(key, decision)
-    return await app[PROXY].forward(request, body, key, decision, tenant)
+    return await app[PROXY].forward(request, body, life, decision)
 
 
 def _check_content_headers(request: web.Request) -> None:

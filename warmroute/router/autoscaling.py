@@ -42,7 +42,7 @@ class ModelDemand:
 
 
 class FleetSignals:
-    """Fed at dispatch and first token (router/routing.py Ticket); read at scrape and by the scale-in surfaces."""
+    """Fed at dispatch and first token (router/routing.py _Books); read at scrape and by the scale-in surfaces."""
 
     def __init__(self, fleet: Fleet, admission: Admission, demand: DemandSettings, max_inflight: int) -> None:
         self.fleet, self.admission, self.demand = fleet, admission, demand

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from warmroute.core.routing_key import RoutingKey
+from warmroute.core.lifecycle import Lifecycle, State
 from warmroute.core.strategies import Decision, NoInstanceAvailable
 from warmroute.router import access_log as access
 from warmroute.router.errors import ApiError
 from warmroute.router.connections import Upstreams
 from warmroute.router.health import Health
 from warmroute.router.members import Addresses
-from warmroute.router.routing import Router, Ticket, is_routed
+from warmroute.router.routing import Router, is_routed
 from warmroute.router.settings import RouterSettings
 from warmroute.router.upstream import ConnectError, UpstreamError, UpstreamResponse
 from warmroute.router.usage import UsageTap
@@ -115,16 +115,17 @@ class Proxy(Addresses):
         self.settings = settings
         self._forwarding: set[asyncio.Task] = set()
 
-    async def forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
-                      decision: Decision, tenant: str = "") -> web.StreamResponse:
+    async def forward(self, request: web.Request, body: bytes, life: Lifecycle,
+                      decision: Decision) -> web.StreamResponse:
         """Forward one request and relay its answer (see `_forward`), tracked until it is done."""
         task = asyncio.current_task()
         assert task is not None
         self._forwarding.add(task)  # so a shutdown deadline can cut what is still running
         try:
-            return await self._forward(request, body, key, decision, tenant)
+            return await self._forward(request, body, life, decision)
         finally:
             self._forwarding.discard(task)
+            life.close()
 
     def cancel_forwarding(self) -> int:
         """Cancel every request still being forwarded (the shutdown deadline); returns how many."""
@@ -133,8 +134,8 @@ class Proxy(Addresses):
             task.cancel()
         return len(tasks)
 
-    async def _forward(self, request: web.Request, body: bytes, key: RoutingKey | None,
-                       decision: Decision, tenant: str = "") -> web.StreamResponse:
+    async def _forward(self, request: web.Request, body: bytes, life: Lifecycle,
+                       decision: Decision) -> web.StreamResponse:
         """Send to the decision's instance; if it fails before any byte reached the client, once more to the next
         choice (never the same instance twice in a row) as the `retry` setting allows: connect (no connection
         could be opened), no_answer (also: no first byte within first_byte_timeout, or the connection dropped
@@ -143,9 +144,9 @@ class Proxy(Addresses):
         for attempt in (0, 1):
             last = attempt == 1 or policy == "off"
             request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
-            ticket = self.router.dispatch(decision, defer_record=True, key=key, tenant=tenant)
+            self.router.dispatch(life, decision, defer_record=True)
             try:
-                return await self._exchange(request, body, decision, ticket)
+                return await self._exchange(request, body, life)
             except _ConnectFailed as exc:
                 self.router.metrics.upstream_error(decision.instance, "connect")
                 self.health.connection_failed(decision.instance, str(exc), exc.error.timed_out)
@@ -162,10 +163,13 @@ class Proxy(Addresses):
                 self.router.metrics.answered(decision.instance, CLIENT_CLOSED)
                 raise
             finally:
-                ticket.finish()
+                if life.state is State.DISPATCHED:
+                    life.retry()  # no first byte: its books there close, and another instance may take it
+                else:
+                    life.finish()
             failed = decision.instance
             try:
-                decision = self.router.decide(key, avoid=failed)
+                decision = self.router.decide(life.key, avoid=failed)
             except NoInstanceAvailable:
                 if error is None:
                     raise
@@ -173,13 +177,14 @@ class Proxy(Addresses):
             self.router.metrics.retried(failed, "connect" if error is None else error.kind)
         raise AssertionError("unreachable")
 
-    async def _exchange(self, request: web.Request, body: bytes, decision: Decision,
-                        ticket: Ticket) -> web.StreamResponse:
-        name = decision.instance
+    async def _exchange(self, request: web.Request, body: bytes, life: Lifecycle) -> web.StreamResponse:
+        leg = life.leg
+        assert leg is not None
+        decision, name = leg.decision, leg.instance
         upstream, first = await self._open(request, body, name)
         completed = False
         try:
-            ticket.first_byte()
+            life.first_token()
             request[access.FIRST_BYTE] = time.perf_counter()
             self._note_status(name, upstream.status)
             resp = self._response_for(upstream, decision, request.get(access.WAITED))
@@ -191,7 +196,7 @@ class Proxy(Addresses):
             self.router.metrics.answered(name, outcome)
             usage = tap.result() if tap is not None and completed else None
             if usage is not None:
-                self.router.engine_usage(decision, usage, ticket.queued_ahead)
+                self.router.engine_usage(life, usage)
             return resp
         finally:
             if completed:

@@ -1,8 +1,8 @@
 """Where the router decides: request body -> routing key -> the strategy's choice, plus the fleet's books.
 
 This is the shell's only contact with the pure core (warmroute/core): it builds the key, asks the strategy,
-and reports dispatch / first token / finish through a `Ticket`, so the index and load figures the strategy
-reads stay true.
+and keeps each request's books through its `Lifecycle` (core/lifecycle.py), so the index and load figures the
+strategy reads stay true.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -19,6 +18,7 @@ from warmroute.core.admission import (DEADLINE, IMMEDIATE, NO_INSTANCE, PREEMPTE
                                       QueueFull, Waiter, admission_settings, decide_at)
 from warmroute.core.exact_index import BYTES_PER_BLOCK, ExactIndex, token_seed
 from warmroute.core.fleet import Fleet, FleetSettings
+from warmroute.core.lifecycle import Hooks, Leg, Lifecycle
 from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
                                         key_for_json, key_for_raw)
 from warmroute.core.decision import TOKENIZE_FAILED
@@ -96,6 +96,7 @@ class Router:
         self._pump_timer: asyncio.TimerHandle | None = None  # while requests wait (`_keep_pumping`)
         # What autoscalers read: demand per model, and what each instance's cache is worth.
         self.signals = FleetSignals(self.fleet, self.admission, settings, settings.concurrency_threshold)
+        self._hooks = _Books(self)
 
     # -- deciding ------------------------------------------------------------------------------------------
     def key_of(self, path: str, body: bytes, session: str | None, parsed: Any = None) -> RoutingKey:
@@ -190,53 +191,61 @@ class Router:
         return key, decision
 
     # -- admission (core/admission.py) ------------------------------------------------------------------------
-    async def admit(self, key: RoutingKey | None, decision: Decision, priority: int = 0, tenant: str = "",
-                    size_bytes: int = 0) -> tuple[Decision, float]:
-        """Send `decision` now if its instance has room; else wait in the router's queue until an instance
-        takes this request (then decided again for that instance): the queue is pumped whenever a request finishes
-        and, while anything waits, every QUEUE_POLL seconds by one timer (deadlines, other workers' requests that
-        finish unseen, engines whose capacity grew). Returns the decision to
+    def open(self) -> Lifecycle:
+        """A new request's lifecycle (core/lifecycle.py), its books kept in this router's fleet and queue."""
+        return Lifecycle(self.fleet, self.admission, time.perf_counter, records_prefixes=self.strategy.records_prefixes,
+                         hooks=self._hooks)
+
+    async def admit(self, life: Lifecycle, decision: Decision, size_bytes: int = 0,
+                    queue: bool = True) -> tuple[Decision, float]:
+        """Send `decision` now if its instance has room (or `queue` is off); else wait in the router's queue until an
+        instance takes this request (then decided again for that instance): the queue is pumped whenever a request
+        finishes and, while anything waits, every QUEUE_POLL seconds by one timer (deadlines, other workers' requests
+        that finish unseen, engines whose capacity grew). Returns the decision to
         send and the seconds waited (0.0: it did not wait). Raises 429 (queue full, preempted, deadline) or
         503 (no healthy instance left). A client that leaves takes its request out of the queue at once. A request
         without a key (/tokenize, /score, ...) counts as any other against its instance's room and its tenant's
         share; it has no prefix to keep, so it goes to the least loaded instance with room."""
         adm = self.admission
         loop = asyncio.get_running_loop()
-        waiter = adm.waiter_for(decision, loop.time(), priority, tenant, size_bytes, key.model if key else None)
-        if waiter is None:
-            self.metrics.admitted(IMMEDIATE)
-            return decision, 0.0
-        waiter.payload = loop.create_future()
         try:
-            refused = adm.offer(waiter)
+            refused = life.admit(decision, loop.time(), size_bytes, queue and adm.settings.enabled)
         except QueueFull as exc:
-            self.metrics.left_queue(priority, tenant, 0.0, QUEUE_FULL)
+            self.metrics.left_queue(life.priority, life.tenant, 0.0, QUEUE_FULL)
             raise _too_busy(str(exc), 1.0) from None
-        self.metrics.queue_changed(priority, tenant, +1, adm.bytes)
+        waiter = life.waiter
+        if waiter is None:
+            if queue and adm.settings.enabled:
+                self.metrics.admitted(IMMEDIATE)
+            return decision, 0.0
+        life.shell = loop.create_future()  # set when it leaves the queue (`_left`)
+        self.metrics.queue_changed(life.priority, life.tenant, +1, adm.bytes)
         for w in refused:
             self._left(w)
         self.pump()
         self._keep_pumping(loop)
         try:
-            await waiter.payload  # type: ignore[misc]  # set when it leaves the queue (`_left`)
+            await life.shell
         except BaseException:  # the client left (cancelled): out of the queue, or its reserved slot back
-            if waiter.seq in adm.waiters:
-                adm.cancel(waiter)
+            queued = waiter.seq in adm.waiters
+            life.cancel()
+            if queued:
                 self._left(waiter, "client_closed")
             else:
-                adm.cancel(waiter)
                 self.pump()
             raise
         if waiter.shed is not None:
-            raise self._refusal(waiter, key)
-        return self._decide_assigned(key, waiter), loop.time() - waiter.enqueued
+            life.shed()
+            raise self._refusal(waiter, life.key)
+        return self._decide_assigned(life), loop.time() - waiter.enqueued
 
-    def _decide_assigned(self, key: RoutingKey | None, waiter: Waiter) -> Decision:
+    def _decide_assigned(self, life: Lifecycle) -> Decision:
         """The decision for the instance the queue gave a waiter (its reserved slot becomes a request in flight
         now: the caller dispatches it without awaiting); if that instance went down meanwhile, a fresh one."""
+        waiter, key = life.waiter, life.key
+        assert waiter is not None and waiter.instance is not None
         name = waiter.instance
-        assert name is not None
-        self.admission.dispatched(waiter)
+        life.assigned()
         self.metrics.admitted(waiter.why)
         try:
             self.fleet.now = time.monotonic()
@@ -273,7 +282,7 @@ class Router:
         loop = asyncio.get_running_loop()
         self.metrics.queue_changed(w.priority, w.tenant, -1, self.admission.bytes)
         self.metrics.left_queue(w.priority, w.tenant, loop.time() - w.enqueued, shed or w.shed)
-        future = w.payload
+        future = w.payload.shell if isinstance(w.payload, Lifecycle) else None
         if isinstance(future, asyncio.Future) and not future.done():
             future.set_result(None)
 
@@ -286,33 +295,34 @@ class Router:
                          max(1.0, self.fleet.mean_ttft_s))
 
     # -- the books -----------------------------------------------------------------------------------------
-    def dispatch(self, decision: Decision, defer_record: bool = False, key: RoutingKey | None = None,
-                 tenant: str = "") -> Ticket:
+    def dispatch(self, life: Lifecycle, decision: Decision, defer_record: bool = False) -> Leg:
         """The request is being sent: its books now; its chain into the index now, or (`defer_record`, from a
         running event loop) on the loop's next turn, once the request is on its way to the instance: a long
         prompt's chain is thousands of blocks, time the request need not wait (docs/tuning.md). A request routed in
         between does not see it yet, as if it had arrived a moment earlier. In precise mode its token blocks are
         speculatively held there until the engine's events arrive."""
+        key = life.key
         if self.exact is not None and key is not None and key.token_data:
             blocks = self.exact.instances.get(decision.instance)
             if blocks is not None and blocks.block_size:
                 self.exact.speculate(decision.instance, key.token_blocks(blocks.block_size), time.monotonic())
-        return Ticket(self, decision, defer_record, tenant)
+        leg = life.dispatch(decision, record=not defer_record)
+        if defer_record and leg.blocks:
+            asyncio.get_running_loop().call_soon(life.record, leg)
+        return leg
 
-    def engine_usage(self, decision: Decision, usage: EngineUsage, queued_ahead: int = 0) -> None:
-        """The engine said how much of this request's prompt it had cached: count it, correct the index.
-        `queued_ahead`: requests that were waiting for their first token there when this one was sent."""
-        name = decision.instance
+    def engine_usage(self, life: Lifecycle, usage: EngineUsage) -> None:
+        """The engine said how much of this request's prompt it had cached: count it, correct the index."""
+        leg = life.leg
+        assert leg is not None
+        decision, name = leg.decision, leg.instance
         if name not in self.fleet.instances:
             return
-        verdict = None
-        if decision.blocks and self.strategy.records_prefixes:
-            verdict = self.fleet.feedback(name, decision.blocks, decision.matched_tokens, usage.cached_tokens,
-                                          usage.prompt_tokens, decision.prompt_tokens, queued_ahead).kind
+        verdict = life.feedback(usage.cached_tokens, usage.prompt_tokens, decision.prompt_tokens)
         prompt = usage.prompt_tokens or decision.prompt_tokens
         predicted = decision.matched_tokens * prompt / decision.prompt_tokens if decision.prompt_tokens else 0.0
-        self.metrics.engine_usage(name, prompt, usage.cached_tokens, predicted, verdict,
-                                  decision.match or APPROXIMATE)
+        self.metrics.engine_usage(name, prompt, usage.cached_tokens, predicted,
+                                  verdict.kind if verdict is not None else None, decision.match or APPROXIMATE)
 
     def unrecord(self, decision: Decision) -> None:
         """The request never reached the instance: it does not hold the blocks after all."""
@@ -322,75 +332,47 @@ class Router:
                 self.shared.forgotten(decision.instance, decision.blocks)
 
 
-class Ticket:
-    """One request's accounting on one instance: dispatched now, first token once, finished exactly once."""
+class _Books(Hooks):
+    """The router's side effects of a request's steps (core/lifecycle.py keeps the books themselves)."""
 
-    __slots__ = ("_router", "instance", "_uncached", "_prompt", "_blocks", "queued_ahead", "_work", "_sent_at",
-                 "_got_first", "_done", "_tenant")
+    __slots__ = ("router",)
 
-    def __init__(self, router: Router, decision: Decision, defer_record: bool = False, tenant: str = "") -> None:
-        self._router = router
-        self._tenant = tenant
-        self.instance = decision.instance
-        self._uncached = decision.uncached_tokens
-        self._prompt = decision.kv_tokens  # the KV cache it needs there (kv_pressure)
-        self._got_first = self._done = False
-        blocks = decision.blocks if router.strategy.records_prefixes else None
-        self._blocks = blocks
-        inst = router.fleet.instances.get(self.instance)
-        # The prefill the instance does before this request's first token: its own, and what is queued ahead.
-        self._work = self._uncached + (inst.queued_prefill_tokens if inst is not None else 0.0)
-        self.queued_ahead = router.fleet.dispatched(self.instance, self._uncached, prompt_tokens=self._prompt)
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def dispatched(self, life: Lifecycle, leg: Leg) -> None:
+        router = self.router
+        inst = router.fleet.instances.get(leg.instance)
         if inst is not None:
-            router.signals.dispatched(inst, self._uncached)
-        router.admission.started(tenant, self.instance, self._uncached)  # the tenant caps on the engine's queue
-        if blocks:
-            if defer_record:
-                asyncio.get_running_loop().call_soon(self._record, blocks)
-            else:
-                self._record(blocks)
-        self._sent_at = time.perf_counter()
-        self._publish_inflight()
+            router.signals.dispatched(inst, leg.uncached_tokens)
+        self._publish_inflight(leg.instance)
 
-    def _record(self, blocks: Sequence[int]) -> None:
-        """The chain is (about to be) cached on the instance: into the index, and to the other replicas."""
-        router = self._router
-        if self._done and not self._got_first:  # failed (or cut off) before the loop came round: never arrived
-            return
-        router.fleet.index.record(self.instance, blocks)  # an instance removed meanwhile: a no-op
-        router.signals.requested(blocks)
+    def recorded(self, life: Lifecycle, leg: Leg) -> None:
+        """The chain is (about to be) cached on the instance: to the other replicas too."""
+        router = self.router
+        assert leg.blocks is not None
+        router.signals.requested(leg.blocks)
         if router.shared is not None:
-            router.shared.recorded(self.instance, blocks)
+            router.shared.recorded(leg.instance, leg.blocks)
 
-    def first_byte(self) -> None:
-        if self._got_first:
-            return
-        self._got_first = True
-        seconds = time.perf_counter() - self._sent_at
-        self._router.fleet.first_token(self.instance, self._uncached, seconds)
-        self._router.signals.first_token(self.instance, self._work, seconds)
-        self._router.metrics.first_byte(self.instance, seconds)
-        adm = self._router.admission
-        adm.first_token(self._tenant, self.instance, self._uncached)
+    def first_token(self, life: Lifecycle, leg: Leg, seconds: float) -> None:
+        router = self.router
+        router.signals.first_token(leg.instance, leg.prefill_ahead, seconds)
+        router.metrics.first_byte(leg.instance, seconds)
+        adm = router.admission
         if adm.caps_queues and adm.waiters:  # a shorter engine queue: a capped tenant may go
-            self._router.pump()
+            router.pump()
 
-    def finish(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        router = self._router
-        router.fleet.finished(self.instance, self._uncached, self._got_first, self._blocks, self._prompt,
-                              time.perf_counter() - self._sent_at)
-        router.admission.ended(self._tenant, self.instance, self._got_first, self._uncached)
+    def finished(self, life: Lifecycle, leg: Leg, seconds: float) -> None:
+        router = self.router
         router.pump()  # room was made: a waiting request may go
-        if self._got_first and self._blocks and router.shared is not None:
+        if leg.got_first and leg.blocks and router.shared is not None:
             # The refresh at finish (core/fleet.py) too: otherwise the other replicas / workers age this chain
             # from when it was sent, and a long answer's history can drop out of their models before its turn.
-            router.shared.recorded(self.instance, self._blocks)
-        self._publish_inflight()
+            router.shared.recorded(leg.instance, leg.blocks)
+        self._publish_inflight(leg.instance)
 
-    def _publish_inflight(self) -> None:
-        inst = self._router.fleet.instances.get(self.instance)
+    def _publish_inflight(self, name: str) -> None:
+        inst = self.router.fleet.instances.get(name)
         if inst is not None:
-            self._router.metrics.set_inflight(self.instance, inst.inflight, inst.inflight_prompt_tokens)
+            self.router.metrics.set_inflight(name, inst.inflight, inst.inflight_prompt_tokens)

@@ -22,6 +22,7 @@ from warmroute.core.admission import Admission, AdmissionSettings, QueueFull, Wa
 from warmroute.core.cache_value import CacheValue, scale_in_victim
 from warmroute.core.demand import DemandMeter, fleet_demand
 from warmroute.core.fleet import Fleet, FleetSettings
+from warmroute.core.lifecycle import Lifecycle
 from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
 from warmroute.core.stages import Handles
 from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy,
@@ -172,8 +173,8 @@ class Simulation:
         self._wakeups: list[float] = []  # times at which a request may arrive (see _next_wakeup)
         self._order = itertools.count()
         self.records: list[RequestRecord] = []
-        self._inflight: dict[int, tuple[RequestRecord, WorkloadRequest, Iterator[WorkloadRequest] | None,
-                                        Decision, int]] = {}  # ..., requests queued ahead
+        self._inflight: dict[int, tuple[RequestRecord, Lifecycle]] = {}
+        self.now = 0.0  # the virtual clock, for the requests' lifecycles
         self._seq = itertools.count()
         self._rejected: dict[str, int] = {}  # per tenant
         self._last_instance_by_prefix: dict[int, str] = {}
@@ -372,6 +373,7 @@ class Simulation:
         now = 0.0
         while self._heap:
             now, _, kind, payload = heapq.heappop(self._heap)
+            self.now = now
             if kind == self.STEP:
                 self._on_step_done(now, payload)  # type: ignore[arg-type]
             elif isinstance(payload, tuple) and isinstance(payload[0], str):
@@ -442,26 +444,30 @@ class Simulation:
     def _on_arrival(self, now: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
                     budget: list[int] | None) -> None:
         """Route a request: to its instance now, or into the router's queue (core/admission.py)."""
-        key = key_for_json(req.path, req.body)
+        life = Lifecycle(self.fleet, self.admission, self._clock, records_prefixes=self.strategy.records_prefixes)
+        life.shell = (req, turns)
+        life.keyed(key := key_for_json(req.path, req.body), req.tenant)
         self.fleet.now = now  # the core reads no clock: slow start's ramps are timed by the shell's
         try:
             d = self.strategy.choose(key, self.fleet)
         except NoInstanceAvailable:
+            life.refuse()
             self._count_rejected(req.tenant)
             self._rejected_at.append(now)
             return
-        waiter = self.admission.waiter_for(d, now, model=key.model, tenant=req.tenant)
-        if waiter is None:
-            self._send(now, now, req, turns, key, d)
-            return
-        waiter.payload = (req, turns, key)
-        self._queued += 1
         try:
-            refused = self.admission.offer(waiter)
+            refused = life.admit(d, now)
         except QueueFull:
-            refused = [waiter]
-        for w in refused:
-            self._refuse(now, w)
+            self._queued += 1
+            assert life.waiter is not None
+            self._refuse(now, life.waiter)
+        else:
+            if life.waiter is None:
+                self._send(now, now, life, d)
+                return
+            self._queued += 1
+            for w in refused:
+                self._shed(now, w)
         self._pump(now)
 
     def _pump(self, now: float) -> None:
@@ -469,13 +475,21 @@ class Simulation:
         self.fleet.now = now
         assigned, shed = self.admission.pump(now)
         for w in shed:
-            self._refuse(now, w)
+            self._shed(now, w)
         for w in assigned:
-            req, turns, key = w.payload  # type: ignore[misc]
-            assert w.instance is not None
-            d = decide_at(self.strategy, key, self.fleet, w.instance, w.first)
-            self.admission.dispatched(w)
-            self._send(now, w.enqueued, req, turns, key, d)
+            life: Lifecycle = w.payload  # type: ignore[assignment]
+            assert w.instance is not None and life.key is not None
+            d = decide_at(self.strategy, life.key, self.fleet, w.instance, w.first)
+            life.assigned()
+            self._send(now, w.enqueued, life, d)
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _shed(self, now: float, w: Waiter) -> None:
+        """The queue turned a waiting request away."""
+        w.payload.shed()  # type: ignore[union-attr]
+        self._refuse(now, w)
 
     def _refuse(self, now: float, w: Waiter) -> None:
         """The router answered 429 (or 503): a closed-loop client moves on to its next session."""
@@ -487,21 +501,19 @@ class Simulation:
     def _count_rejected(self, tenant: str) -> None:
         self._rejected[tenant] = self._rejected.get(tenant, 0) + 1
 
-    def _send(self, now: float, arrival: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
-              key: RoutingKey, d: Decision) -> None:
+    def _send(self, now: float, arrival: float, life: Lifecycle, d: Decision) -> None:
+        key, (req, _) = life.key, life.shell
+        assert key is not None
         self._note_prefix(key.prefix_hash(self.s.routing.prefix_length), d.instance)
-        queued_ahead = self.fleet.dispatched(d.instance, d.uncached_tokens,
-                                             list(d.blocks) if self.strategy.records_prefixes else None,
-                                             d.kv_tokens)
+        life.dispatch(d)
         if self.autoscaler is not None:
             self.demand.dispatched(self.fleet.instances[d.instance], now, d.uncached_tokens)
         if self.cache_value is not None and d.blocks:
             self.cache_value.requested(d.blocks)
-        self.admission.started(req.tenant, d.instance, d.uncached_tokens)
         rec = RequestRecord(arrival, d.instance, key.tokens, d.reason, tag=req.tag, sent=now, tenant=req.tenant)
         self.records.append(rec)
         seq = next(self._seq)
-        self._inflight[seq] = (rec, req, turns, d, queued_ahead)
+        self._inflight[seq] = (rec, life)
         inst = self.instances[d.instance]
         inst.model.submit(seq, self._engine_blocks(key), key.tokens, max(1, req.max_tokens))
         if not inst.busy:
@@ -536,25 +548,21 @@ class Simulation:
     def _on_step_done(self, now: float, payload: tuple[_Instance, object]) -> None:
         inst, result = payload
         for seq, cached in result.first_tokens.items():  # type: ignore[attr-defined]
-            rec, _, _, d, queued_ahead = self._inflight[seq]
+            rec, life = self._inflight[seq]
             rec.first_token, rec.cached_tokens = now, cached
-            self.admission.first_token(rec.tenant, inst.name, d.uncached_tokens)
-            self.fleet.first_token(inst.name, d.uncached_tokens, now - rec.sent)
+            leg = life.first_token()
             books = self.fleet.instances.get(inst.name)
-            if self.autoscaler is not None and books is not None and not queued_ahead:
+            if self.autoscaler is not None and books is not None and not leg.queued_ahead:
                 # Nothing was queued ahead of it there: its time to first token was its own prefill.
                 self.demand.first_token(books, now, rec.prompt_tokens - cached, now - rec.sent)
-            if self.strategy.records_prefixes:  # the engine reports cached tokens at first token
-                self.fleet.feedback(inst.name, d.blocks, d.matched_tokens, cached, queued_ahead=queued_ahead)
+            life.feedback(cached)  # the engine reports cached tokens at first token
         for seq, n in result.tokens.items():  # type: ignore[attr-defined]
             self._inflight[seq][0].output_tokens += n
         for seq in result.finished:  # type: ignore[attr-defined]
-            rec, req, turns, d, _ = self._inflight.pop(seq)
+            rec, life = self._inflight.pop(seq)
             rec.done = now
-            self.admission.ended(rec.tenant, inst.name, rec.first_token is not None, d.uncached_tokens)
-            blocks = d.blocks if self.strategy.records_prefixes else None
-            self.fleet.finished(inst.name, d.uncached_tokens, blocks=blocks, prompt_tokens=d.kv_tokens,
-                                seconds=now - rec.sent)
+            life.finish()
+            turns = life.shell[1]
             nxt = next(turns, None) if turns is not None else None
             if nxt is not None:
                 self._push(now, self.ARRIVE, (nxt, turns, None))
