@@ -19,8 +19,12 @@ Workloads are offered as closed loops (N sessions, each sending its next request
 traces on their own clock, or (`hot-open`) as an open loop at a fixed rate: in a closed loop a faster router
 gets more requests, so its TTFTs are taken at a higher load than the others'; at a fixed rate all face the same.
 
-Writes out/peers.md (the exact command line on top) and out/peers.json (everything measured); pass
-`--report docs/peers.md` to replace the published report (a trial run never overwrites it).
+Writes out/peers.md (the exact command line on top), out/peers.json (everything measured) and out/peers.png (TTFT
+distribution per workload and contender, hit rate and throughput bars; needs matplotlib, `pip install
+'warmroute[plot]'`); pass `--report docs/peers.md` to replace the published report (a trial run never overwrites it).
+The figure again from a saved JSON, nothing run:
+
+    .venv/bin/python benchmarks/compare_peers.py --plot-only out/peers.json --figure docs/img/peers.png
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from typing import Any
 
 from warmroute.bench.compare_peers import (CONTENDERS, MAX_TOKENS, PEERS_VENV, PeerInstall, RunOutcome, check_targets,
                                            ensure_peers, load_text, plans, progress_line, render_report,
-                                           router_overhead, row_metrics, run_one, size)
-from warmroute.bench.record import OUT, command_line, log, machine, now_utc
+                                           result_json, router_overhead, row_metrics, run_one, size)
+from warmroute.bench.plot import require_matplotlib, write_peers_figure
+from warmroute.bench.record import OUT, command_line, log, machine, now_utc, tree_state
 from warmroute.errors import UsageError
 
 
@@ -62,12 +67,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--report", type=Path, default=OUT / "peers.md",
                    help="where the Markdown report goes (docs/peers.md to replace the published one)")
     p.add_argument("--json", type=Path, default=OUT / "peers.json")
+    p.add_argument("--figure", type=Path, help="where the PNG goes (default: beside the JSON, e.g. out/peers.png)")
+    p.add_argument("--plot-only", type=Path, metavar="JSON",
+                   help="run nothing: draw the figure of a saved out/peers.json (to --figure, or beside it)")
     p.add_argument("--logs", type=Path, help="keep every engine's and router's log in this folder")
     p.add_argument("--dry-run", action="store_true", help="print how each workload is sized and loaded, run nothing")
     args = p.parse_args(argv)
+    args.figure = args.figure or (args.plot_only or args.json).with_suffix(".png")
     args.duration = args.duration or (10.0 if args.quick else 15.0)
     args.warmup = args.warmup if args.warmup is not None else (4.0 if args.quick else 5.0)
     return args
+
+
+def plot_only(args: argparse.Namespace) -> int:
+    """The figure of a saved JSON; nothing run."""
+    require_matplotlib()
+    try:
+        data = json.loads(args.plot_only.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read {args.plot_only}: {exc}") from None
+    write_peers_figure(data, args.figure)
+    log(f"wrote {args.figure}")
+    return 0
+
+
+def write_figure(data: dict[str, Any], path: Path) -> None:
+    """The figure beside the JSON, if matplotlib is here: hours of measuring are never lost to a missing plot."""
+    try:
+        require_matplotlib()
+    except UsageError as exc:
+        log(f"no figure: {exc}")
+        return
+    write_peers_figure(data, path)
+    log(f"wrote {path}")
 
 
 async def compare(args: argparse.Namespace, argv: list[str]) -> int:
@@ -123,6 +155,7 @@ async def compare(args: argparse.Namespace, argv: list[str]) -> int:
     meta = {
         "command": command_line(__file__, argv),
         "date": now_utc(),
+        "code": tree_state(),
         "machine": machine(),
         "config": ("reduced configuration (--quick)" if args.quick else "full configuration")
                   + f", {args.warmup:g} s warm-up + {args.duration:g} s measured per closed-loop run"
@@ -144,12 +177,10 @@ async def compare(args: argparse.Namespace, argv: list[str]) -> int:
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(render_report(meta, table, outcomes, targets))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "meta": meta, "table": table, "overhead": overheads,
-        "targets": [t.__dict__ for t in targets],
-        "runs": [o.__dict__ for o in outcomes],
-    }, indent=2))
+    data = result_json(meta, table, overheads, targets, outcomes)
+    args.json.write_text(json.dumps(data, indent=2))
     log(f"wrote {args.report} and {args.json}")
+    write_figure(data, args.figure)
     print(args.report.read_text())
     return 0 if not any(o.error for o in outcomes) else 1
 
@@ -163,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children on `kill` too
     try:
+        if args.plot_only:
+            return plot_only(args)
         return asyncio.run(compare(args, argv))
     except UsageError as exc:
         log(f"error: {exc}")

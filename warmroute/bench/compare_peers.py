@@ -28,7 +28,7 @@ from warmroute.bench.loadgen import BenchSettings, run_bench
 from warmroute.bench.processes import Child, free_ports
 from warmroute.bench.record import ROOT
 from warmroute.bench.scrape import fetch_metrics
-from warmroute.bench.stats import load_spread
+from warmroute.bench.stats import load_spread, percentile
 from warmroute.engine.tokenizer import default_tokenizer_dir
 from warmroute.errors import UsageError
 from warmroute.prometheus_text import read_samples
@@ -363,6 +363,18 @@ class RunOutcome:
     load: dict[str, Any] = field(default_factory=dict)
     decisions: dict[str, float] = field(default_factory=dict)  # warmroute's decision reasons
     error: str = ""
+    # TTFT at the percentiles TTFT_QUANTILES (0, 1, ..., 100), ms: the distribution the figure draws
+    ttft_quantiles_ms: list[float] = field(default_factory=list)
+
+
+TTFT_QUANTILES = tuple(range(101))
+
+
+def ttft_quantiles(ttft_ms: Sequence[float]) -> list[float]:
+    """The TTFT distribution of a run in 101 numbers (percentiles 0..100): enough for a CDF, small in the JSON."""
+    if not ttft_ms:
+        return []
+    return [round(percentile(ttft_ms, q) or 0.0, 1) for q in TTFT_QUANTILES]
 
 
 async def run_one(contender: Contender, plan: WorkloadPlan, workload: Workload, sizing: Sizing,
@@ -386,6 +398,7 @@ async def run_one(contender: Contender, plan: WorkloadPlan, workload: Workload, 
                 async with EngineSampler(urls) as sampler:
                     result = await run_bench(target, workload, settings)
                 out.summary = result.summary()
+                out.ttft_quantiles_ms = ttft_quantiles(result.ttft_ms())
                 out.load = window_load(sampler.samples, settings.warmup_s)
                 if not contender.is_peer:
                     out.decisions = await decision_counts(target)
@@ -588,7 +601,8 @@ def render_report(meta: dict[str, Any], table: dict[str, dict[str, dict[str, flo
         "",
         "    " + meta["command"],
         "",
-        f"Run {meta['date']} on {meta['machine']}; {meta['config']}. "
+        f"Run {meta['date']} on {meta['machine']}" + (f", {meta['code']}" if meta.get("code") else "")
+        + f"; {meta['config']}. "
         f"Peers: {meta['peer_versions']}.",
         "",
         f"Each run: a fresh fleet of {INSTANCES} emulated instances (8b profile, cold caches), one router, the "
@@ -629,6 +643,14 @@ def render_report(meta: dict[str, Any], table: dict[str, dict[str, dict[str, flo
     if notes:
         lines += ["", "## Not measured", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def result_json(meta: dict[str, Any], table: dict[str, dict[str, dict[str, float | None]]],
+                overheads: dict[str, dict[str, Any]], targets: list[Target],
+                outcomes: list[RunOutcome]) -> dict[str, Any]:
+    """out/peers.json: everything measured (what `--plot-only` and the figure read back)."""
+    return {"meta": meta, "table": table, "overhead": overheads, "targets": [t.__dict__ for t in targets],
+            "runs": [o.__dict__ for o in outcomes]}
 
 
 def is_hot(label: str) -> bool:
