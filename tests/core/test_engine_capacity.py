@@ -88,7 +88,8 @@ def test_a_learned_limit_never_holds_a_few_long_prefills_back():
     for _ in range(SUSTAINED):
         f.engine_load(a, waiting=5, running=40, kv_usage=0.5)
     # 40 running, and a share of that queued in the engine: the router hears of a free slot only after the fact
-    assert f.instances[a].capacity.learned == 40 and adm.limit(f.instances[a]) == math.ceil(40 * (1 + ENGINE_QUEUE_SHARE))
+    learned = f.instances[a].capacity.learned
+    assert learned == 40 and adm.limit(f.instances[a]) == math.ceil(learned * (1 + ENGINE_QUEUE_SHARE))
 
 
 def _cache_aware_with_queue(f, threshold: int, **adm):

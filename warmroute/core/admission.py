@@ -41,7 +41,8 @@ WAIT_REASONS = (BUSY, KV, SHARE, PREFILL)
 MIN_LEARNED_LIMIT = 32
 # A learned limit lets the engine queue this share of its batch beyond it: the router learns that a request finished
 # only once its last byte is back, and sends the next one after that, so holding at exactly the batch it was seen
-# running would leave the engine short of work between a request's end and the next one's arrival.
+# running would leave the engine short of work between a request's end and the next one's arrival. Not where its KV
+# cache was full: there a queued request's blocks would evict the prefixes of those to come.
 ENGINE_QUEUE_SHARE = 0.25
 UNBOUNDED = 1 << 30  # the room of an instance whose capacity is unknown: the router never holds requests for it
 MAX_TENANTS_TRACKED = 10_000
@@ -200,7 +201,8 @@ class Admission:
         cap = inst.capacity
         if cap.stated is not None or cap.learned is None:
             return cap.stated
-        return max(math.ceil(cap.learned * (1 + ENGINE_QUEUE_SHARE)), MIN_LEARNED_LIMIT)
+        share = 0.0 if cap.kv_bound else ENGINE_QUEUE_SHARE  # a full KV cache would evict what a queue brings
+        return max(math.ceil(cap.learned * (1 + share)), MIN_LEARNED_LIMIT)
 
     def spare(self, inst: Instance) -> int:
         """Requests `inst`'s engine takes before it is full: its limit less what is in flight there (other routers'

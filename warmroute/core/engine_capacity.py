@@ -37,6 +37,7 @@ KV_HIGH_WATER = 0.9  # share of an engine's KV blocks held by running requests f
 class EngineCapacity:
     stated: int | None = None  # the operator's figure (engine_capacity): never learned over
     learned: int | None = None
+    kv_bound: bool = False  # the learned limit is where its KV cache filled (not its batch): nothing may queue past it
     _running: deque[int] = field(default_factory=lambda: deque(maxlen=PEAK_WINDOW))  # the last scrapes' batches
     _queued: int = 0  # scrapes in a row that reported requests waiting or a full KV cache, the batch not growing
     _clear: int = 0  # scrapes in a row at the learned limit that reported none waiting
@@ -57,6 +58,7 @@ class EngineCapacity:
             self._queued += 1
             if self._queued >= SUSTAINED:
                 self.learned = max(1, running if kv_full else max(self._running))
+                self.kv_bound = kv_full
             return
         self._queued = 0
         if self.learned is None or not at_limit:
