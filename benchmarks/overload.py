@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/overload.py surge   [--capacity R] [--high 60] [--low 60]
     .venv/bin/python benchmarks/overload.py tenants [--capacity R] [--duration 60] [--fair-share 0.25] [--repeat 3]
     .venv/bin/python benchmarks/overload.py sim-tenants [--duration 60] [--repeat 3] [--prefill-budget 2048]
+    .venv/bin/python benchmarks/overload.py sim-surge [--capacity R] [--set NAME=JSON ...]
 
 Every run: a fresh emulated fleet (--instances, 4; the 8b profile; each engine batching --max-running, 256; cold
 caches) and a fresh router in front of it; contenders `flow` (cache_aware, admission on: the default), `no-flow`
@@ -26,6 +27,9 @@ default instead of the SLO), `direct` (no router: only with --instances 1) and, 
            `tail_n` (printed, with the runs' spread). Each run also reports `engines_behind_s`: how far the
            emulated engines fell behind their modelled speed over the window (above 0, this host was too busy
            for them and the timings are partly its own).
+  sim-surge  the surge in the simulator (virtual time): `flow`, `no-flow` where --contenders names it, and
+           `sglang_like` (the simulator's model of SGLang's policy) in place of smg; --set changes a SimSettings
+           field or strategy setting of the flow contenders (e.g. 'queue={"lifo_after_s": 0}', shared_miss_weight=16).
   sim-tenants  the same in the simulator (virtual time: seconds, no machine noise): `flow` with this checkout's
            defaults, and, where tenant cap flags are given, `flow+caps` with them (side by side in one run);
            `no-flow` (admission off) where --contenders names it.
@@ -61,6 +65,7 @@ from warmroute.bench.stats import RequestRecord, percentile, to_ms
 from warmroute.core.strategies import StrategySettings
 from warmroute.sim.simulator import SimSettings, Simulation
 from warmroute.workloads import Session, Workload, make_workload
+from warmroute.workloads.rate_shape import RateShape
 from warmroute.workloads.tenants import Tenants, TenantStream, tagged, turns_per_session
 
 MAX_TOKENS = 16
@@ -408,6 +413,23 @@ def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -
     return dataclasses.replace(s, **changes)
 
 
+def sim_surge(args: argparse.Namespace, strategy: str, admission: bool, cap: float,
+              changes: list[str]) -> dict:
+    """The surge in the simulator: the same fleet, workload, phases, SLO and goodput window as `surge`."""
+    workload = mixed(args.seed)
+    shape = RateShape(((0.0, 2.0), (args.high, 0.5), (args.high + args.low, 0.0)))
+    s = sim_settings(args, admission, rate=cap / turns_per_session(workload), rate_shape=shape)
+    for item in changes:
+        name, value = item.split("=", 1)
+        s = s.changed(name, json.loads(value))
+    res = Simulation(s, workload, strategy).run()
+    window = [x for x in res.records if 5.0 <= x.arrival < args.high]
+    ttft = [x.first_token - x.arrival for x in window if x.first_token is not None]
+    return {"goodput_rps": round(sum(t <= args.slo for t in ttft) / (args.high - 5.0), 1),
+            "refused_429": sum(5.0 <= t < args.high for t in res.rejected_at), "hit_rate": round(res.hit_rate, 4),
+            "ttft_p50_ms": to_ms(percentile(ttft, 50), 0), "ttft_p99_ms": to_ms(percentile(ttft, 99), 0)}
+
+
 def sim_capacity(args: argparse.Namespace) -> float:
     """Requests/s the simulated fleet serves to --capacity-clients closed-loop clients of the mixed workload."""
     if args.capacity:
@@ -453,7 +475,7 @@ def sim_runner(args: argparse.Namespace, admission: bool, cap: float, caps: dict
 # -- main -------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", choices=("closed", "surge", "tenants", "sim-tenants"))
+    p.add_argument("scenario", choices=("closed", "surge", "tenants", "sim-tenants", "sim-surge"))
     p.add_argument("--contenders", nargs="+", default=["flow", "no-flow", "smg"], choices=sorted(CONTENDERS))
     p.add_argument("--clients", nargs="+", type=int, default=[16, 128])
     p.add_argument("--instances", type=int, default=4, help="emulated engines (direct: 1)")
@@ -462,7 +484,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--capacity", type=float, help="requests/s the fleet serves (default: measured first)")
     p.add_argument("--capacity-clients", type=int, default=128, help="closed-loop clients measuring capacity")
-    p.add_argument("--threshold", type=int, help="warmroute's --concurrency-threshold (default: its default, 32)")
+    p.add_argument("--threshold", type=int, help="warmroute's --concurrency-threshold (default: its default)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
+                   help="sim-surge: a SimSettings field or strategy setting for the flow contenders (repeatable)")
     p.add_argument("--high", type=float, default=60.0, help="surge: seconds at 2x capacity")
     p.add_argument("--low", type=float, default=60.0, help="surge: seconds at 0.5x capacity after")
     p.add_argument("--slo", type=float, default=2.0,
@@ -513,6 +537,14 @@ async def main(argv: list[str]) -> int:
         if "no-flow" in args.contenders:
             runners["no-flow"] = sim_runner(args, False, cap, {})
         await tenant_runs(args, runners, results)
+    elif args.scenario == "sim-surge":
+        results["capacity_rps"] = cap = sim_capacity(args)
+        runs = [("flow", "cache_aware", True, args.set), ("sglang_like", "sglang_like", False, [])]
+        if "no-flow" in args.contenders:
+            runs.insert(1, ("no-flow", "cache_aware", False, args.set))
+        for label, strategy, admission, changes in runs:
+            results[label] = r = sim_surge(args, strategy, admission, cap, changes)
+            print(label, json.dumps(r), flush=True)
     elif args.scenario == "closed":
         for c in contenders:
             for n in args.clients:
