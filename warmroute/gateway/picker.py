@@ -247,8 +247,7 @@ class Exchange:
         body = b"".join(self.chunks)
         try:
             key, decision = self._route(body, await router.key_off_loop(self.path, body, self.session))
-            tenant = picker.tenancy.tenant_of(self.headers, key)
-            self.life.keyed(key, tenant, picker.tenancy.priority_of(self.headers, tenant, key))
+            self.life.keyed(key, *picker.tenancy.who(self.headers, key))
             # no room at its instance: it waits in the router's queue as serve's requests do (429 past it); not with
             # a subset, which the queue does not know
             queue = self.subset is None and self.path != "/v1/models"

@@ -94,9 +94,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     parsed = await router.tokenize_ahead(request.path, body) if key is None and router.tokenizer is not None else None
     life = router.open()
     key, decision = router.route(request.path, body, session, key, parsed)
-    tenancy = app[TENANCY]
-    tenant = tenancy.tenant_of(request.headers, key)
-    life.keyed(key, tenant, tenancy.priority_of(request.headers, tenant, key))
+    life.keyed(key, *app[TENANCY].who(request.headers, key))
     decision, waited = await router.admit(life, decision, len(body))  # no room at its instance: it waits here
     if waited:
         request[access.WAITED] = waited

@@ -66,6 +66,11 @@ class Tenancy:
         self._salt = salt.get_secret_value().encode() if salt is not None else _SALT
         self._keys = dict(settings.api_keys)  # sha256 hex of a key -> its tenant
 
+    def who(self, headers: CIMultiDictProxy[str], key: RoutingKey | None) -> tuple[str, int]:
+        """A request's tenant and priority, as serve and the gateway's picker both name them."""
+        tenant = self.tenant_of(headers, key)
+        return tenant, self.priority_of(headers, tenant, key)
+
     def tenant_of(self, headers: CIMultiDictProxy[str], key: RoutingKey | None) -> str:
         """The first of tenant_from found (header and user only from a trusted hop); `anonymous` when none is."""
         s = self.settings
