@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from warmroute.core.disaggregation import takes
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.popularity import Popularity
 from warmroute.core.routing_key import RoutingKey
@@ -122,6 +123,7 @@ class Waiter:
     depths: dict[str, int] = field(default_factory=dict)
     blocks: Sequence[int] = ()  # its prompt's chain (the strategy's)
     model: str | None = None
+    pool: str = ""  # in a disaggregated fleet, the role of the instance its first leg needs (disaggregation.takes)
     instance: str | None = None  # assigned by pump: where it goes (a slot is reserved there until `dispatched`)
     assigned_tokens: int = 0  # its uncached prompt tokens at `instance`, counted in the prefill budget until dispatched
     shed: str | None = None  # set when refused: one of SHED_REASONS
@@ -350,7 +352,7 @@ class Admission:
 
     # -- arrival -------------------------------------------------------------------------------------------
     def waiter_for(self, decision: Decision, now: float, priority: int = 0, tenant: str = "",
-                   size_bytes: int = 0, model: str | None = None) -> Waiter | None:
+                   size_bytes: int = 0, model: str | None = None, pool: str = "") -> Waiter | None:
         """None when `decision` may go now (its instance has room); else the Waiter to `offer`."""
         s = self.settings
         if s.enabled and s.prefill_budget > 0:  # each tenant's share of the requests arriving lately (`under_share`)
@@ -370,7 +372,8 @@ class Admission:
                         enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens,
                         uncached_tokens=decision.uncached_tokens, prompt_tokens=decision.prompt_tokens, why=why,
                         pin=decision.instance if decision.blocks else None, first=decision.instance, keep_until=now,
-                        strict_until=now + s.patience_s, depths=depths, blocks=decision.blocks, model=model)
+                        strict_until=now + s.patience_s, depths=depths, blocks=decision.blocks, model=model,
+                        pool=pool)
         if why == KV and decision.private:
             waiter.keep_until = now + min(s.patience_s, s.hold_keep * self.fleet.mean_ttft_s)
         return waiter
@@ -666,7 +669,8 @@ class Admission:
             if w.model not in serving_cache:
                 serving = self.fleet.serving(w.model) if w.model is not None else None
                 serving_cache[w.model] = serving is None or inst.name in serving
-            if not serving_cache[w.model] or not self._fits(inst, w.kv_tokens, now < w.strict_until, 0, w.tenant):
+            if not serving_cache[w.model] or not takes(inst, w.pool) or \
+                    not self._fits(inst, w.kv_tokens, now < w.strict_until, 0, w.tenant):
                 continue
             local = w.pin is None or w.pin == inst.name or self._may_leave(w, inst.name, free, now)
             by_priority.setdefault(w.priority, ([], []))[0 if local else 1].append(w)

@@ -47,6 +47,9 @@ class Instance:
     # Requests the engine runs before it queues them (stated, or learned from its scrapes): the admission queue's
     # room; unknown, the router never holds a request back for it.
     capacity: EngineCapacity = field(default_factory=EngineCapacity)
+    # Its part in disaggregated serving (core/disaggregation.py): "prefill", "decode", or "both" (the usual: it
+    # serves whole requests, and either leg of a split one).
+    role: str = "both"
 
     @property
     def load(self) -> float:
@@ -120,8 +123,10 @@ class Fleet:
 
     # -- membership -------------------------------------------------------------------------------------
     def add(self, name: str, kv_capacity_tokens: int | None = None,
-            prefill_tokens_per_s: float | None = None, engine_capacity: int | None = None) -> Instance:
-        """Adds (or updates) an instance; `engine_capacity`: the requests it runs at once, if the operator said."""
+            prefill_tokens_per_s: float | None = None, engine_capacity: int | None = None,
+            role: str | None = None) -> Instance:
+        """Adds (or updates) an instance; `engine_capacity`: the requests it runs at once, if the operator said;
+        `role`: its part in disaggregated serving (None: unchanged, "both" for a new one)."""
         s = self.settings
         inst = self.instances.get(name)
         if inst is None:
@@ -132,6 +137,8 @@ class Fleet:
             inst.kv_capacity_tokens = kv_capacity_tokens
         if engine_capacity is not None:
             inst.capacity.stated = engine_capacity
+        if role is not None:
+            inst.role = role
         self.index.add_instance(name, self.estimated_capacity_tokens(name) // self.block_tokens)
         self._serving.clear()
         return inst
@@ -141,6 +148,11 @@ class Fleet:
         self.ramps.pop(name, None)
         self.index.remove_instance(name)
         self._serving.clear()
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether any instance has a part of its own in disaggregated serving (prefill or decode only)."""
+        return any(i.role != "both" for i in self.instances.values())
 
     def routable(self, model: str | None = None) -> list[Instance]:
         """Healthy, not draining, and (for a request naming a model) among the instances that may serve it."""

@@ -3,7 +3,8 @@
 received -> keyed -> admitted (or waiting -> admitted) -> dispatched -> first_token -> finished, with refused and
 cancelled as the other ends; a failure before the first token may go back to admitted (a retry elsewhere). Each
 `Leg` is the request's stay at one instance: it opens the fleet's and the admission's books when sent and closes
-each exactly once, whichever way the request ends. An event the current state does not allow raises
+each exactly once, whichever way the request ends. A disaggregated request has two legs (core/disaggregation.py):
+a prefill leg handed over to a decode leg (`handover`), or both sent at once (`alongside`). An event the current state does not allow raises
 `OutOfOrder` and changes nothing. Pure: no I/O and no clock of its own (the shell passes one); the shell's side
 effects (metrics, other replicas, waking the queue) hang on `Hooks`.
 """
@@ -62,13 +63,15 @@ NO_HOOKS = Hooks()
 class Leg:
     """The request's stay at one instance, from being sent there to its end there."""
 
-    __slots__ = ("decision", "instance", "uncached_tokens", "kv_tokens", "blocks", "queued_ahead", "prefill_ahead",
-                 "sent_at", "got_first", "done", "recorded", "fed_back")
+    __slots__ = ("decision", "instance", "role", "uncached_tokens", "kv_tokens", "blocks", "queued_ahead",
+                 "prefill_ahead", "sent_at", "got_first", "done", "recorded", "fed_back")
 
-    def __init__(self, decision: Decision, blocks: Sequence[int] | None, sent_at: float) -> None:
+    def __init__(self, decision: Decision, blocks: Sequence[int] | None, sent_at: float, role: str = "") -> None:
         self.decision = decision
         self.instance = decision.instance
-        self.uncached_tokens = decision.uncached_tokens
+        self.role = role  # "prefill" or "decode" for a leg of a disaggregated request; "" for a whole one
+        # the prompt it computes there: none on a decode leg, whose KV cache comes from its prefill leg
+        self.uncached_tokens = 0 if role == "decode" else decision.uncached_tokens
         self.kv_tokens = decision.kv_tokens  # the KV cache it needs there
         self.blocks = blocks  # its chain, where the strategy keeps a prefix index
         self.queued_ahead = 0  # requests sent there before it still waiting for their first token
@@ -100,8 +103,12 @@ class Lifecycle:
 
     @property
     def leg(self) -> Leg | None:
-        """The latest leg (the open one while dispatched)."""
+        """The latest leg (the one that answers while dispatched)."""
         return self.legs[-1] if self.legs else None
+
+    def leg_at(self, role: str) -> Leg | None:
+        """The latest leg of `role` ("prefill", "decode")."""
+        return next((leg for leg in reversed(self.legs) if leg.role == role), None)
 
     def _expect(self, event: str, *states: State) -> None:
         if self.state not in states:
@@ -113,14 +120,15 @@ class Lifecycle:
         self._expect("keyed", State.RECEIVED)
         self.key, self.tenant, self.priority, self.state = key, tenant, priority, State.KEYED
 
-    def admit(self, decision: Decision, now: float, size_bytes: int = 0, queue: bool = True) -> list[Waiter]:
+    def admit(self, decision: Decision, now: float, size_bytes: int = 0, queue: bool = True,
+              pool: str = "") -> list[Waiter]:
         """Admitted at once where `decision`'s instance has room (or `queue` is off); else waiting in the queue
         (`waiter`, whose payload is this lifecycle). Returns the waiters it pushed out of the queue (their own
         lifecycles are to be `shed`); raises QueueFull, refused, when there is no place for it."""
         self._expect("admitted", State.KEYED)
         adm = self.admission
         waiter = adm.waiter_for(decision, now, self.priority, self.tenant, size_bytes,
-                                self.key.model if self.key is not None else None) if queue else None
+                                self.key.model if self.key is not None else None, pool) if queue else None
         if waiter is None:
             self.state = State.ADMITTED
             return []
@@ -154,12 +162,19 @@ class Lifecycle:
         self.state = State.REFUSED
 
     # -- at an instance ------------------------------------------------------------------------------------
-    def dispatch(self, decision: Decision, record: bool = True) -> Leg:
+    def dispatch(self, decision: Decision, record: bool = True, role: str = "", alongside: bool = False) -> Leg:
         """Sent to `decision`'s instance: a leg opens its books there. Its chain goes into the index now, or
-        (`record` off) when the shell calls `record`, once the request is on its way."""
-        self._expect("dispatched", State.ADMITTED)
+        (`record` off) when the shell calls `record`, once the request is on its way. `role`: the leg's part in a
+        disaggregated request; `alongside`: a second leg sent while the first is still open (the decode leg of a
+        request whose legs go at once), which then answers."""
+        if alongside:
+            self._expect("dispatched alongside", State.DISPATCHED)
+            if len(self.open_legs()) != 1:
+                raise OutOfOrder("request dispatched alongside with no single open leg")
+        else:
+            self._expect("dispatched", State.ADMITTED)
         fleet = self.fleet
-        leg = Leg(decision, decision.blocks if self.records_prefixes else None, self.clock())
+        leg = Leg(decision, decision.blocks if self.records_prefixes else None, self.clock(), role)
         inst = fleet.instances.get(leg.instance)
         leg.prefill_ahead = leg.uncached_tokens + (inst.queued_prefill_tokens if inst is not None else 0.0)
         leg.queued_ahead = fleet.dispatched(leg.instance, leg.uncached_tokens, prompt_tokens=leg.kv_tokens)
@@ -184,13 +199,16 @@ class Lifecycle:
         """Its first token came: its prefill no longer queues ahead of others there."""
         self._expect("first token", State.DISPATCHED)
         leg = self.legs[-1]
+        self.state = State.FIRST_TOKEN
+        self._first(leg)
+        return leg
+
+    def _first(self, leg: Leg) -> None:
         leg.got_first = True
         seconds = self.clock() - leg.sent_at
         self.fleet.first_token(leg.instance, leg.uncached_tokens, seconds)
         self.admission.first_token(self.tenant, leg.instance, leg.uncached_tokens)
-        self.state = State.FIRST_TOKEN
         self.hooks.first_token(self, leg, seconds)
-        return leg
 
     def feedback(self, cached_tokens: int, engine_prompt_tokens: int | None = None,
                  prompt_tokens: int | None = None) -> Verdict | None:
@@ -206,12 +224,36 @@ class Lifecycle:
         return self.fleet.feedback(leg.instance, leg.blocks, leg.decision.matched_tokens, cached_tokens,
                                    engine_prompt_tokens, prompt_tokens, leg.queued_ahead)
 
+    def open_legs(self) -> list[Leg]:
+        return [leg for leg in self.legs if not leg.done]
+
     def retry(self) -> Leg:
-        """It failed at its instance before a first token: that leg closes, and it may be sent again."""
+        """It failed at its instance before a first token: its open legs close, and it may be sent again."""
         self._expect("retry", State.DISPATCHED)
-        leg = self._close_leg()
+        for leg in self.open_legs()[:-1]:
+            self._close_leg(leg)
+        leg = self._close_leg(self.legs[-1])
         self.state = State.ADMITTED
         return leg
+
+    def handover(self) -> Leg:
+        """Its prefill leg answered: that leg closes (its prefix stays cached there), and the decode leg may go."""
+        self._expect("handed over", State.FIRST_TOKEN)
+        leg = self.legs[-1]
+        if leg.role != "prefill":
+            raise OutOfOrder("request handed over from a leg that is not a prefill leg")
+        self._close_leg(leg)
+        self.state = State.ADMITTED
+        return leg
+
+    def leg_finished(self, leg: Leg, answered: bool) -> None:
+        """A leg that does not answer the client (the prefill leg sent alongside) ended, `answered` by its engine
+        or not; the request goes on."""
+        if leg.done or leg is self.legs[-1]:
+            raise OutOfOrder("request leg finished twice, or the answering leg finished alone")
+        if answered:
+            self._first(leg)
+        self._close_leg(leg)
 
     def finish(self) -> None:
         """Done: answered, failed, or given up after a retry found nowhere to go."""
@@ -232,13 +274,13 @@ class Lifecycle:
 
     def _end(self, state: State) -> None:
         if self.state in (State.DISPATCHED, State.FIRST_TOKEN):
-            self._close_leg()
+            for leg in self.open_legs():
+                self._close_leg(leg)
         elif self.state in (State.WAITING, State.ADMITTED) and self.waiter is not None:
             self.admission.cancel(self.waiter)  # out of the queue, or a slot it was given and never used back
         self.state = state
 
-    def _close_leg(self) -> Leg:
-        leg = self.legs[-1]
+    def _close_leg(self, leg: Leg) -> Leg:
         leg.done = True
         seconds = self.clock() - leg.sent_at
         self.fleet.finished(leg.instance, leg.uncached_tokens, leg.got_first, leg.blocks, leg.kv_tokens, seconds)

@@ -27,7 +27,7 @@ from warmroute.core.decision import (AFFINITY, APPROXIMATE, CACHE_HIT, COLD, HOT
                                      OVERLOAD_SPILL, PRECISE, REASONS, UNHEALTHY_FALLBACK, Decision, ModelNotServed,
                                      NoInstanceAvailable)
 from warmroute.core.exact_index import ExactIndex
-from warmroute.core.fleet import Fleet
+from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.pipeline import Facts, Filter, Picker, Pipeline, Request, Scorer, Stage
 from warmroute.core.popularity import Popularity
 from warmroute.core.routing_key import RoutingKey
@@ -197,8 +197,11 @@ class Strategy:
         self.pipeline = pipeline
         self.records_prefixes = records_prefixes  # whether its choices feed the prefix index
 
-    def choose(self, key: RoutingKey, fleet: Fleet) -> Decision:
-        req = Request(key, fleet, routable(fleet, key.model))
+    def choose(self, key: RoutingKey, fleet: Fleet, candidates: list[Instance] | None = None) -> Decision:
+        """The choice among `candidates` (routable instances; None: all the routable ones serving the key's model)."""
+        if candidates is not None and not candidates:
+            raise NoInstanceAvailable("no healthy instance")
+        req = Request(key, fleet, routable(fleet, key.model) if candidates is None else candidates)
         inst, reason = self.pipeline.run(req)
         return self.decision(req, inst.name, reason)
 

@@ -31,6 +31,7 @@ DECISION = RequestKey("warmroute_decision", Decision)
 ATTEMPTS = RequestKey("warmroute_attempts", int)
 STARTED = RequestKey("warmroute_started", float)
 FIRST_BYTE = RequestKey("warmroute_first_byte", float)
+PREFILL = RequestKey("warmroute_prefill", str)  # where a split request's prefill leg went (router/disaggregated.py)
 WAITED = RequestKey("warmroute_waited", float)  # seconds it waited in the router's queue (Router.admit), if it did
 
 

@@ -95,11 +95,18 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     life = router.open()
     key, decision = router.route(request.path, body, session, key, parsed)
     life.keyed(key, *app[TENANCY].who(request.headers, key))
-    decision, waited = await router.admit(life, decision, len(body))  # no room at its instance: it waits here
+    if router.fleet.disaggregated:  # a prefill and a decode leg, or whole to a decode instance
+        plan = router.split(request.path, key, decision)
+        first, waited = await router.admit(life, plan.first, len(body), pool=plan.pool)
+        plan = router.replan(key, plan, first)
+        decision = plan.decode
+    else:
+        plan = None
+        decision, waited = await router.admit(life, decision, len(body))  # no room at its instance: it waits here
     if waited:
         request[access.WAITED] = waited
     app[ACTIVITY].note(key, decision)
-    return await app[PROXY].forward(request, body, life, decision)
+    return await app[PROXY].forward(request, body, life, decision, plan)
 
 
 def _check_content_headers(request: web.Request) -> None:

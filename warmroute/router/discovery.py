@@ -113,11 +113,12 @@ class FleetMembers:
         return own if own is not None else self.engine_capacity
 
     def added(self, member: Member) -> None:
-        self.fleet.add(member.name, member.backend.kv_capacity_tokens,
-                       engine_capacity=self._capacity(member)).healthy = False
+        self.fleet.add(member.name, member.backend.kv_capacity_tokens, engine_capacity=self._capacity(member),
+                       role=member.backend.role).healthy = False
 
     def changed(self, member: Member) -> None:
-        self.fleet.add(member.name, member.backend.kv_capacity_tokens or None, engine_capacity=self._capacity(member))
+        self.fleet.add(member.name, member.backend.kv_capacity_tokens or None, engine_capacity=self._capacity(member),
+                       role=member.backend.role)
 
     def removed(self, name: str) -> None:
         self.fleet.remove(name)

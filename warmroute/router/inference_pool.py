@@ -56,7 +56,16 @@ def _ready(pod: dict[str, Any]) -> bool:
 
 def instances_of_pods(pods: dict[str, dict], ports: tuple[int, ...]) -> list[Backend]:
     """One Backend per ready pod and target port."""
-    return [Backend(name=label, url=url) for label, url, _ in _pod_instances(pods, ports)]
+    return [Backend(name=label, url=url, role=role_of(pods[pod])) for label, url, pod in _pod_instances(pods, ports)]
+
+
+ROLE_LABEL = "llm-d.ai/role"  # llm-d's pod label for disaggregated serving: prefill, decode or both
+
+
+def role_of(pod: dict[str, Any]) -> str:
+    """The pod's part in disaggregated serving, from its ROLE_LABEL (absent or unknown: both)."""
+    role = (pod.get("metadata", {}).get("labels") or {}).get(ROLE_LABEL, "both")
+    return role if role in ("prefill", "decode", "both") else "both"
 
 
 def _pod_instances(pods: dict[str, dict], ports: tuple[int, ...]) -> Iterator[tuple[str, str, str]]:

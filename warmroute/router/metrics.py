@@ -173,6 +173,16 @@ class Metrics:
                                        "ceil(current x ratio / scale_target), unchanged within scale_tolerance, "
                                        "within min_instances..max_instances (the HPA formula)", ["model"],
                                        registry=r, multiprocess_mode="livemax")
+        # Disaggregated serving (core/disaggregation.py): what was split and why, each leg's outcome per pool.
+        self.pd_decisions = Counter("warmroute_pd_decisions", "Requests in a disaggregated fleet: split into a "
+                                    "prefill and a decode leg, or sent whole to a decode instance, and why (split, "
+                                    "short_prompt, cached_at_decode, no_prefill_instance, not_splittable)", ["why"],
+                                    registry=r)
+        self.pd_legs = Counter("warmroute_pd_legs", "Legs of split requests by pool (prefill, decode) and outcome (ok; "
+                               "failed: retried or sent whole elsewhere)", ["pool", "outcome"], registry=r)
+        self.pd_transfer_tokens = Counter("warmroute_pd_transfer_tokens", "Prompt tokens of split requests that their "
+                                          "decode instance was predicted not to hold: moved from the prefill "
+                                          "instance's KV cache", registry=r)
 
         self._strategy = strategy
         self._desired_of: Callable[[str, float], int | None] | None = None  # set_demand's
@@ -316,6 +326,14 @@ class Metrics:
 
     def upstream_error(self, instance: str, kind: str) -> None:
         self.upstream_errors.labels(instance, kind).inc()
+
+    def pd_decided(self, why: str) -> None:
+        self.pd_decisions.labels(why).inc()
+
+    def pd_leg(self, pool: str, outcome: str, transfer_tokens: int = 0) -> None:
+        self.pd_legs.labels(pool, outcome).inc()
+        if transfer_tokens:
+            self.pd_transfer_tokens.inc(transfer_tokens)
 
     def retried(self, instance: str, kind: str) -> None:
         self.retries.labels(instance, kind).inc()

@@ -16,17 +16,24 @@ from collections.abc import Callable
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from warmroute.core.lifecycle import Lifecycle, State
+from urllib.parse import urlsplit
+
+import msgspec
+
+from warmroute.core.disaggregation import DECODE, PREFILL, Plan
+from warmroute.core.lifecycle import Leg, Lifecycle, State
 from warmroute.core.strategies import Decision, NoInstanceAvailable
 from warmroute.router import access_log as access
 from warmroute.router.errors import ApiError
 from warmroute.router.connections import Upstreams
+from warmroute.router.disaggregated import (MAX_PREFILL_ANSWER, bootstrap_fields, prefill_body, transfer_params,
+                                            with_fields)
 from warmroute.router.health import Health
-from warmroute.router.members import Addresses
+from warmroute.router.members import Addresses, Member
 from warmroute.router.routing import Router, is_routed
 from warmroute.router.settings import RouterSettings
 from warmroute.router.upstream import ConnectError, UpstreamError, UpstreamResponse
-from warmroute.router.usage import UsageTap
+from warmroute.router.usage import UsageTap, parse_usage
 
 log = logging.getLogger("warmroute.router")
 
@@ -35,8 +42,9 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "
                         "proxy-connection", "proxy-authenticate", "proxy-authorization"})
 # Content-Encoding: aiohttp decompressed the body as it read it (app.py), so it goes up as plain bytes.
 _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
+PREFILL_INSTANCE = "x-warmroute-prefill-instance"  # where a split request's prefill leg went
 _NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "x-warmroute-instance", "x-warmroute-reason",
-                                    "x-warmroute-predicted-hit"}
+                                    "x-warmroute-predicted-hit", PREFILL_INSTANCE}
 CLIENT_CLOSED = 499  # status label of a request whose client went away (nginx's convention)
 
 
@@ -114,18 +122,135 @@ class Proxy(Addresses):
         self.upstreams = upstreams
         self.settings = settings
         self._forwarding: set[asyncio.Task] = set()
+        self.bootstrap_ports: dict[str, int | None] = {}  # SGLang's, per instance (its backend's bootstrap_port)
 
-    async def forward(self, request: web.Request, body: bytes, life: Lifecycle,
-                      decision: Decision) -> web.StreamResponse:
-        """Forward one request and relay its answer (see `_forward`), tracked until it is done."""
+    def added(self, member: Member) -> None:
+        super().added(member)
+        self.bootstrap_ports[member.name] = member.backend.bootstrap_port
+
+    def changed(self, member: Member) -> None:
+        super().changed(member)
+        self.bootstrap_ports[member.name] = member.backend.bootstrap_port
+
+    def removed(self, name: str) -> None:
+        super().removed(name)
+        self.bootstrap_ports.pop(name, None)
+
+    async def forward(self, request: web.Request, body: bytes, life: Lifecycle, decision: Decision,
+                      plan: Plan | None = None) -> web.StreamResponse:
+        """Forward one request and relay its answer (see `_forward`; a split request: `_forward_split`), tracked
+        until it is done."""
         task = asyncio.current_task()
         assert task is not None
         self._forwarding.add(task)  # so a shutdown deadline can cut what is still running
         try:
+            if plan is not None:
+                plan.decode.note = "; ".join(filter(None, (plan.decode.note, f"pd={plan.why}")))
+            if plan is not None and plan.prefill is not None:
+                return await self._forward_split(request, body, life, plan)
             return await self._forward(request, body, life, decision)
         finally:
             self._forwarding.discard(task)
             life.close()
+
+    # -- a split request (core/disaggregation.py, router/disaggregated.py) ---------------------------------------
+    async def _forward_split(self, request: web.Request, body: bytes, life: Lifecycle,
+                             plan: Plan) -> web.StreamResponse:
+        """The prefill leg, then the decode leg with what it returned (or both at once, SGLang's bootstrap); a
+        prefill leg that fails is tried once more at another prefill instance, then the request goes whole to its
+        decode instance."""
+        assert plan.prefill is not None
+        parsed = msgspec.json.decode(body)  # it parsed when keyed
+        transfer = self.settings.pd_transfer
+        if transfer == "bootstrap":
+            return await self._forward_bootstrap(request, body, parsed, life, plan)
+        prefilled, params = await self._prefill(request, prefill_body(parsed, transfer), life, plan)
+        if not prefilled:
+            return await self._forward(request, body, life, plan.decode)
+        request[access.PREFILL] = life.leg_at(PREFILL).instance  # type: ignore[union-attr]
+        nixl = params is not None and transfer == "nixl"  # a storage connector's engines find the KV themselves
+        leg_body = with_fields(parsed, {"kv_transfer_params": params}) if nixl else body
+        return await self._forward(request, body, life, plan.decode, leg_body, DECODE)
+
+    async def _prefill(self, request: web.Request, leg_body: bytes, life: Lifecycle,
+                       plan: Plan) -> tuple[bool, dict | None]:
+        """Runs the prefill leg (at most two instances); (whether one answered, its transfer parameters)."""
+        decision = plan.prefill
+        assert decision is not None and life.key is not None
+        for _ in (0, 1):
+            self.router.dispatch(life, decision, defer_record=True, role=PREFILL)
+            answer = await self._side_answer(request, leg_body, decision)
+            if answer is not None:
+                life.first_token()
+                usage = parse_usage(answer.decode("utf-8", "replace"))
+                if usage is not None:
+                    self.router.engine_usage(life, usage)
+                life.handover()
+                self.router.metrics.pd_leg(PREFILL, "ok")
+                return True, transfer_params(answer)
+            life.retry()
+            self.router.metrics.pd_leg(PREFILL, "failed")
+            try:
+                decision = self.router.prefill_instead(life.key, decision.instance, plan.decode.instance)
+            except NoInstanceAvailable:
+                break
+        return False, None
+
+    async def _side_answer(self, request: web.Request, leg_body: bytes, decision: Decision) -> bytes | None:
+        """A leg whose answer the client never sees, read whole: its body, or None if it failed (not 200, no
+        answer in time, too long); the failure is counted against the instance as any other."""
+        name = decision.instance
+        try:
+            upstream, chunk = await self._open(request, leg_body, name)
+        except _ConnectFailed as exc:
+            self.router.metrics.upstream_error(name, "connect")
+            self.health.connection_failed(name, str(exc), exc.error.timed_out)
+            self.router.unrecord(decision)
+            return None
+        except _NoAnswer:
+            return None
+        complete = False
+        try:
+            self._note_status(name, upstream.status)
+            chunks, size = [chunk], len(chunk)
+            while chunk and size <= MAX_PREFILL_ANSWER:
+                chunk = await upstream.read_chunk(idle_timeout=self.settings.idle_timeout)
+                chunks.append(chunk)
+                size += len(chunk)
+            complete = not chunk
+            self.router.metrics.answered(name, upstream.status if complete else 502)
+            return b"".join(chunks) if complete and upstream.status == 200 else None
+        except (TimeoutError, UpstreamError, OSError):
+            self.router.metrics.upstream_error(name, "disconnect")
+            return None
+        finally:
+            if complete:
+                upstream.release()
+            else:
+                upstream.close()
+
+    async def _forward_bootstrap(self, request: web.Request, body: bytes, parsed: dict, life: Lifecycle,
+                                 plan: Plan) -> web.StreamResponse:
+        """SGLang's split: the two legs at once, paired by a bootstrap room; the decode leg answers."""
+        prefill = plan.prefill
+        assert prefill is not None
+        host = urlsplit(self.urls[prefill.instance]).hostname or ""
+        fields = bootstrap_fields(host, self.bootstrap_ports.get(prefill.instance))
+        leg = self.router.dispatch(life, prefill, defer_record=True, role=PREFILL)
+        side = asyncio.create_task(self._bootstrap_prefill(request, with_fields(parsed, fields), life, leg))
+        request[access.PREFILL] = prefill.instance
+        try:
+            return await self._forward(request, body, life, plan.decode, with_fields(parsed, fields), DECODE,
+                                       alongside=True)
+        finally:
+            if not side.done():
+                side.cancel()
+
+    async def _bootstrap_prefill(self, request: web.Request, leg_body: bytes, life: Lifecycle, leg: Leg) -> None:
+        answer = await self._side_answer(request, leg_body, leg.decision)
+        if not leg.done:  # else closed with the request, or with the decode leg it was sent with
+            life.leg_finished(leg, answered=answer is not None)
+        self.router.metrics.pd_leg(PREFILL, "ok" if answer is not None else "failed")
 
     def cancel_forwarding(self) -> int:
         """Cancel every request still being forwarded (the shutdown deadline); returns how many."""
@@ -134,19 +259,24 @@ class Proxy(Addresses):
             task.cancel()
         return len(tasks)
 
-    async def _forward(self, request: web.Request, body: bytes, life: Lifecycle,
-                       decision: Decision) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, body: bytes, life: Lifecycle, decision: Decision,
+                       leg_body: bytes | None = None, role: str = "", alongside: bool = False) -> web.StreamResponse:
         """Send to the decision's instance; if it fails before any byte reached the client, once more to the next
         choice (never the same instance twice in a row) as the `retry` setting allows: connect (no connection
         could be opened), no_answer (also: no first byte within first_byte_timeout, or the connection dropped
-        before answering; that connection is closed before the retry, so the engine aborts the request), off."""
+        before answering; that connection is closed before the retry, so the engine aborts the request), off.
+        A split request's decode leg (`leg_body`, `role`, `alongside`: sent with its prefill leg) that fails so
+        is sent once more as the whole request (`body`)."""
         policy = self.settings.retry
         for attempt in (0, 1):
             last = attempt == 1 or policy == "off"
             request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
-            self.router.dispatch(life, decision, defer_record=True)
+            self.router.dispatch(life, decision, defer_record=True, role=role, alongside=alongside)
             try:
-                return await self._exchange(request, body, life)
+                response = await self._exchange(request, body if leg_body is None else leg_body, life)
+                if role:
+                    self.router.metrics.pd_leg(role, "ok", decision.uncached_tokens)
+                return response
             except _ConnectFailed as exc:
                 self.router.metrics.upstream_error(decision.instance, "connect")
                 self.health.connection_failed(decision.instance, str(exc), exc.error.timed_out)
@@ -165,9 +295,13 @@ class Proxy(Addresses):
             finally:
                 if life.state is State.DISPATCHED:
                     life.retry()  # no first byte: its books there close, and another instance may take it
+                    if role:
+                        self.router.metrics.pd_leg(role, "failed")
                 else:
                     life.finish()
             failed = decision.instance
+            leg_body, role, alongside = None, "", False  # tried again whole
+            request.pop(access.PREFILL, None)
             try:
                 decision = self.router.decide(life.key, avoid=failed)
             except NoInstanceAvailable:
@@ -187,7 +321,7 @@ class Proxy(Addresses):
             life.first_token()
             request[access.FIRST_BYTE] = time.perf_counter()
             self._note_status(name, upstream.status)
-            resp = self._response_for(upstream, decision, request.get(access.WAITED))
+            resp = self._response_for(upstream, decision, request.get(access.WAITED), request.get(access.PREFILL))
             await resp.prepare(request)
             readable = upstream.status == 200 and "Content-Encoding" not in upstream.headers
             tap = UsageTap() if readable and is_routed(request.path) else None
@@ -246,8 +380,8 @@ class Proxy(Addresses):
         if upstream is not None:
             upstream.close()
 
-    def _response_for(self, upstream: UpstreamResponse, decision: Decision,
-                      waited: float | None = None) -> web.StreamResponse:
+    def _response_for(self, upstream: UpstreamResponse, decision: Decision, waited: float | None = None,
+                      prefill: str | None = None) -> web.StreamResponse:
         resp = _Relayed(status=upstream.status, reason=upstream.reason,
                                   headers=_filter(upstream.headers, _NOT_FORWARDED_DOWN))
         if upstream.content_length is not None:
@@ -263,6 +397,8 @@ class Proxy(Addresses):
             resp.headers["x-warmroute-reason"] = reason
             # what the router expects the engine to report cached, so a client can measure its prediction
             resp.headers["x-warmroute-predicted-hit"] = f"{decision.matched_ratio:.4f}"
+            if prefill is not None:  # a split request's prefill leg went there
+                resp.headers[PREFILL_INSTANCE] = prefill
         return resp
 
     async def _relay(self, request: web.Request, resp: web.StreamResponse, upstream: UpstreamResponse,

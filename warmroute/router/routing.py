@@ -22,6 +22,7 @@ from warmroute.core.lifecycle import Hooks, Leg, Lifecycle
 from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
                                         key_for_json, key_for_raw)
 from warmroute.core.decision import TOKENIZE_FAILED
+from warmroute.core.disaggregation import DECODE, NOT_SPLITTABLE, PREFILL, Plan, decode_after, plan_for_decode, pool_of
 from warmroute.core.stages import Handles
 from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy
 from warmroute.router.autoscaling import FleetSignals
@@ -69,7 +70,7 @@ class Router:
                                          default_kv_capacity_tokens=settings.kv_capacity_tokens,
                                          feedback=settings.engine_feedback))
         for b in settings.backends:
-            self.fleet.add(b.name, b.kv_capacity_tokens, engine_capacity=settings.engine_capacity_of(b))
+            self.fleet.add(b.name, b.kv_capacity_tokens, engine_capacity=settings.engine_capacity_of(b), role=b.role)
         wait = (lambda i: self.admission.slot_wait(i)) if settings.admission else None  # (the queue is built below)
         self.strategy = make_strategy(settings.strategy, settings.strategy_settings(), handles=Handles(slot_wait=wait))
         self._any = make_strategy("least_loaded")
@@ -151,12 +152,14 @@ class Router:
                 return self.decide(key)
             finally:
                 inst.healthy = True
+        # in a disaggregated fleet a whole request goes to a decode instance (prefill-only ones take prefill legs)
+        pool = pool_of(self.fleet, DECODE, key.model if key else None) if self.fleet.disaggregated else None
         if key is None:
-            return self._any.choose(_NO_KEY, self.fleet)
+            return self._any.choose(_NO_KEY, self.fleet, pool)
         self.fleet.now = now = time.monotonic()  # the core reads no clock (slow start's ramps)
         if self.exact is not None:
             self.exact.now = now
-        return _noted(key, self.strategy.choose(key, self.fleet))
+        return _noted(key, self.strategy.choose(key, self.fleet, pool))
 
     async def key_off_loop(self, path: str, body: bytes, session: str | None) -> RoutingKey | None:
         """The key of a large body, built in a thread: rendering a long conversation is Python that lets the
@@ -190,6 +193,31 @@ class Router:
         self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
         return key, decision
 
+    # -- disaggregated serving (core/disaggregation.py) ----------------------------------------------------------
+    def split(self, path: str, key: RoutingKey | None, decision: Decision) -> Plan:
+        """In a disaggregated fleet: whether a request whose decode instance is `decision`'s is split, and where its
+        prefill leg goes. Only the OpenAI routes can carry the engines' transfer parameters."""
+        if key is None or path not in TOKENIZED_ROUTES:
+            plan = Plan(decision, None, NOT_SPLITTABLE)
+        else:
+            plan = plan_for_decode(self.strategy, key, self.fleet, self.settings, decision)
+        self.metrics.pd_decided(plan.why)
+        return plan
+
+    def prefill_instead(self, key: RoutingKey, failed: str, decode: str) -> Decision:
+        """Another prefill instance for a request whose prefill leg failed at `failed`."""
+        pool = [i for i in pool_of(self.fleet, PREFILL, key.model, but=decode) if i.name != failed]
+        return self.strategy.choose(key, self.fleet, pool)
+
+    def replan(self, key: RoutingKey | None, plan: Plan, first: Decision) -> Plan:
+        """The plan once admission gave its first leg `first` (the same decision, or another instance's after a
+        wait, when the decode instance is chosen again)."""
+        if not plan.split or key is None:
+            return Plan(first, None, plan.why)
+        if first is plan.prefill:
+            return plan
+        return Plan(decode_after(self.strategy, key, self.fleet, first.instance), first, plan.why)
+
     # -- admission (core/admission.py) ------------------------------------------------------------------------
     def open(self) -> Lifecycle:
         """A new request's lifecycle (core/lifecycle.py), its books kept in this router's fleet and queue."""
@@ -197,7 +225,7 @@ class Router:
                          hooks=self._hooks)
 
     async def admit(self, life: Lifecycle, decision: Decision, size_bytes: int = 0,
-                    queue: bool = True) -> tuple[Decision, float]:
+                    queue: bool = True, pool: str = "") -> tuple[Decision, float]:
         """Send `decision` now if its instance has room (or `queue` is off); else wait in the router's queue until an
         instance takes this request (then decided again for that instance): the queue is pumped whenever a request
         finishes and, while anything waits, every QUEUE_POLL seconds by one timer (deadlines, other workers' requests
@@ -209,7 +237,7 @@ class Router:
         adm = self.admission
         loop = asyncio.get_running_loop()
         try:
-            refused = life.admit(decision, loop.time(), size_bytes, queue and adm.settings.enabled)
+            refused = life.admit(decision, loop.time(), size_bytes, queue and adm.settings.enabled, pool)
         except QueueFull as exc:
             self.metrics.left_queue(life.priority, life.tenant, 0.0, QUEUE_FULL)
             raise _too_busy(str(exc), 1.0) from None
@@ -295,7 +323,8 @@ class Router:
                          max(1.0, self.fleet.mean_ttft_s))
 
     # -- the books -----------------------------------------------------------------------------------------
-    def dispatch(self, life: Lifecycle, decision: Decision, defer_record: bool = False) -> Leg:
+    def dispatch(self, life: Lifecycle, decision: Decision, defer_record: bool = False, role: str = "",
+                 alongside: bool = False) -> Leg:
         """The request is being sent: its books now; its chain into the index now, or (`defer_record`, from a
         running event loop) on the loop's next turn, once the request is on its way to the instance: a long
         prompt's chain is thousands of blocks, time the request need not wait (docs/tuning.md). A request routed in
@@ -306,7 +335,7 @@ class Router:
             blocks = self.exact.instances.get(decision.instance)
             if blocks is not None and blocks.block_size:
                 self.exact.speculate(decision.instance, key.token_blocks(blocks.block_size), time.monotonic())
-        leg = life.dispatch(decision, record=not defer_record)
+        leg = life.dispatch(decision, record=not defer_record, role=role, alongside=alongside)
         if defer_record and leg.blocks:
             asyncio.get_running_loop().call_soon(life.record, leg)
         return leg

@@ -29,6 +29,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 from warmroute.core.admission import AdmissionSettings
 from warmroute.core.kv_events import ZMQ_ENDPOINT
 from warmroute.core.demand import DemandSettings
+from warmroute.core.disaggregation import DisaggregationSettings
 from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, merge_layers, own_setting
 from warmroute.errors import UsageError
 
@@ -57,6 +58,9 @@ class Backend(BaseModel):
     # precise mode (kv_events): its KV-event publisher and replay socket; unset: the URL's host at kv_events_port
     kv_events_endpoint: str | None = Field(None, pattern=ZMQ_ENDPOINT)
     kv_events_replay_endpoint: str | None = Field(None, pattern=ZMQ_ENDPOINT)
+    # disaggregated serving (docs/disaggregation.md): its part, and (SGLang) its KV bootstrap server's port
+    role: Literal["prefill", "decode", "both"] = "both"
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
 
     @field_validator("name")
     @classmethod
@@ -88,6 +92,9 @@ def parse_backends(value: Any) -> list[dict]:
         raise ValueError("must be a list of URL or NAME=URL entries")
     out = []
     for i, item in enumerate(value):
+        role = None
+        if isinstance(item, str) and item.split("@", 1)[0] in ("prefill", "decode", "both"):
+            role, item = item.split("@", 1)  # ROLE@URL or ROLE@NAME=URL
         if isinstance(item, str):
             name, sep, url = item.partition("=")
             item = {"name": name, "url": url} if sep and "://" not in name else {"url": item}
@@ -96,6 +103,8 @@ def parse_backends(value: Any) -> list[dict]:
                              "models")
         if "name" not in item and isinstance(item.get("url"), str):
             item = {"name": name_from_url(item["url"]), **item}
+        if role is not None:
+            item = {**item, "role": role}
         out.append(item)
     return out
 
@@ -139,13 +148,14 @@ def parse_size(value: Any) -> Any:
     return int(float(m.group(1)) * {"B": 1, "K": KiB, "M": MiB, "G": GiB}[unit])
 
 
-class RouterSettings(BaseSettings, StrategySettings, DemandSettings):
+class RouterSettings(BaseSettings, StrategySettings, DemandSettings, DisaggregationSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=False)
 
     backends: Annotated[list[Backend], NoDecode] = Field(default_factory=list)
     """Upstream instances: URL or NAME=URL (a name defaults to the URL's host, port and path: http://10.0.0.5:8000 is
-    10.0.0.5-8000). Repeat the flag; in env, separate with commas; in YAML, a list of URLs or of mappings with name, url
-    and kv_capacity_tokens."""
+    10.0.0.5-8000), either prefixed with ROLE@ for disaggregated serving (prefill@http://10.0.0.5:8000). Repeat the
+    flag; in env, separate with commas; in YAML, a list of URLs or of mappings with name, url, kv_capacity_tokens,
+    engine_capacity, models, role (prefill, decode, both) and bootstrap_port (SGLang's)."""
     backends_file: str | None = None
     """A YAML file listing more backends (the same forms as `backends`, as a list or under a `backends:` key), re-read
     when it changes and on SIGHUP; entries that disappear are drained and removed once idle."""
@@ -735,11 +745,13 @@ def setting_names(model: type[BaseModel] | None = None) -> list[str]:
     if model is StrategySettings:
         return strategy
     demand = list(DemandSettings.model_fields)  # next to the other settings for autoscaling
-    own = [n for n in RouterSettings.model_fields if n not in StrategySettings.model_fields and n not in demand]
+    pd = list(DisaggregationSettings.model_fields)  # right after the strategy's
+    own = [n for n in RouterSettings.model_fields
+           if n not in StrategySettings.model_fields and n not in demand and n not in pd]
     at = own.index("pod_deletion_cost_interval") + 1
     own = own[:at] + demand + own[at:]
     at = own.index("strategy") + 1
-    return own[:at] + strategy + own[at:]
+    return own[:at] + strategy + pd + own[at:]
 
 
 def yaml_key(name: str) -> str:
