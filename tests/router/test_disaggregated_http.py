@@ -225,3 +225,17 @@ async def test_storage_runs_the_same_legs_without_parameters(pd):
     status, _, _ = await post(f.router, LONG)
     (pre,), (dec,) = bodies(f.prefill[0]), bodies(f.decode[0])
     assert status == 200 and "kv_transfer_params" not in pre and pre["max_tokens"] == 1 and dec == LONG
+
+
+async def test_the_dashboard_shows_roles_splits_legs_and_the_prefill_pools_hit_rate(pd):
+    f = await pd(prefill=1)
+    await post(f.router, LONG)
+    await post(f.router, SHORT)
+    async with aiohttp.ClientSession() as client:
+        async with client.get(f.router.url + "/dashboard/state") as r:
+            state = await r.json()
+    assert {i["name"]: i["role"] for i in state["instances"]} == {"p0": "prefill", "d0": "decode"}
+    pd_state = state["disaggregation"]
+    assert pd_state["decisions"] == {"split": 1.0, "short_prompt": 1.0}
+    assert pd_state["legs_by_pool"] == {"prefill": 1.0, "decode": 1.0} and pd_state["prefill_hit_rate"] == 0.0
+    assert pd_state["transfer_tokens"] > 0

@@ -245,7 +245,8 @@ def state(fleet: Fleet, activity: Activity, metrics: Metrics, strategy: str,
     # KV demand: prompt tokens in flight over the instance's KV capacity, the ratio cache_aware compares with
     # hold_kv_limit and sticky_kv_limit (core/strategies.py kv_pressure); above 1, its engine evicts cached
     # prefixes of queued requests before their turn.
-    instances = [{"name": i.name, "healthy": i.healthy, "draining": i.draining, "inflight": load[i.name][0],
+    instances = [{"name": i.name, "role": i.role, "healthy": i.healthy, "draining": i.draining,
+                  "inflight": load[i.name][0],
                   "requests": load[i.name][1], "share": round(load[i.name][1] / total, 4),
                   "inflight_prompt_tokens": load[i.name][2],
                   "kv_demand": round(load[i.name][2] / max(1, i.kv_capacity_tokens), 4)}
@@ -275,7 +276,22 @@ def state(fleet: Fleet, activity: Activity, metrics: Metrics, strategy: str,
                               "matched_ratio": round(ratio, 3)}
                              for t, name, reason, ratio in reversed(recent)],
         "series": timeline.series() if timeline is not None else None,
+        "disaggregation": _disaggregation(fleet, metrics) if fleet.disaggregated else None,
     }
+
+
+def _disaggregation(fleet: Fleet, metrics: Metrics) -> dict[str, Any]:
+    """This worker's split requests: decisions by why, legs by pool and outcome, tokens moved, and the prefill
+    pool's engine-reported hit rate (its prefill legs' cached prompt tokens)."""
+    prompt = _counts(metrics, "warmroute_engine_prompt_tokens", "backend")
+    cached = _counts(metrics, "warmroute_engine_cached_tokens", "backend")
+    prefill = [i.name for i in fleet.instances.values() if i.role == "prefill"]
+    asked = sum(prompt.get(n, 0.0) for n in prefill)
+    legs = _counts(metrics, "warmroute_pd_legs", "pool"), _counts(metrics, "warmroute_pd_legs", "outcome")
+    transfer = metrics.registry.get_sample_value("warmroute_pd_transfer_tokens_total") or 0.0
+    return {"decisions": _counts(metrics, "warmroute_pd_decisions", "why"), "legs_by_pool": legs[0],
+            "legs_by_outcome": legs[1], "transfer_tokens": transfer,
+            "prefill_hit_rate": round(sum(cached.get(n, 0.0) for n in prefill) / asked, 4) if asked else None}
 
 
 _COUNTERS = ("engine_prompt", "engine_cached", "answered", "refused", "predicted", "asked")
@@ -408,6 +424,10 @@ svg .series{fill:none;stroke-width:1.8;stroke-linejoin:round}
  <div class="card"><h2>Instances</h2><table><thead><tr><th>name</th><th>state</th><th>in flight</th>
   <th>requests</th><th>share</th><th title="prompt tokens in flight / KV capacity: above 100%, queued requests'
   cached prefixes are evicted before their turn">KV demand</th></tr></thead><tbody id="instances"></tbody></table></div>
+ <div class="card" id="pd-card" hidden><h2>Disaggregated prefill/decode</h2>
+  <div>prefill pool hit rate <span class="big" id="pd-hit">-</span></div>
+  <div class="muted" id="pd-decisions"></div><div class="muted" id="pd-legs"></div>
+  <div class="muted" id="pd-transfer"></div></div>
  <div class="card"><h2>Waiting in the router <span class="muted" id="queue-total"></span></h2>
   <div class="muted" id="queue-counts"></div><table><thead><tr><th>priority</th><th>tenant</th><th>waiting</th></tr>
   </thead><tbody id="queue"></tbody></table></div>
@@ -432,13 +452,20 @@ function render(s) {
   document.getElementById("hit-engine").textContent = pct(s.hit_rate.engine_reported);
   document.getElementById("hit-same").textContent = pct(s.hit_rate.predicted_same_responses);
   rows("instances", s.instances, (tr, i) => {
-    cell(tr, i.name);
+    cell(tr, i.role && i.role !== "both" ? i.name + " (" + i.role + ")" : i.name);
     if (i.draining) cell(tr, "draining", "drain"); else cell(tr, i.healthy ? "healthy" : "ejected", i.healthy ? "ok" : "bad");
     cell(tr, String(i.inflight)); cell(tr, String(i.requests)); cell(tr, pct(i.share));
     cell(tr, pct(i.kv_demand), i.kv_demand > 1 ? "bad" : ""); });
   rows("hot", s.hot_prefixes, (tr, p) => { cell(tr, p.prefix); cell(tr, pct(p.share));
     const bar = document.createElement("div"); bar.className = "bar"; bar.style.width = Math.round(200 * p.share) + "px";
     cell(tr, "").appendChild(bar); });
+  const pd = s.disaggregation, line = o => Object.entries(o).map(([k, v]) => k + " " + v).join(", ") || "none";
+  document.getElementById("pd-card").hidden = !pd;
+  if (pd) {
+    document.getElementById("pd-hit").textContent = pct(pd.prefill_hit_rate);
+    document.getElementById("pd-decisions").textContent = "requests: " + line(pd.decisions);
+    document.getElementById("pd-legs").textContent = "legs: " + line(pd.legs_by_pool) + " \u00b7 " + line(pd.legs_by_outcome);
+    document.getElementById("pd-transfer").textContent = "prompt tokens moved: " + pd.transfer_tokens; }
   const q = s.queue, sum = o => Object.entries(o).map(([k, v]) => k + " " + v).join(", ") || "none";
   document.getElementById("queue-total").textContent = q.enabled ? String(q.waiting) : "(admission off)";
   document.getElementById("queue-counts").textContent = "admitted: " + sum(q.admitted) + " \u00b7 refused: " + sum(q.shed);
