@@ -229,3 +229,57 @@ def test_submit_rejects_what_can_never_fit() -> None:
     m.submit("a", [], prompt_tokens=2, max_tokens=1)
     with pytest.raises(ValueError, match="already"):
         m.submit("a", [], prompt_tokens=2, max_tokens=1)
+
+
+def test_a_remote_sequence_loads_past_its_local_hit_then_computes_one_token() -> None:
+    m = engine()
+    m.submit("warm", [1, 2], prompt_tokens=9, max_tokens=1)
+    run(m)
+    m.submit("d", [1, 2, 3, 4], prompt_tokens=18, max_tokens=2, remote=True)
+    result = m.step()
+    assert result.loads == {"d": 10} and result.duration == 0  # blocks 1, 2 are local; nothing computed yet
+    assert m.num_waiting == 1 and m.num_running == 0 and m.stalled and not m.idle
+    assert m.loaded("d") and not m.loaded("d")
+    assert m.pool.match([1, 2, 3, 4]) == 4  # the loaded full blocks are cached at once
+    result = m.step()
+    assert result.first_tokens == {"d": 18}  # vLLM's cached count: local and loaded tokens
+    assert result.duration == pytest.approx((10 + 1) / 1000)  # the last prompt token, computed again
+    run(m)
+    stats = m.stats
+    assert (stats.external_queries, stats.external_hits, stats.computed_tokens) == (9 + 10, 10, 9)
+
+
+def test_a_remote_sequence_whose_kv_never_came() -> None:
+    m = engine()
+    m.submit("a", [1, 2], prompt_tokens=9, max_tokens=1, remote=True)
+    m.submit("b", [5, 6], prompt_tokens=9, max_tokens=1, remote=True)
+    assert m.step().loads == {"a": 9, "b": 9}
+    assert m.load_failed("a", recompute=True)  # computed here instead
+    assert m.step().first_tokens == {"a": 0}
+    assert m.load_failed("b", recompute=False) and m.stats.requests_failed == 1
+    run(m)
+    assert m.idle and m.kv_usage == 0 and 5 not in m.pool
+
+
+def test_a_hold_sequence_keeps_its_prompt_blocks_until_released() -> None:
+    m = engine(capacity_blocks=8)
+    m.submit("p", [1, 2], prompt_tokens=9, max_tokens=4, hold=True)  # 4 blocks: 3 for the prompt, 1 for output
+    run(m)
+    assert len(m.held_block_ids("p")) == 3 and m.pool.num_free_blocks == 5
+    m.submit("big", [], prompt_tokens=20, max_tokens=4)  # 6 blocks: waits for the held ones
+    assert m.stalled and m.step().steps == 1 and m.num_waiting == 1
+    assert m.release("p") and not m.release("p") and m.held_block_ids("p") == []
+    assert not m.stalled
+    run(m)
+    assert m.kv_usage == 0
+
+
+def test_a_sequence_without_the_cache_neither_hits_nor_feeds_it() -> None:
+    m = engine()
+    m.submit("a", [1, 2], prompt_tokens=9, max_tokens=1)
+    run(m)
+    m.submit("b", [1, 2, 3], prompt_tokens=13, max_tokens=1, remote=True, cache=False)
+    assert m.step().loads == {"b": 13}
+    m.loaded("b")
+    run(m)
+    assert 3 not in m.pool and m.stats.prefix_queries == 9

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import signal
 
+from warmroute.engine.kv_transfer import FAILURE_POLICIES, MODES, TransferConfig
 from warmroute.engine.model import EngineConfig
 from warmroute.engine.profiles import PROFILES
 from warmroute.engine.server import DEFAULT_MODEL, Fleet, start_fleet
@@ -38,6 +39,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "P+2i+1; needs pyzmq and msgspec); default: none")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="real seconds per modelled second: 0.1 runs ten times faster (default %(default)s)")
+    pd = parser.add_argument_group(
+        "disaggregated prefill/decode", "--kv-transfer nixl: as vLLM with NixlConnector (kv_both): a request whose "
+        "kv_transfer_params say do_remote_decode is prefilled and its answer's kv_transfer_params name the blocks "
+        "kept for the decode instance; one whose kv_transfer_params say do_remote_prefill reads them from there "
+        "(side channel: POST /kv_transfer/read on the instance's HTTP port) and decodes. --kv-transfer bootstrap: "
+        "as SGLang, with fixed roles (--pd-role); both legs carry bootstrap_host, bootstrap_port, bootstrap_room")
+    pd.add_argument("--kv-transfer", choices=MODES, help="take legs of disaggregated prefill/decode (default: none)")
+    pd.add_argument("--pd-role", choices=("prefill", "decode"),
+                    help="with --kv-transfer bootstrap: the instances' role (SGLang's --disaggregation-mode)")
+    pd.add_argument("--transfer-tokens-per-s", type=float, default=200_000.0,
+                    help="prompt tokens of KV a decode instance reads per modelled second (default %(default)s)")
+    pd.add_argument("--kv-lease-s", type=float, default=30.0,
+                    help="nixl: real seconds a prefill keeps unread blocks (vLLM's kv_lease_duration; a waiting "
+                         "decode instance renews it) (default %(default)s)")
+    pd.add_argument("--kv-load-failure-policy", choices=FAILURE_POLICIES, default="fail",
+                    help="nixl: a decode leg whose remote instance cannot be read fails with HTTP 500 (vLLM's "
+                         "default) or computes its prompt here (default %(default)s)")
+    pd.add_argument("--bootstrap-timeout-s", type=float, default=300.0,
+                    help="bootstrap: real seconds a prefill waits for its decode instance and a decode instance for "
+                         "its KV before the request fails (SGLang's default %(default)s)")
+    pd.add_argument("--bootstrap-port", type=int, metavar="B",
+                    help="bootstrap: instance i also serves its side channel on B+i, the bootstrap_port the "
+                         "router sends (default: its HTTP port)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,12 +74,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--time-scale must be >= 0")
     if args.kv_events_port is not None and not 1 <= args.kv_events_port <= 65536 - 2 * args.count:
         raise UsageError(f"--kv-events-port must leave room for {2 * args.count} consecutive ports below 65536")
+    if args.bootstrap_port is not None and not 1 <= args.bootstrap_port <= 65536 - args.count:
+        raise UsageError(f"--bootstrap-port must leave room for {args.count} consecutive ports below 65536")
+    kv_transfer = _kv_transfer(args)
     try:
         tokenizer = load_tokenizer(args.tokenizer)
     except TokenizerError as exc:
         raise UsageError(str(exc)) from None
     with _event_loop_runner() as runner:
-        return runner.run(_serve(args, config, tokenizer))
+        return runner.run(_serve(args, config, tokenizer, kv_transfer))
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -72,16 +99,40 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         raise UsageError(str(exc)) from None
 
 
-async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: PromptTokenizer) -> int:
+def _kv_transfer(args: argparse.Namespace) -> TransferConfig | None:
+    if args.kv_transfer is None:
+        if args.pd_role is not None or args.bootstrap_port is not None:
+            raise UsageError("--pd-role and --bootstrap-port go with --kv-transfer bootstrap")
+        return None
+    if (args.kv_transfer == "bootstrap") != (args.pd_role is not None):
+        raise UsageError("--kv-transfer bootstrap needs --pd-role (prefill or decode); nixl takes none")
+    if args.bootstrap_port is not None and args.kv_transfer != "bootstrap":
+        raise UsageError("--bootstrap-port goes with --kv-transfer bootstrap")
+    try:
+        return TransferConfig(
+            args.kv_transfer, role=args.pd_role or "both", transfer_tokens_per_s=args.transfer_tokens_per_s,
+            kv_bytes_per_token=int(PROFILES[args.profile].kv_kib_per_token * 1024), lease_s=args.kv_lease_s,
+            failure_policy=args.kv_load_failure_policy, bootstrap_timeout_s=args.bootstrap_timeout_s)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: PromptTokenizer,
+                 kv_transfer: TransferConfig | None) -> int:
     try:
         fleet: Fleet = await start_fleet(args.count, args.port, host=args.host, config=config, tokenizer=tokenizer,
                                          name=args.name, model_name=args.model, time_scale=args.time_scale,
-                                         kv_events_port=args.kv_events_port)
+                                         kv_events_port=args.kv_events_port, kv_transfer=kv_transfer,
+                                         bootstrap_port=args.bootstrap_port)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}: {exc}") from None
     for server in fleet.servers:
         events = "" if server.kv_events is None else (f", KV events on {server.kv_events.endpoint} (replay "
                                                       f"{server.kv_events.replay_endpoint})")
+        if server.kv_transfer is not None:
+            kvt = server.kv_transfer
+            events += (f", KV transfer {kvt.config.mode} as {kvt.config.role} (engine id {kvt.engine_id}, side "
+                       f"channel port {server.bootstrap_port})")
         print(f"{server.name} listening on {server.url}{events}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -9,6 +9,10 @@ warmroute_emulation_behind_seconds_total): the emulation then ran slower than th
 Pure-decode stretches are fused into one model call and one sleep (few wake-ups on a busy 2-core host),
 capped at MAX_FUSED_S of real time so that streams still receive tokens steadily. A new request cuts a
 fused stretch short at the end of the step in flight, where a real engine would admit it.
+
+A remote sequence (disaggregated decode) is admitted like any other, then waits for its KV: the driver sets its
+stream's `load_started` with the tokens to load, and whoever moves them reports back (`landed`); held blocks of a
+prefill are freed by `release`. Both take effect at the next step boundary, as arrivals do.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Any
 
 from warmroute.engine.model import EngineModel, StepResult
 
@@ -36,7 +41,10 @@ class TokenStream:
     generated: int = 0
     cached_tokens: int = 0
     finished: bool = False
-    failed: bool = False  # the driver stopped (shutdown or a bug): no more tokens will come
+    failed: bool = False  # the driver stopped (shutdown or a bug), or its KV never came: no more tokens will come
+    error: str | None = None  # why it failed, when its KV never came
+    load_tokens: int = 0  # prompt tokens it loads from another instance, once admitted
+    load_started: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _event: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     async def changed(self) -> None:
@@ -56,7 +64,9 @@ class EngineDriver:
         self._streams: dict[int, TokenStream] = {}
         self._ids = count()
         self._arrival = asyncio.Event()
-        self._incoming: dict[int, tuple[Sequence[int], int, int]] = {}
+        self._incoming: dict[int, tuple[tuple[Any, ...], dict[str, bool]]] = {}
+        self._landed: dict[int, tuple[bool, bool]] = {}  # seq -> (arrived, recompute if not) for the next step
+        self._releases: list[int] = []  # held sequences whose blocks go at the next step
         self._task: asyncio.Task[None] | None = None
         self.behind_s = 0.0  # real seconds the host made it fall behind its schedule, skipped rather than repaid
 
@@ -71,13 +81,16 @@ class EngineDriver:
         self._fail_all()
 
     def submit(self, blocks: Sequence[int], prompt_tokens: int, max_tokens: int,
-               every_token: bool = True, token_ids: Sequence[int] = ()) -> TokenStream:
-        """Queue a sequence in the model (ValueError if it can never fit) and return its stream."""
+               every_token: bool = True, token_ids: Sequence[int] = (), *, remote: bool = False,
+               hold: bool = False, cache: bool = True) -> TokenStream:
+        """Queue a sequence in the model (ValueError if it can never fit) and return its stream (`remote`,
+        `hold`, `cache`: see EngineModel.submit)."""
         self.model.check(blocks, prompt_tokens, max_tokens)
         stream = TokenStream(next(self._ids), every_token)
         # The model only changes between steps (the driver hands it new sequences at step boundaries), so
         # a decode stretch cut short by this arrival still runs as the decode steps it was.
-        self._incoming[stream.seq_id] = (blocks, prompt_tokens, max_tokens, token_ids)
+        self._incoming[stream.seq_id] = ((blocks, prompt_tokens, max_tokens, token_ids),
+                                         {"remote": remote, "hold": hold, "cache": cache})
         self._streams[stream.seq_id] = stream
         self._arrival.set()
         return stream
@@ -85,14 +98,36 @@ class EngineDriver:
     def cancel(self, stream: TokenStream) -> None:
         """Forget a request (its client left); a no-op once it has finished."""
         if self._streams.pop(stream.seq_id, None) is not None:
+            self._landed.pop(stream.seq_id, None)
             if self._incoming.pop(stream.seq_id, None) is None:
                 self.model.cancel(stream.seq_id)
 
+    def landed(self, stream: TokenStream, arrived: bool, recompute: bool = False) -> None:
+        """A remote sequence's KV arrived, or did not (then it is computed here if `recompute`, else it fails)."""
+        if stream.seq_id in self._streams:
+            self._landed[stream.seq_id] = (arrived, recompute)
+            self._arrival.set()
+
+    def release(self, stream: TokenStream) -> None:
+        """Free the blocks a finished hold sequence keeps."""
+        self._releases.append(stream.seq_id)
+        self._arrival.set()
+
     def _hand_over(self) -> None:
-        """Give the model the sequences that arrived since the last step."""
-        for seq_id, (blocks, prompt_tokens, max_tokens, token_ids) in self._incoming.items():
-            self.model.submit(seq_id, blocks, prompt_tokens, max_tokens, token_ids)
+        """Give the model the sequences that arrived, the KV that landed and the blocks let go since the last step."""
+        model = self.model
+        for seq_id, (args, options) in self._incoming.items():
+            model.submit(seq_id, *args, **options)
         self._incoming.clear()
+        for seq_id, (arrived, recompute) in self._landed.items():
+            if arrived:
+                model.loaded(seq_id)
+            elif model.load_failed(seq_id, recompute) and not recompute:
+                self._fail(seq_id, "the prompt's KV cache could not be loaded from the remote instance")
+        self._landed.clear()
+        for seq_id in self._releases:
+            model.release(seq_id)
+        self._releases.clear()
 
     # -- the loop --------------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -100,7 +135,7 @@ class EngineDriver:
         deadline = loop.time()
         try:
             while True:
-                if self.model.idle and not self._incoming:
+                if self.model.stalled and not (self._incoming or self._landed or self._releases):
                     self._arrival.clear()
                     await self._arrival.wait()
                     deadline = loop.time()  # idle time is not owed to anyone
@@ -149,6 +184,10 @@ class EngineDriver:
     def _deliver(self, result: StepResult) -> None:
         # A stream may be gone: its client left while the step that served it was being slept.
         streams = self._streams
+        for seq_id, n in result.loads.items():
+            if (stream := streams.get(seq_id)) is not None:
+                stream.load_tokens = n
+                stream.load_started.set()
         for seq_id, cached in result.first_tokens.items():
             if (stream := streams.get(seq_id)) is not None:
                 stream.cached_tokens = cached
@@ -161,6 +200,11 @@ class EngineDriver:
             if (stream := streams.pop(seq_id, None)) is not None:
                 stream.finished = True
                 stream._notify()
+
+    def _fail(self, seq_id: int, error: str) -> None:
+        if (stream := self._streams.pop(seq_id, None)) is not None:
+            stream.failed, stream.error = True, error
+            stream._notify()
 
     def _fail_all(self) -> None:
         for stream in self._streams.values():

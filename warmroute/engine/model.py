@@ -19,15 +19,22 @@ behaviour, modelled on vLLM's V1 scheduler:
   * A sequence's first token comes at the end of the step that completes its prefill; then one token per
     step until max_tokens. Output blocks are reserved up front, so nothing is ever preempted.
   * Step duration: `profiles.Timing.step_ms`.
+  * Disaggregated prefill/decode (vLLM's KV connectors): a `remote` sequence takes its local prefix hit and
+    blocks like any other, then waits, computing nothing, while the rest of its prompt's KV is loaded from
+    another instance (`StepResult.loads`; the caller moves it and says `loaded` or `load_failed`). Loaded
+    full blocks enter the prefix cache; the last prompt token is then computed again for its logits. A `hold`
+    sequence keeps its prompt's blocks when it finishes, for another instance to read, until `release`.
 
 API:
     model = EngineModel(EngineConfig.from_profile("8b"))
     model.submit(seq_id, blocks, prompt_tokens, max_tokens)   # ValueError if it can never fit
     model.cancel(seq_id) -> bool                               # frees its blocks wherever it is
+    model.loaded(seq_id), load_failed(seq_id, recompute)      # a remote sequence's KV arrived, or did not
+    model.held_block_ids(seq_id), release(seq_id)              # a hold sequence's kept prompt blocks
     model.step(max_decode_steps=1) -> StepResult               # duration (s) and events
     model.fusible_decode_steps() -> int                        # pure-decode steps before the batch changes
     model.decode_step_seconds                                  # duration of one such step
-    model.idle, num_running, num_waiting, kv_usage, stats (EngineStats), config, pool (BlockPool)
+    model.idle, stalled, num_running, num_waiting, kv_usage, stats (EngineStats), config, pool (BlockPool)
 
 Fusing: when no sequence is prefilling and no waiting one can be admitted, the next steps are
 pure decode with an unchanged batch until a sequence finishes; `step(k)` runs min(k, fusible) of them in
@@ -89,6 +96,7 @@ class StepResult:
     first_tokens: dict[SeqId, int] = field(default_factory=dict)  # seq -> its cached prompt tokens
     tokens: dict[SeqId, int] = field(default_factory=dict)  # seq -> tokens generated (first included)
     finished: list[SeqId] = field(default_factory=list)
+    loads: dict[SeqId, int] = field(default_factory=dict)  # remote seq admitted -> prompt tokens to load
 
 
 @dataclass(slots=True)
@@ -100,6 +108,10 @@ class EngineStats:
     prefix_hits: int = 0  # of which cached
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    requests_failed: int = 0  # remote sequences whose KV never arrived (and were not recomputed)
+    external_queries: int = 0  # prompt tokens past the local prefix hit (vLLM asks its KV connector for them)
+    external_hits: int = 0  # of which loaded from another instance
+    computed_tokens: int = 0  # prompt tokens to be computed here (neither cached nor loaded)
 
 
 @dataclass(eq=False, slots=True)
@@ -115,6 +127,9 @@ class _Seq:
     kv: list[KVBlock] = field(default_factory=list)  # its blocks in the pool, in token order, once admitted
     hashed: int = 0  # leading blocks of `kv` that hold a cached (hashed) prompt block
     token_ids: Sequence[int] = ()  # the prompt's ids, kept only where KV events are published (their token_ids)
+    remote: bool = False  # its prompt's KV past the local prefix hit is loaded from another instance
+    hold: bool = False  # keep its prompt's blocks when it finishes, for another instance to read
+    cache: bool = True  # use and feed the prefix cache (SGLang's decode instances do not)
 
 
 class KvEventSink(Protocol):
@@ -140,17 +155,21 @@ class EngineModel:
         # dicts keep insertion order: FIFO for waiting, admission order for running
         self._waiting: dict[SeqId, _Seq] = {}
         self._running: dict[SeqId, _Seq] = {}
+        self._loading: dict[SeqId, _Seq] = {}  # admitted remote sequences waiting for their KV
+        self._held: dict[SeqId, list[KVBlock]] = {}  # finished hold sequences' prompt blocks
 
     # -- requests ------------------------------------------------------------------------------------------
     def submit(self, seq_id: SeqId, blocks: Sequence[Hashable], prompt_tokens: int, max_tokens: int,
-               token_ids: Sequence[int] = ()) -> None:
-        """Queue a sequence (`token_ids`: its prompt, for the KV events). ValueError if its id is in use or it
-        could not fit even in an empty cache."""
-        if seq_id in self._waiting or seq_id in self._running:
+               token_ids: Sequence[int] = (), *, remote: bool = False, hold: bool = False,
+               cache: bool = True) -> None:
+        """Queue a sequence (`token_ids`: its prompt, for the KV events; `remote`, `hold`, `cache`: see _Seq).
+        ValueError if its id is in use or it could not fit even in an empty cache."""
+        if any(seq_id in d for d in (self._waiting, self._running, self._loading, self._held)):
             raise ValueError(f"sequence {seq_id!r} is already in the engine")
         need = self.check(blocks, prompt_tokens, max_tokens)
         self._waiting[seq_id] = _Seq(seq_id, blocks, prompt_tokens, max_tokens, need,
-                                     token_ids=token_ids if self.events is not None else ())
+                                     token_ids=token_ids if self.events is not None else (),
+                                     remote=remote, hold=hold, cache=cache)
         self.stats.requests_submitted += 1
 
     def check(self, blocks: Sequence[Hashable], prompt_tokens: int, max_tokens: int) -> int:
@@ -169,17 +188,59 @@ class EngineModel:
     def cancel(self, seq_id: SeqId) -> bool:
         """Drop a sequence wherever it is; its computed blocks stay cached. False if unknown (or done)."""
         if self._waiting.pop(seq_id, None) is None:
-            s = self._running.pop(seq_id, None)
+            s = self._running.pop(seq_id, None) or self._loading.pop(seq_id, None)
             if s is None:
                 return False
             self._release(s)
         self.stats.requests_cancelled += 1
         return True
 
+    def loaded(self, seq_id: SeqId) -> bool:
+        """A remote sequence's KV arrived: its full blocks enter the prefix cache and it runs. False if unknown."""
+        s = self._loading.pop(seq_id, None)
+        if s is None:
+            return False
+        s.computed = s.prompt_tokens
+        self._cache_computed(s)
+        s.computed -= 1  # vLLM computes the last prompt token again to sample the next one
+        s.cached_tokens = s.prompt_tokens  # vLLM's count: local hits and loaded tokens alike
+        self._running[seq_id] = s
+        return True
+
+    def load_failed(self, seq_id: SeqId, recompute: bool) -> bool:
+        """A remote sequence's KV did not arrive: it computes its prompt here (`recompute`) or ends, failed.
+        False if unknown."""
+        s = self._loading.pop(seq_id, None)
+        if s is None:
+            return False
+        if recompute:
+            self._running[seq_id] = s
+        else:
+            self._release(s)
+            self.stats.requests_failed += 1
+        return True
+
+    def held_block_ids(self, seq_id: SeqId) -> list[int]:
+        """The prompt blocks a finished hold sequence keeps ([] if none)."""
+        return [b.block_id for b in self._held.get(seq_id, ())]
+
+    def release(self, seq_id: SeqId) -> bool:
+        """Free a finished hold sequence's blocks (they stay cached). False if it holds none."""
+        blocks = self._held.pop(seq_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
+
     # -- state ---------------------------------------------------------------------------------------------
     @property
     def idle(self) -> bool:
-        return not self._running and not self._waiting
+        return not self._running and not self._waiting and not self._loading
+
+    @property
+    def stalled(self) -> bool:
+        """Whether a step would do nothing: nothing runs and nothing can be admitted (it may still be loading)."""
+        return not self._running and not self._head_admissible()
 
     @property
     def num_running(self) -> int:
@@ -187,7 +248,8 @@ class EngineModel:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Sequences waiting to be admitted or for their KV to arrive (vLLM counts both)."""
+        return len(self._waiting) + len(self._loading)
 
     @property
     def kv_usage(self) -> float:
@@ -236,6 +298,7 @@ class EngineModel:
         decoding = [s for s in self._running.values() if s.generated]
         budget = cfg.max_batched_tokens - len(decoding)
         chunks: list[tuple[_Seq, int]] = []
+        loads: dict[SeqId, int] = {}
         for s in self._running.values():
             if not s.generated and budget > 0:
                 e = min(s.prompt_tokens - s.computed, budget)
@@ -245,13 +308,16 @@ class EngineModel:
             s = next(iter(self._waiting.values()))
             if not self._admit(s):
                 break  # first come first served: the head waits for room, and so does everyone behind it
+            if s.remote:
+                loads[s.seq_id] = s.prompt_tokens - s.computed
+                continue
             e = min(s.prompt_tokens - s.computed, budget)
             chunks.append((s, e))
             budget -= e
 
         prefill_ms = sum(cfg.timing.prefill_ms(e, s.computed + e) for s, e in chunks)
         result = StepResult(duration=cfg.timing.step_ms(prefill_ms, bool(chunks), len(decoding)) / 1000.0,
-                            steps=1)
+                            steps=1, loads=loads)
         self._generate(decoding, 1, result)
         prefilled = []
         for s, e in chunks:
@@ -267,6 +333,8 @@ class EngineModel:
     def _hits(self, s: _Seq) -> list[KVBlock]:
         """The cached blocks `s` would start from: at most (prompt_tokens - 1) // block_size (vLLM recomputes
         the last prompt token to get its logits)."""
+        if not s.cache:
+            return []
         return self.pool.cached_prefix(s.blocks, (s.prompt_tokens - 1) // self.config.block_size)
 
     def _head_admissible(self) -> bool:
@@ -286,14 +354,28 @@ class EngineModel:
         s.hashed = len(hits)
         s.cached_tokens = s.computed = len(hits) * self.config.block_size
         del self._waiting[s.seq_id]
-        self._running[s.seq_id] = s
-        self.stats.prefix_queries += s.prompt_tokens
-        self.stats.prefix_hits += s.cached_tokens
-        self.stats.prompt_tokens += s.prompt_tokens
+        (self._loading if s.remote else self._running)[s.seq_id] = s
+        self._count_admitted(s)
         return True
+
+    def _count_admitted(self, s: _Seq) -> None:
+        """Prompt tokens by source, counted once, at admission (as vLLM does)."""
+        stats = self.stats
+        if s.cache:
+            stats.prefix_queries += s.prompt_tokens
+            stats.prefix_hits += s.cached_tokens
+        stats.prompt_tokens += s.prompt_tokens
+        rest = s.prompt_tokens - s.cached_tokens
+        stats.external_queries += rest
+        if s.remote:
+            stats.external_hits += rest
+        else:
+            stats.computed_tokens += rest
 
     def _cache_computed(self, s: _Seq) -> None:
         """Newly computed full prompt blocks enter the prefix cache under their hashes."""
+        if not s.cache:
+            return
         full = min(len(s.blocks), s.computed // self.config.block_size)
         start = s.hashed
         for i in range(start, full):
@@ -321,10 +403,20 @@ class EngineModel:
 
     def _finish(self, s: _Seq, result: StepResult) -> None:
         del self._running[s.seq_id]
-        self._release(s)
+        if s.hold:
+            self._hold(s)
+        else:
+            self._release(s)
         self.stats.requests_finished += 1
         result.finished.append(s.seq_id)
 
     def _release(self, s: _Seq) -> None:
         self.pool.free(reversed(s.kv))  # tail first: the prompt's head blocks stay cached longest
+        s.kv = []
+
+    def _hold(self, s: _Seq) -> None:
+        """Keep the blocks that hold the prompt's KV (vLLM's remote_block_ids); free those reserved for output."""
+        keep = -(-s.prompt_tokens // self.config.block_size)
+        self.pool.free(reversed(s.kv[keep:]))
+        self._held[s.seq_id] = s.kv[:keep]
         s.kv = []

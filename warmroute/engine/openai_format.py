@@ -53,6 +53,10 @@ class Completion:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def request_id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.id}"
+
     def usage(self, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens,
@@ -78,11 +82,8 @@ class Completion:
         return sse(self._chunk(None, finish_reason="length")) + sse(usage) + SSE_DONE
 
     def _head(self, stream: bool) -> dict[str, Any]:
-        if self.chat:
-            kind, prefix = ("chat.completion.chunk" if stream else "chat.completion"), "chatcmpl"
-        else:
-            kind, prefix = "text_completion", "cmpl"
-        return {"id": f"{prefix}-{self.id}", "object": kind, "created": self.created, "model": self.model}
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
     def _chunk(self, text: str | None, first: bool = False, finish_reason: str | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}

@@ -67,6 +67,7 @@ class Profile:
     description: str
     timing: Timing
     kv_capacity_tokens: int
+    kv_kib_per_token: float  # KV cache per token: what a disaggregated transfer moves
 
 
 def kv_capacity_tokens(hbm_gib: float, weights_gib: float, kv_kib_per_token: float,
@@ -81,6 +82,7 @@ PROFILES: dict[str, Profile] = {
         description="8B model on one H100 80GB (llm-d simulator calibration)",
         timing=Timing(prefill_base_ms=30.0, prefill_ms_per_token=0.25, itl_ms=12.0),
         kv_capacity_tokens=kv_capacity_tokens(hbm_gib=80, weights_gib=15.0, kv_kib_per_token=128),
+        kv_kib_per_token=128,
     ),
     "70b": Profile(
         name="70b",
@@ -88,5 +90,6 @@ PROFILES: dict[str, Profile] = {
         timing=Timing(prefill_base_ms=28.9, prefill_ms_per_token=0.182, context_ms_per_token=0.004,
                       prefill_context_ms=2.55e-6, itl_ms=25.0),
         kv_capacity_tokens=kv_capacity_tokens(hbm_gib=8 * 80, weights_gib=131.5, kv_kib_per_token=320),
+        kv_kib_per_token=320,
     ),
 }
