@@ -6,7 +6,9 @@ decode instance that generates the answer. The strategy chooses both: the decode
 (its load guard keeps room for a long generation; a prefix it holds saves transfer), the prefill instance over
 the prefill pool (the prompt's cached prefix and queued prefill: all of a prefill leg is prompt work). A request
 whose prompt is mostly cached at its decode instance, or short, is not worth a transfer and goes there whole
-(llm-d's threshold, measured on the uncached tokens). Pure: the shells run the legs (router/disaggregated.py).
+(llm-d's threshold, measured on the uncached tokens); so does one whose first token the prefill pool's queue
+would delay past computing it at the decode instance (the estimated time to first token of both ways). Pure:
+the shells run the legs (router/proxy.py, sim/simulator.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from warmroute.core.decision import Decision, NoInstanceAvailable
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.routing_key import RoutingKey
 from warmroute.core.settings_model import SettingsModel
+from warmroute.core.stages.estimated_ttft import ttft_s
 from warmroute.core.stages.routable import routable
 from warmroute.core.strategies import Strategy
 
@@ -31,8 +34,9 @@ SPLIT = "split"  # prefilled at one instance, decoded at another
 SHORT_PROMPT = "short_prompt"  # too little of it to prefill for a transfer to pay
 CACHED_AT_DECODE = "cached_at_decode"  # its decode instance holds enough of it already
 NO_PREFILL = "no_prefill_instance"  # no healthy prefill instance other than the decode one
+PREFILL_BACKLOG = "prefill_backlog"  # its first token would come later through the prefill pool's queue
 NOT_SPLITTABLE = "not_splittable"  # a path or strategy the legs cannot be run for (no prompt, no prefix index)
-PD_REASONS = (SPLIT, SHORT_PROMPT, CACHED_AT_DECODE, NO_PREFILL, NOT_SPLITTABLE)
+PD_REASONS = (SPLIT, SHORT_PROMPT, CACHED_AT_DECODE, NO_PREFILL, PREFILL_BACKLOG, NOT_SPLITTABLE)
 
 
 class DisaggregationSettings(SettingsModel):
@@ -98,7 +102,14 @@ def plan_for_decode(strategy: Strategy, key: RoutingKey, fleet: Fleet, settings:
     prefillers = pool_of(fleet, PREFILL, key.model, but=decode.instance)
     if not prefillers:
         return Plan(decode, None, NO_PREFILL)
-    return Plan(decode, strategy.choose(key, fleet, prefillers), SPLIT)
+    prefill = strategy.choose(key, fleet, prefillers)
+    if _ttft_s(fleet, prefill) > _ttft_s(fleet, decode):
+        return Plan(decode, None, PREFILL_BACKLOG)
+    return Plan(decode, prefill, SPLIT)
+
+
+def _ttft_s(fleet: Fleet, d: Decision) -> float:
+    return ttft_s(fleet.instances[d.instance], d.uncached_tokens, d.prompt_tokens, fleet.mean_uncached_tokens)
 
 
 def decode_after(strategy: Strategy, key: RoutingKey, fleet: Fleet, prefill: str) -> Decision:

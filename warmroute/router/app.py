@@ -98,7 +98,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     if router.fleet.disaggregated:  # a prefill and a decode leg, or whole to a decode instance
         plan = router.split(request.path, key, decision)
         first, waited = await router.admit(life, plan.first, len(body), pool=plan.pool)
-        plan = router.replan(key, plan, first)
+        plan = router.replan(plan, first)
         decision = plan.decode
     else:
         plan = None

@@ -167,10 +167,16 @@ class Proxy(Addresses):
         prefilled, params = await self._prefill(request, prefill_body(parsed, transfer), life, plan)
         if not prefilled:
             return await self._forward(request, body, life, plan.decode)
-        request[access.PREFILL] = life.leg_at(PREFILL).instance  # type: ignore[union-attr]
+        assert life.key is not None
+        prefill = request[access.PREFILL] = life.leg_at(PREFILL).instance  # type: ignore[union-attr]
+        try:
+            decode = self.router.decode_after(life.key, prefill)
+            decode.note = plan.decode.note
+        except NoInstanceAvailable:
+            decode = plan.decode
         nixl = params is not None and transfer == "nixl"  # a storage connector's engines find the KV themselves
         leg_body = with_fields(parsed, {"kv_transfer_params": params}) if nixl else body
-        return await self._forward(request, body, life, plan.decode, leg_body, DECODE)
+        return await self._forward(request, body, life, decode, leg_body, DECODE)
 
     async def _prefill(self, request: web.Request, leg_body: bytes, life: Lifecycle,
                        plan: Plan) -> tuple[bool, dict | None]:

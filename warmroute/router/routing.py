@@ -209,14 +209,16 @@ class Router:
         pool = [i for i in pool_of(self.fleet, PREFILL, key.model, but=decode) if i.name != failed]
         return self.strategy.choose(key, self.fleet, pool)
 
-    def replan(self, key: RoutingKey | None, plan: Plan, first: Decision) -> Plan:
+    def replan(self, plan: Plan, first: Decision) -> Plan:
         """The plan once admission gave its first leg `first` (the same decision, or another instance's after a
-        wait, when the decode instance is chosen again)."""
-        if not plan.split or key is None:
-            return Plan(first, None, plan.why)
-        if first is plan.prefill:
-            return plan
-        return Plan(decode_after(self.strategy, key, self.fleet, first.instance), first, plan.why)
+        wait)."""
+        return Plan(plan.decode, first, plan.why) if plan.split else Plan(first, None, plan.why)
+
+    def decode_after(self, key: RoutingKey, prefill: str) -> Decision:
+        """The decode instance for a split request whose prefill leg `prefill` has just answered: chosen now, on
+        the load it finds (the simulator does the same)."""
+        self.fleet.now = time.monotonic()
+        return decode_after(self.strategy, key, self.fleet, prefill)
 
     # -- admission (core/admission.py) ------------------------------------------------------------------------
     def open(self) -> Lifecycle:
@@ -345,7 +347,9 @@ class Router:
         leg = life.leg
         assert leg is not None
         decision, name = leg.decision, leg.instance
-        if name not in self.fleet.instances:
+        # A decode leg's engine reports its prefill leg's cached tokens (vLLM forwards them), not its own cache's:
+        # the prefill leg counted them already.
+        if name not in self.fleet.instances or leg.role == DECODE:
             return
         verdict = life.feedback(usage.cached_tokens, usage.prompt_tokens, decision.prompt_tokens)
         prompt = usage.prompt_tokens or decision.prompt_tokens

@@ -12,6 +12,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
 from warmroute.core.admission import AdmissionSettings
+from warmroute.core.disaggregation import DisaggregationSettings
 from warmroute.core.strategies import STRATEGIES, StrategySettings
 from warmroute.router.settings import (RouterSettings, add_setting_arguments, cli_values, describe_errors,
                                        field_of, setting_names, strategy_settings_from)
@@ -45,8 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--profile", choices=("8b", "70b"), default="8b")
     f.add_argument("--kv-capacity-tokens", type=int, help="per instance (default: the profile's)")
     f.add_argument("--max-running", type=int, default=64)
+    f.add_argument("--prefill-instances", type=int, default=0, metavar="P",
+                   help="disaggregated serving: the first P instances prefill, the others decode (default 0: every "
+                        "instance serves whole requests)")
+    f.add_argument("--transfer-tokens-per-s", type=float, default=SimSettings.transfer_tokens_per_s, metavar="R",
+                   help="disaggregated serving: how fast a prompt's KV cache moves between instances")
     r = parser.add_argument_group("router", "the strategies' settings, as `warmroute serve` takes them")
     add_setting_arguments(r, StrategySettings)
+    add_setting_arguments(r, DisaggregationSettings)
     r.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
                    help="the router's admission queue: a request whose instance has no room waits in the router "
                         "(default: on, as `warmroute serve`)")
@@ -95,8 +102,13 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
     for name in ("instances", "requests", "max_running"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.prefill_instances < args.instances:
+        raise UsageError("--prefill-instances must be from 0 to --instances - 1 (at least one instance decodes)")
+    if args.transfer_tokens_per_s <= 0:
+        raise UsageError("--transfer-tokens-per-s must be > 0")
     try:
         autoscale = AutoscaleSettings(**cli_values(args, AutoscaleSettings))
+        pd = DisaggregationSettings(**cli_values(args, DisaggregationSettings))
     except ValidationError as exc:
         raise UsageError("; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e.get('input')}: {e['msg']}"
                                    if e.get("loc") else e["msg"].removeprefix("Value error, ")
@@ -113,7 +125,9 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
         requests=args.requests,
         rate=args.rate, concurrency=closed, speedup=args.speedup,
         rate_shape=parse_rate_shape(args.rate_shape) if args.rate_shape else None,
-        scale_events=[_scale_event(s) for s in args.scale_at], autoscale=autoscale, seed=args.seed)
+        scale_events=[_scale_event(s) for s in args.scale_at], autoscale=autoscale, seed=args.seed,
+        prefill_instances=args.prefill_instances, transfer_tokens_per_s=args.transfer_tokens_per_s,
+        pd=pd)
 
 
 def _scale_event(text: str) -> tuple[float, int]:

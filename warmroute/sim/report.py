@@ -28,12 +28,17 @@ class Summary:
     hit_rate_dips: list[dict]  # per scale event: before, lowest after, recovery seconds (0: no dip)
     ttft_p50_ms_by_class: dict[str, float | None]  # per request class of the workload ("hot", "shared", ...)
     queued: float = 0.0  # fraction of requests that waited in the router's queue
+    tpot_p50_ms: float | None = None  # time per output token after the first (decode speed), median over requests
+    tpot_p99_ms: float | None = None
+    split: float = 0.0  # fraction of requests prefilled at one instance and decoded at another
 
 
 def summarize(r: SimResult) -> Summary:
     done = [x for x in r.records if x.first_token is not None]
     ttft = [(x.first_token - x.arrival) * 1000 for x in done]
     e2e = [x.done - x.arrival for x in r.records if x.done is not None]
+    tpot = [(x.done - x.first_token) * 1000 / (x.output_tokens - 1) for x in done
+            if x.done is not None and x.output_tokens > 1]
     span = r.duration_s or 1.0
     return Summary(
         strategy=r.strategy, requests=len(r.records),
@@ -46,6 +51,8 @@ def summarize(r: SimResult) -> Summary:
         hit_rate_dips=[_dip(r, t) for t, _ in r.prefixes_moved],
         ttft_p50_ms_by_class={tag: percentile([(x.first_token - x.arrival) * 1000 for x in done if x.tag == tag], 50)
                               for tag in sorted({x.tag for x in done})},
+        tpot_p50_ms=percentile(tpot, 50), tpot_p99_ms=percentile(tpot, 99),
+        split=sum(bool(x.prefill_instance) for x in r.records) / max(1, len(r.records)),
     )
 
 

@@ -21,6 +21,8 @@ from typing import Any
 from warmroute.core.admission import Admission, AdmissionSettings, QueueFull, Waiter, admission_settings, decide_at
 from warmroute.core.cache_value import CacheValue, scale_in_victim
 from warmroute.core.demand import DemandMeter, fleet_demand
+from warmroute.core.disaggregation import (DECODE, PREFILL, SPLIT, DisaggregationSettings, Plan, decode_after,
+                                           plan_for_decode, pool_of)
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.lifecycle import Lifecycle
 from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
@@ -62,6 +64,13 @@ class SimSettings:
     # The admission queue's other settings by their AdmissionSettings names (fair_lend, prefill_budget, ...), as
     # `warmroute serve` takes them; unset ones keep the queue's defaults.
     queue: dict[str, Any] = field(default_factory=dict)
+    # Disaggregated prefill/decode: the first `prefill_instances` of the fleet prefill, the others decode (0: every
+    # instance serves whole requests); the router splits as `warmroute serve` does (pd_threshold_tokens). The KV
+    # cache moves at transfer_tokens_per_s, after transfer_latency_s per request.
+    prefill_instances: int = 0
+    pd: DisaggregationSettings = field(default_factory=DisaggregationSettings)
+    transfer_tokens_per_s: float = 100_000.0
+    transfer_latency_s: float = 0.002
     seed: int = 0
 
     def engine_config(self, scale: int = 1) -> EngineConfig:
@@ -100,6 +109,8 @@ class RequestRecord:
     tag: str = ""  # the workload's request class ("hot", "shared", "chat", ...)
     sent: float = 0.0  # when it went to its instance (later than arrival if it waited in the router)
     tenant: str = ""
+    prefill_instance: str = ""  # a split request's prefill leg's instance ("": sent whole)
+    prefill_cached_tokens: int = 0  # of its prompt, what that instance had cached
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ class _Instance:
 
 
 class Simulation:
-    ARRIVE, STEP = 0, 1
+    ARRIVE, STEP, LANDED = 0, 1, 2
 
     def __init__(self, settings: SimSettings, workload: Workload, strategy: str | Strategy,
                  pooled: bool = False) -> None:
@@ -193,6 +204,9 @@ class Simulation:
         scaling = self.autoscaler is not None or bool(settings.scale_events)
         self.cache_value = CacheValue() if scaling and self.strategy.records_prefixes else None
         self._victim_rng = random.Random(f"scale-in-{settings.seed}")
+        self._plans: dict[Lifecycle, Plan] = {}  # split requests' plans until their decode leg goes
+        self._prefilling: dict[int, tuple[RequestRecord, Lifecycle, _Instance]] = {}  # prefill legs, by engine seq
+        self._held: dict[int, tuple[_Instance, int]] = {}  # decode seq -> the prefill instance and seq holding its KV
         self._starting: dict[int, float] = {}  # instances being started: id -> creation time
         self._starting_ids = itertools.count()
         self._cancelled_s = 0.0  # instance-seconds of starting instances cancelled before they were ready
@@ -207,8 +221,10 @@ class Simulation:
             name += "+"
         inst = self.instances[name] = _Instance(name, EngineModel(self.cfg), created, joined)
         router_capacity = self.s.router_kv_capacity_tokens if not self.pooled else None
+        role = "both" if self.pooled or not self.s.prefill_instances else \
+            PREFILL if len(self.instances) <= self.s.prefill_instances else DECODE
         self.fleet.add(name, router_capacity or self.cfg.kv_capacity_tokens,
-                       1000.0 / self.cfg.timing.prefill_ms_per_token, self.s.engine_capacity)
+                       1000.0 / self.cfg.timing.prefill_ms_per_token, self.s.engine_capacity, role=role)
         return inst
 
     def _live(self) -> list[_Instance]:
@@ -376,6 +392,8 @@ class Simulation:
             self.now = now
             if kind == self.STEP:
                 self._on_step_done(now, payload)  # type: ignore[arg-type]
+            elif kind == self.LANDED:
+                self._on_landed(now, payload)  # type: ignore[arg-type]
             elif isinstance(payload, tuple) and isinstance(payload[0], str):
                 self._control(now, payload)
             else:
@@ -449,14 +467,14 @@ class Simulation:
         life.keyed(key := key_for_json(req.path, req.body), req.tenant)
         self.fleet.now = now  # the core reads no clock: slow start's ramps are timed by the shell's
         try:
-            d = self.strategy.choose(key, self.fleet)
+            d, pool = self._choose(life, key)
         except NoInstanceAvailable:
             life.refuse()
             self._count_rejected(req.tenant)
             self._rejected_at.append(now)
             return
         try:
-            refused = life.admit(d, now)
+            refused = life.admit(d, now, pool=pool)
         except QueueFull:
             self._queued += 1
             assert life.waiter is not None
@@ -469,6 +487,17 @@ class Simulation:
             for w in refused:
                 self._shed(now, w)
         self._pump(now)
+
+    def _choose(self, life: Lifecycle, key: RoutingKey) -> tuple[Decision, str]:
+        """The strategy's choice and the pool it is in; in a disaggregated fleet, the first leg of the plan (kept
+        for `_send`)."""
+        if not self.fleet.disaggregated:
+            return self.strategy.choose(key, self.fleet), ""
+        decoders = pool_of(self.fleet, DECODE, key.model)
+        plan = plan_for_decode(self.strategy, key, self.fleet, self.s.pd, self.strategy.choose(key, self.fleet, decoders))
+        if plan.split:
+            self._plans[life] = plan
+        return plan.first, plan.pool
 
     def _pump(self, now: float) -> None:
         """Instances with room take the waiting requests the admission queue gives them."""
@@ -504,6 +533,10 @@ class Simulation:
     def _send(self, now: float, arrival: float, life: Lifecycle, d: Decision) -> None:
         key, (req, _) = life.key, life.shell
         assert key is not None
+        plan = self._plans.pop(life, None)
+        if plan is not None:
+            self._send_prefill(now, arrival, life, d)
+            return
         self._note_prefix(key.prefix_hash(self.s.routing.prefix_length), d.instance)
         life.dispatch(d)
         if self.autoscaler is not None:
@@ -519,6 +552,54 @@ class Simulation:
         if not inst.busy:
             self._start_step(now, inst)
 
+    # -- a split request (core/disaggregation.py): prefill here, then its KV moves to the decode instance -------
+    def _send_prefill(self, now: float, arrival: float, life: Lifecycle, d: Decision) -> None:
+        """The prefill leg: one token computed, its prompt's blocks held for the decode instance to read."""
+        key, (req, _) = life.key, life.shell
+        assert key is not None
+        self._note_prefix(key.prefix_hash(self.s.routing.prefix_length), d.instance)
+        life.dispatch(d, role=PREFILL)
+        rec = RequestRecord(arrival, "", key.tokens, d.reason, tag=req.tag, sent=now, tenant=req.tenant,
+                            prefill_instance=d.instance)
+        self.records.append(rec)
+        seq = next(self._seq)
+        inst = self.instances[d.instance]
+        self._prefilling[seq] = (rec, life, inst)
+        inst.model.submit(seq, self._engine_blocks(key), key.tokens, 1, hold=True)
+        if not inst.busy:
+            self._start_step(now, inst)
+
+    def _send_decode(self, now: float, life: Lifecycle, rec: RequestRecord, prefill: _Instance, pseq: int) -> None:
+        """The decode leg, once the prefill leg has answered: admitted there, it loads the KV it lacks."""
+        key, (req, _) = life.key, life.shell
+        assert key is not None
+        self.fleet.now = now
+        try:
+            d = decode_after(self.strategy, key, self.fleet, prefill.name)
+        except NoInstanceAvailable:
+            prefill.model.release(pseq)
+            life.finish()
+            self._count_rejected(req.tenant)
+            self._rejected_at.append(rec.arrival)
+            return
+        life.dispatch(d, role=DECODE)
+        rec.instance, rec.reason = d.instance, SPLIT
+        seq = next(self._seq)
+        self._inflight[seq] = (rec, life)
+        self._held[seq] = (prefill, pseq)
+        inst = self.instances[d.instance]
+        inst.model.submit(seq, self._engine_blocks(key), key.tokens, max(1, req.max_tokens), remote=True)
+        if not inst.busy:
+            self._start_step(now, inst)
+
+    def _on_landed(self, now: float, payload: tuple[_Instance, int]) -> None:
+        """A decode leg's KV arrived: the prefill instance lets its blocks go, and the decode instance runs it."""
+        inst, seq = payload
+        prefill, pseq = self._held.pop(seq)
+        prefill.model.release(pseq)
+        if inst.model.loaded(seq) and not inst.busy:
+            self._start_step(now, inst)
+
     def _engine_blocks(self, key: RoutingKey) -> list[int]:
         """The engine model is fed the routing key's blocks and ~4-byte tokens, not a tokenizer's (too slow for
         100,000 requests): here, unlike over HTTP, router and engine agree on what a prefix is."""
@@ -526,7 +607,7 @@ class Simulation:
         return blocks[: key.tokens // self.cfg.block_size]
 
     def _start_step(self, now: float, inst: _Instance) -> None:
-        if inst.model.idle:
+        if inst.model.stalled:  # idle, or only waiting for KV to arrive (`_on_landed` starts it again)
             inst.busy = False
             if inst.draining and inst.ended is None:
                 inst.ended = now
@@ -547,7 +628,16 @@ class Simulation:
 
     def _on_step_done(self, now: float, payload: tuple[_Instance, object]) -> None:
         inst, result = payload
+        for seq, tokens in result.loads.items():  # type: ignore[attr-defined]
+            moved = self.s.transfer_latency_s + tokens / self.s.transfer_tokens_per_s
+            self._push(now + moved, self.LANDED, (inst, seq))
         for seq, cached in result.first_tokens.items():  # type: ignore[attr-defined]
+            if seq in self._prefilling:
+                rec, life, _ = self._prefilling[seq]
+                rec.prefill_cached_tokens = cached
+                life.first_token()
+                life.feedback(cached)
+                continue
             rec, life = self._inflight[seq]
             rec.first_token, rec.cached_tokens = now, cached
             leg = life.first_token()
@@ -557,8 +647,14 @@ class Simulation:
                 self.demand.first_token(books, now, rec.prompt_tokens - cached, now - rec.sent)
             life.feedback(cached)  # the engine reports cached tokens at first token
         for seq, n in result.tokens.items():  # type: ignore[attr-defined]
-            self._inflight[seq][0].output_tokens += n
+            if seq not in self._prefilling:  # a prefill leg's one token is not the answer's
+                self._inflight[seq][0].output_tokens += n
         for seq in result.finished:  # type: ignore[attr-defined]
+            if seq in self._prefilling:
+                rec, life, prefill = self._prefilling.pop(seq)
+                life.handover()
+                self._send_decode(now, life, rec, prefill, seq)
+                continue
             rec, life = self._inflight.pop(seq)
             rec.done = now
             life.finish()
