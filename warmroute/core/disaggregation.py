@@ -44,8 +44,9 @@ class DisaggregationSettings(SettingsModel):
 
     pd_threshold_tokens: int = Field(512, ge=0, le=10_000_000)
     """A request is split only when its decode instance would have at least this many of its prompt tokens to compute
-    (its prompt less what that instance holds); below, it goes there whole. 0: every request with a token to compute
-    and a prefill instance to go to is split."""
+    (its prompt less what that instance holds); below, it goes there whole. At or above, it goes there whole too when
+    the prefill pool's queue would make its first token later than computing it there. 0: every request with a token
+    to compute is split unless the prefill pool is slower."""
     pd_transfer: Literal["nixl", "storage", "bootstrap"] = "nixl"
     """How the engines move the KV cache between the legs: nixl (vLLM's NixlConnector, P2P connectors: the prefill
     answer's kv_transfer_params go with the decode leg), storage (a shared-storage connector: the same two legs, no
