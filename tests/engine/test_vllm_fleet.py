@@ -42,6 +42,34 @@ def test_instances_get_consecutive_ports_own_event_ports_and_cores_wrapping_arou
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "5,6" and env["HF_HUB_OFFLINE"] == "1"
 
 
+def test_a_disaggregated_fleet_gives_each_role_its_connector_and_its_own_nixl_port(fake_vllm, monkeypatch,
+                                                                                  tmp_path: Path) -> None:
+    monkeypatch.setattr(vllm_fleet, "has_nixl", lambda python: True)
+    fleet = VllmFleet(VllmFleetSpec(model_dir=tmp_path, prefill=2, decode=1, python="/x/bin/python"), tmp_path)
+    assert [i.role for i in fleet.instances] == ["prefill", "prefill", "decode"]
+    assert [i.name for i in fleet.with_role("decode")] == ["vllm-decode-2"]
+    ports = {i.port for i in fleet.instances} | {p for i in fleet.instances for p in (i.events_port, i.replay_port)}
+    nixl = [i.nixl_port for i in fleet.instances]
+    assert len(set(nixl)) == 3 and not set(nixl) & ports
+    for instance, kv_role in zip(fleet.instances, ("kv_producer", "kv_producer", "kv_consumer")):
+        args = fleet.vllm_args(instance)
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+        env = fleet.vllm_env(instance)
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(instance.nixl_port) and env["UCX_TLS"] == "tcp,self,sm"
+    plain = VllmFleet(VllmFleetSpec(model_dir=tmp_path, count=1, python="p"), tmp_path)
+    assert "--kv-transfer-config" not in plain.vllm_args(plain.instances[0])
+
+
+def test_a_disaggregated_fleet_without_nixl_or_without_a_decode_instance_is_refused(fake_vllm, monkeypatch,
+                                                                                    tmp_path: Path) -> None:
+    monkeypatch.setattr(vllm_fleet, "has_nixl", lambda python: False)
+    with pytest.raises(VllmMissing, match="(?i)nixl"):
+        VllmFleet(VllmFleetSpec(model_dir=tmp_path, prefill=1, decode=1, python="p"), tmp_path)
+    with pytest.raises(Exception, match="at least one prefill and one decode"):
+        VllmFleetSpec(model_dir=tmp_path, prefill=2).validate()
+
+
 def test_no_kv_events_means_no_event_ports(fake_vllm, tmp_path: Path) -> None:
     fleet = VllmFleet(VllmFleetSpec(model_dir=tmp_path, count=1, kv_events=False, python="p"), tmp_path)
     assert fleet.instances[0].events_port is None
@@ -102,6 +130,7 @@ def test_dev_py_vllm_returns_at_once_once_installed_and_retries_a_failed_install
     monkeypatch.setattr(dev, "VLLM_STAMP", tmp_path / "installed")
     monkeypatch.setattr(dev, "VLLM_FAILED", tmp_path / "failed")
     monkeypatch.setattr(dev, "_vllm_install_problem", lambda: installs.append(1) or None)
+    monkeypatch.setattr(dev, "_install_nixl", lambda retry: True)  # its own stamps: not this test's
     dev.VLLM_FAILED.write_text(f"{dev.VLLM_PIN} {dev.TORCH_PIN}\nno network\n")
     assert not dev._install_vllm() and installs == []  # `dev.py test` does not try again
     assert dev._install_vllm(retry=True) and installs == [1]  # `dev.py vllm` does

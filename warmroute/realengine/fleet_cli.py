@@ -20,6 +20,10 @@ _DEFAULT = VllmFleetSpec(model_dir=Path("."))
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("vllm",), default="vllm", help="the engine to run (default vllm)")
     parser.add_argument("--count", type=int, default=_DEFAULT.count, metavar="N", help="instances (default 2)")
+    parser.add_argument("--prefill", type=int, default=0, metavar="P",
+                        help="a disaggregated fleet instead: P prefill instances (with --decode; NIXL, which "
+                             "`python3 dev.py vllm` installs, moves their KV blocks to the decode ones)")
+    parser.add_argument("--decode", type=int, default=0, metavar="D", help="... and D decode instances")
     parser.add_argument("--model-dir", type=Path, metavar="DIR",
                         help="a Hugging Face model directory; if it does not exist, the tiny model "
                              "(`warmroute make-tiny-model --format hf`) is written there first (default: the tiny "
@@ -53,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                          block_size=args.block_size, kv_cache_bytes=_bytes(args.kv_cache_bytes),
                          max_model_len=args.max_model_len, cores_per_instance=args.cores_per_instance,
                          served_model_name=args.served_model_name, kv_events=not args.no_kv_events,
-                         python=args.vllm_python, extra_args=tuple(args.vllm_arg))
+                         python=args.vllm_python, extra_args=tuple(args.vllm_arg), prefill=args.prefill,
+                         decode=args.decode)
     spec.validate()
     python = find_vllm_python(args.vllm_python)  # says what is missing when vLLM is not installed
     if args.model_dir is None:
@@ -103,7 +108,8 @@ async def _serve(fleet: VllmFleet) -> int:
         for i in fleet.instances:
             events = f", KV events tcp://{i.host}:{i.events_port}, replay tcp://{i.host}:{i.replay_port}" \
                 if i.events_port else ""
-            print(f"{i.name} ready on {i.url} (cores {i.cores}{events})", flush=True)
+            role = f"{i.role}, NIXL side channel {i.host}:{i.nixl_port}, " if i.nixl_port else ""
+            print(f"{i.name} ready on {i.url} ({role}cores {i.cores}{events})", flush=True)
         while not stop.is_set():
             dead = [i for i in fleet.instances if not i.alive()]
             if dead:
