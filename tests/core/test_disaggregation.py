@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from warmroute.core.admission import Admission, AdmissionSettings
-from warmroute.core.disaggregation import (CACHED_AT_DECODE, DECODE, NO_PREFILL, PREFILL, SHORT_PROMPT, SPLIT,
-                                           DisaggregationSettings, decode_after, plan, pool_of)
+from warmroute.core.disaggregation import (CACHED_AT_DECODE, DECODE, NO_PREFILL, PREFILL, PREFILL_BACKLOG,
+                                           SHORT_PROMPT, SPLIT, DisaggregationSettings, decode_after, plan, pool_of)
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.lifecycle import Lifecycle, OutOfOrder, State
 from warmroute.core.strategies import NoInstanceAvailable, make_strategy
@@ -103,7 +103,20 @@ def test_split_exactly_when_the_decode_instance_would_compute_at_least_the_thres
     if cached:
         f.index.record("d0", key(SYSTEM, "earlier").blocks())
     p = plan(s, key(SYSTEM, user), f, DisaggregationSettings(pd_threshold_tokens=threshold))
-    assert p.split == (p.decode.uncached_tokens >= max(1, threshold))
+    worth = p.decode.uncached_tokens >= max(1, threshold)
+    assert p.split == (worth and p.why == SPLIT)
+    if worth and not p.split:  # the prefill pool holds less of it than its decode instance: slower there
+        assert p.why == PREFILL_BACKLOG
+
+
+def test_a_request_the_prefill_pools_queue_would_delay_goes_whole_to_its_decode_instance():
+    f, s = pd_fleet(), make_strategy("cache_aware")
+    for name in ("p0", "p1"):
+        f.instances[name].queued_prefill_tokens = 50_000  # five seconds of prefill queued at each
+    p = plan(s, key(SYSTEM), f, SPLIT_ALL)
+    assert (p.split, p.why) == (False, PREFILL_BACKLOG)
+    f.instances["p1"].queued_prefill_tokens = 0
+    assert plan(s, key(SYSTEM), f, SPLIT_ALL).prefill.instance == "p1"
 
 
 # -- the lifecycle of a request in two legs ---------------------------------------------------------------------
@@ -184,7 +197,8 @@ def test_a_waiting_request_is_given_a_slot_only_at_an_instance_of_its_pool():
     busy.keyed(key("other " * 400), "t")
     first = plan(s, busy.key, f, SPLIT_ALL)
     busy.admit(first.first, 0.0, pool=first.pool)
-    busy.dispatch(first.prefill, role=PREFILL)  # the prefill instance is full
+    busy.dispatch(first.prefill, role=PREFILL)
+    busy.first_token()  # the prefill instance is full, its prompt computed (no queue to make a split slower)
     life = Lifecycle(f, adm, Clock())
     life.keyed(key(SYSTEM), "t")
     p = plan(s, life.key, f, SPLIT_ALL)

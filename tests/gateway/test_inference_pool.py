@@ -47,6 +47,14 @@ def test_ready_pods_on_each_target_port_become_instances():
     assert [b.name for b in instances_of_pods(pods, (8000, 8001))] == ["a-8000", "a-8001"]
 
 
+def test_a_pods_llm_d_role_label_gives_its_instance_a_role_in_disaggregated_serving():
+    pods = {name: pod(name, f"10.0.0.{i}") for i, name in enumerate(("p", "d", "b", "odd"), 1)}
+    for name, role in (("p", "prefill"), ("d", "decode"), ("odd", "leader")):
+        pods[name]["metadata"]["labels"]["llm-d.ai/role"] = role
+    assert {b.name: b.role for b in instances_of_pods(pods, (8000,))} == \
+        {"p": "prefill", "d": "decode", "b": "both", "odd": "both"}
+
+
 class FakeApi:
     """Lists and watches of the pool and the pods; a list's labelSelector filters pods by their `app` label."""
 
