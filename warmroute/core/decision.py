@@ -44,12 +44,12 @@ class Decision:
     prompt_tokens: int = 0
     blocks: Sequence[int] = ()  # the chain to record for the chosen instance
     # Kept on the one instance holding its prefix at the private miss weight: it may wait in the router for room
-    # there (core/admission.py) rather than be queued where its history would be evicted.
+    # there (core/admission/) rather than be queued where its history would be evicted.
     private: bool = False
     # Precise mode: whether the chosen instance's match came from its engine's KV events ("precise") or from the
     # router's cache model ("approximate"); "" where precise mode is off.
     match: str = ""
-    waited_for: str = ""  # why it waited in the router's queue (core/admission.py's WAIT_REASONS); "": it did not
+    waited_for: str = ""  # why it waited in the router's queue (core/admission's WAIT_REASONS); "": it did not
     note: str = ""  # why the match is approximate where precise mode could not help (TOKENIZE_FAILED)
 
     @property

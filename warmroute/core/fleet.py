@@ -8,8 +8,7 @@ the load-balancing policy). The I/O shell and the simulator report what happens 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from warmroute.core import feedback as fb
@@ -187,19 +186,6 @@ class Fleet:
         for n in over:
             del ramps[n]
         return {n: now - t for n, t in ramps.items()}
-
-    @contextmanager
-    def only(self, name: str) -> Iterator[None]:
-        """For one synchronous choice, every instance but `name` looks draining (so any strategy chooses it,
-        with its own reasons and books)."""
-        others = [i for n, i in self.instances.items() if n != name and not i.draining]
-        for i in others:
-            i.draining = True
-        try:
-            yield
-        finally:
-            for i in others:
-                i.draining = False
 
     # -- which instance serves which model ------------------------------------------------------------------
     def set_models(self, name: str, models: frozenset[str] | None) -> None:

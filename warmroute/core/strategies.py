@@ -6,7 +6,7 @@ doing no I/O, so the HTTP router and the simulator make exactly the same decisio
   cache_aware  (default) lowest estimated time to first token, from the prefix index and queued prefill,
                under a bounded-load guard; ties and cold prefixes placed by rendezvous on the prefix. A
                conversation kept on its instance may wait in the router while that instance is full
-               (core/admission.py decides; the shells, router/routing.py and sim/simulator.py, wait).
+               (core/admission/ decides; the shells, router/routing.py and sim/simulator.py, wait).
   prefix       the reference's behaviour: rendezvous on the first PrefixLength characters, spilling along
                that prefix's own rendezvous order past ConcurrencyThreshold.
   session      rendezvous on the session id (x-session-id header or `user` field).
@@ -216,7 +216,7 @@ class CacheAwareStrategy(Strategy):
 
     A prompt kept on the one instance holding its prefix at the private miss weight (`Decision.private`) may
     wait in the router while the prompts in flight there, with it, would need more than `hold_kv_limit` x its
-    KV cache: core/admission.py decides, with these settings.
+    KV cache: core/admission/ decides, with these settings.
     """
 
     @property

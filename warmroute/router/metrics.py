@@ -123,7 +123,7 @@ class Metrics:
                                             "(fetch, status, malformed, missing)", ["backend", "kind"],
                                             registry=r)
 
-        # Admission control (core/admission.py): the router's queue.
+        # Admission control (core/admission/): the router's queue.
         self.queue_waiting = Gauge("warmroute_queue_waiting",
                                    "Requests waiting in the router for room, by priority and tenant",
                                    ["priority", "tenant"], registry=r, multiprocess_mode="livesum")

@@ -22,8 +22,10 @@ from warmroute.core.lifecycle import Hooks, Leg, Lifecycle
 from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
                                         key_for_json, key_for_raw)
 from warmroute.core.decision import TOKENIZE_FAILED
-from warmroute.core.disaggregation import DECODE, NOT_SPLITTABLE, PREFILL, Plan, decode_after, plan_for_decode, pool_of
+from warmroute.core.disaggregation import (DECODE, NOT_SPLITTABLE, PREFILL, Plan, decode_after, plan_for_decode,
+                                           pool_of, takes)
 from warmroute.core.stages import Handles
+from warmroute.core.stages.routable import routable
 from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy
 from warmroute.router.autoscaling import FleetSignals
 from warmroute.router.errors import ApiError, bad_request, no_instance
@@ -145,15 +147,11 @@ class Router:
     def decide(self, key: RoutingKey | None, avoid: str | None = None) -> Decision:
         """The strategy's choice for this key (least loaded when there is no key); NoInstanceAvailable if none.
         `avoid` names an instance that just failed this request: it is left out of this one choice."""
-        inst = self.fleet.instances.get(avoid) if avoid is not None else None
-        if inst is not None and inst.healthy:
-            inst.healthy = False  # for this synchronous choice only (no await in between)
-            try:
-                return self.decide(key)
-            finally:
-                inst.healthy = True
-        # in a disaggregated fleet a whole request goes to a decode instance (prefill-only ones take prefill legs)
-        pool = pool_of(self.fleet, DECODE, key.model if key else None) if self.fleet.disaggregated else None
+        model = key.model if key else None
+        if self.fleet.disaggregated:  # a whole request goes to a decode instance (prefill-only ones take prefill legs)
+            pool = [i for i in routable(self.fleet, model, but=avoid) if takes(i, DECODE)]
+        else:
+            pool = routable(self.fleet, model, but=avoid) if avoid is not None else None
         if key is None:
             return self._any.choose(_NO_KEY, self.fleet, pool)
         self.fleet.now = now = time.monotonic()  # the core reads no clock (slow start's ramps)
@@ -220,7 +218,7 @@ class Router:
         self.fleet.now = time.monotonic()
         return decode_after(self.strategy, key, self.fleet, prefill)
 
-    # -- admission (core/admission.py) ------------------------------------------------------------------------
+    # -- admission (core/admission/) ------------------------------------------------------------------------
     def open(self) -> Lifecycle:
         """A new request's lifecycle (core/lifecycle.py), its books kept in this router's fleet and queue."""
         return Lifecycle(self.fleet, self.admission, time.perf_counter, records_prefixes=self.strategy.records_prefixes,

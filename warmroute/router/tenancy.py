@@ -1,5 +1,5 @@
 """Who sent a request and how urgent it is: its tenant (fair shares) and priority class (admission order), from
-what the router can believe about it. The queue that uses them is core/admission.py, which sees only the results.
+what the router can believe about it. The queue that uses them is core/admission/, which sees only the results.
 
 The model (docs/deployment.md, "Who may claim what"): a request's tenant is its API key's (a tenant named in
 `api_keys`, else a salted hash of the key), or `anonymous` without one; headers and the body's `user` field name a

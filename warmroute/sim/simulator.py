@@ -59,7 +59,7 @@ class SimSettings:
     scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
     autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)  # off unless .autoscale is set
     window_s: float = 10.0  # time-series bucket
-    admission: bool = True  # the router's admission queue (core/admission.py); off: every request goes at once
+    admission: bool = True  # the router's admission queue (core/admission/); off: every request goes at once
     queue_timeout_s: float = AdmissionSettings.timeout_s  # a waiting request is refused (429) after this
     # The admission queue's other settings by their AdmissionSettings names (fair_lend, prefill_budget, ...), as
     # `warmroute serve` takes them; unset ones keep the queue's defaults.
@@ -461,7 +461,7 @@ class Simulation:
 
     def _on_arrival(self, now: float, req: WorkloadRequest, turns: Iterator[WorkloadRequest] | None,
                     budget: list[int] | None) -> None:
-        """Route a request: to its instance now, or into the router's queue (core/admission.py)."""
+        """Route a request: to its instance now, or into the router's queue (core/admission/)."""
         life = Lifecycle(self.fleet, self.admission, self._clock, records_prefixes=self.strategy.records_prefixes)
         life.shell = (req, turns)
         life.keyed(key := key_for_json(req.path, req.body), req.tenant)

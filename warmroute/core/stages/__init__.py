@@ -30,7 +30,7 @@ from warmroute.core.stages.tie_slack import TieSlack
 class Handles:
     """What a stage may need beyond settings: a seed for random choices, where cached depths come from (the
     router's index; the simulator's oracle passes the engines' real caches), and with an admission queue
-    (core/admission.py), how long a request would wait there for a slot at each instance."""
+    (core/admission/), how long a request would wait there for a slot at each instance."""
 
     seed: int | None = None
     depths: DepthSource = index_depths

@@ -17,19 +17,21 @@ from warmroute.core.stages.load_guard import least_loaded
 
 def affinity_choice(hash_key: int, fleet: Fleet, threshold: int, model: str | None,
                     up: list[Instance]) -> tuple[Instance, str]:
-    """Rendezvous order of `hash_key` over the instances that may serve `model` (`up`: the routable ones): its
-    first instance under the threshold, else the least loaded."""
+    """Rendezvous order of `hash_key` over the instances that may serve `model`: its first instance among `up` (the
+    candidates: the routable ones, or fewer) under the threshold, else the least loaded of `up`. An instance of the
+    order that is not a candidate counts as down."""
     serving = fleet.serving(model) if model is not None else None
+    allowed = {i.name for i in up}
     # Usually the first in the order is up and under the threshold: its top alone, without sorting them all.
     first = top(hash_key, list(fleet.instances.values()) if serving is None
                 else [fleet.instances[n] for n in sorted(serving)])
-    if first is not None and first.routable and first.inflight < threshold:
+    if first is not None and first.name in allowed and first.inflight < threshold:
         return first, AFFINITY
     names = rendezvous.order(hash_key, list(fleet.instances) if serving is None else sorted(serving))
     preferred_up = True
     for pos, name in enumerate(names):
         inst = fleet.instances[name]
-        if not inst.routable:
+        if name not in allowed:
             preferred_up = preferred_up and pos > 0
             continue
         if inst.inflight < threshold:
@@ -57,8 +59,8 @@ def hash_text(text: str) -> int:
 
 
 class Affinity(Picker):
-    """Looks at every instance of the fleet, not only the candidates: whether the key's own instance is down
-    (unhealthy_fallback) or busy (overload_spill) is part of the answer."""
+    """Looks at every instance of the fleet, not only the candidates: whether the key's own instance is down or
+    left out (unhealthy_fallback) or busy (overload_spill) is part of the answer."""
 
     name = "affinity"
 

@@ -1,8 +1,8 @@
-"""Scorer: the seconds a request would wait in the router for a slot at an instance whose engine is full (core/
-admission.py: as many requests in flight as it runs at once, beyond those already waiting for it); 0 elsewhere.
-Added to the estimated time to first token, it weighs waiting for the engine that holds the prefix against a
-full prefill on one with room: a request goes where it is answered soonest, and waits in the router only where
-that is still the soonest."""
+"""Scorer: the seconds a request would wait in the router for a slot at an instance whose engine is full
+(core/admission/capacity.py: as many requests in flight as it runs at once, beyond those already waiting for
+it); 0 elsewhere. Added to the estimated time to first token, it weighs waiting for the engine that holds the
+prefix against a full prefill on one with room: a request goes where it is answered soonest, and waits in the
+router only where that is still the soonest."""
 
 from __future__ import annotations
 
