@@ -24,7 +24,7 @@ import time
 from warmroute.router import routing
 from warmroute.router.metrics import Metrics
 from warmroute.router.routing import Router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 PATH = "/v1/chat/completions"
 

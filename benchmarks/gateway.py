@@ -363,7 +363,7 @@ async def phase_picker(args: argparse.Namespace) -> list[dict[str, Any]]:
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
     from warmroute.gateway.server import start_picker
-    from warmroute.router.settings import load_settings
+    from warmroute.router.settings_load import load_settings
 
     log(f"== (c) picker CPU per ext_proc stream, {args.picker_streams} streams per window")
     fleet = sat.FleetSpec("stub")

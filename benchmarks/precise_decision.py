@@ -27,7 +27,7 @@ from pathlib import Path
 from warmroute.core.kv_events import BlockStored
 from warmroute.router.metrics import Metrics
 from warmroute.router.routing import Router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 BLOCK = 16
 PATH = "/v1/chat/completions"

@@ -24,7 +24,7 @@ from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
 from warmroute.engine.tokenizer import default_tokenizer_dir
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 from warmroute.workloads import make_workload
 
 

@@ -29,7 +29,7 @@ from warmroute.realengine.vllm_fleet import (VllmFleet, VllmFleetSpec, VllmInsta
                                              shared_tiny_model)
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 
 

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from warmroute.router.server import RunningRouter, start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 Behaviour = Callable[[web.Request], Awaitable[web.StreamResponse]]
 JSON_TYPE = {"Content-Type": "application/json"}  # what clients send; other media types get a 415

@@ -36,7 +36,8 @@ from warmroute.core.feedback import VERDICTS
 from warmroute.core.strategies import REASONS
 from warmroute.errors import UsageError
 from warmroute.router.app import METRICS, build_app
-from warmroute.router.settings import MiB, RouterSettings, load_settings, read_config_file
+from warmroute.router.settings import MiB, RouterSettings
+from warmroute.router.settings_load import load_settings, read_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

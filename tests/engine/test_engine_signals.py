@@ -18,7 +18,7 @@ from warmroute.engine.server import start_fleet
 from warmroute.router.app import ROUTER, SCRAPER, UPSTREAMS
 from warmroute.router.engine_metrics import EngineSignals, MalformedMetrics, parse_engine_metrics
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

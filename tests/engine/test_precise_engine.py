@@ -17,7 +17,7 @@ from warmroute.engine.server import EngineServer, start_fleet
 from warmroute.engine.tokenizer import default_tokenizer_dir, load_tokenizer
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 KV_TOKENS = 20_000
 TIME_SCALE = 0.02

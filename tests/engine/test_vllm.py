@@ -384,7 +384,7 @@ async def test_precise_mode_finds_each_instances_publisher_from_vllm_itself(setu
     from warmroute.core.kv_events import EventSource, source_from_vllm
     from warmroute.router.app import ROUTER
     from warmroute.router.server import start_router
-    from warmroute.router.settings import load_settings
+    from warmroute.router.settings_load import load_settings
 
     async with aiohttp.ClientSession() as client:
         for inst in setup.fleet.instances:

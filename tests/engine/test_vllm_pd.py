@@ -87,7 +87,7 @@ async def pool_hit_rate(client: aiohttp.ClientSession, urls: list[str], run) -> 
 
 async def test_two_prefill_and_one_decode_instances_behind_serve(fleet: VllmFleet) -> None:
     from warmroute.router.server import start_router
-    from warmroute.router.settings import load_settings
+    from warmroute.router.settings_load import load_settings
 
     prefill, decode = fleet.with_role("prefill"), fleet.with_role("decode")[0]
     router = await start_router(load_settings({

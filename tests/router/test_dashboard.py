@@ -16,7 +16,7 @@ from fake_upstream import Upstream, answer_json
 from warmroute.router import dashboard
 from warmroute.router.dashboard import HOT_SLOTS, Activity, Timeline, TimelineSampler
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 SECRET_TEXT = "confidential-system-prompt-XYZZY"
 

@@ -15,7 +15,7 @@ from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
 from warmroute.prometheus_text import read_samples
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 TIME_SCALE = 0.02
 CONFIG = EngineConfig.from_profile("8b", kv_capacity_tokens=200_000)

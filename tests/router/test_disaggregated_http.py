@@ -16,7 +16,7 @@ from aiohttp import web
 from fake_upstream import Upstream
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 LONG = {"model": "m", "max_tokens": 20, "stream": False, "messages": [
     {"role": "system", "content": "You review contracts for the legal team, clause by clause. " * 40},

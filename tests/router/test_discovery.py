@@ -20,7 +20,7 @@ from fake_upstream import Upstream
 from warmroute.router.app import DISCOVERY, METRICS, PROXY, ROUTER
 from warmroute.router.discovery import read_backends_file, with_host
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 TOKEN = "s3cret-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

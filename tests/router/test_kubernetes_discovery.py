@@ -11,7 +11,7 @@ from warmroute.bench.kube_api import FakeApi, endpoint, slice_
 from warmroute.router.app import ROUTER
 from warmroute.router.kubernetes import instances_of
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 
 def test_only_ready_endpoints_on_the_named_port_become_instances():

@@ -21,7 +21,7 @@ from warmroute.engine.kv_events import KvEventPublisher
 from warmroute.errors import UsageError
 from warmroute.router.app import CATALOG, KV_EVENTS, ROUTER
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 BS = 4  # tokens a block, as the publishers report
 

@@ -17,7 +17,8 @@ from warmroute.router.discovery import ADMIN, CONFIG, Membership
 from warmroute.router.health import HEALTH
 from warmroute.router.members import Addresses, Member
 from warmroute.router.server import start_router
-from warmroute.router.settings import Backend, load_settings
+from warmroute.router.settings import Backend
+from warmroute.router.settings_load import load_settings
 
 
 class Part:

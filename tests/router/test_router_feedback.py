@@ -11,7 +11,7 @@ from warmroute.engine.model import EngineConfig
 from warmroute.engine.server import start_fleet
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 ENGINE_KV = 4096  # tokens: about three of the documents below (~1,370 real tokens each; the router guesses ~750)
 ROUTER_KV = 64 * ENGINE_KV

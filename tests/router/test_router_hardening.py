@@ -359,7 +359,8 @@ async def test_retry_off_does_not_retry_a_refused_connection(up_a, up_b, client)
 # -- 9: backend names ---------------------------------------------------------------------------------------------
 def test_backend_names_come_from_the_url_and_stay_put(tmp_path):
     from warmroute.router.discovery import read_backends_file
-    from warmroute.router.settings import load_settings, name_from_url
+    from warmroute.router.settings import name_from_url
+    from warmroute.router.settings_load import load_settings
 
     assert name_from_url("http://10.0.0.5:8000") == "10.0.0.5-8000"
     assert name_from_url("https://gpu-3.internal/v1/") == "gpu-3.internal-v1"
@@ -379,7 +380,7 @@ def test_backend_names_come_from_the_url_and_stay_put(tmp_path):
 def test_duplicate_backends_are_a_clear_error(tmp_path):
     from warmroute.errors import UsageError
     from warmroute.router.discovery import check_backends_file
-    from warmroute.router.settings import load_settings
+    from warmroute.router.settings_load import load_settings
 
     with pytest.raises(UsageError, match="repeated: 10.0.0.1-8000"):
         load_settings({"backends": ["http://10.0.0.1:8000", "http://10.0.0.1:8000"]}, env={})

@@ -99,7 +99,7 @@ async def test_configured_models_win_over_what_the_instance_lists(tmp_path):
     config.write_text(f"backends:\n  - {{name: a, url: '{a.url}', models: [special]}}\n"
                       f"  - {{name: b, url: '{b.url}'}}\n")
     from warmroute.router.server import start_router
-    from warmroute.router.settings import load_settings
+    from warmroute.router.settings_load import load_settings
 
     router = await start_router(load_settings({"port": 0, "health_interval": 3600, "engine_metrics": False},
                                               config_file=config, env={}))

@@ -15,7 +15,7 @@ from warmroute.core.strategies import CACHE_HIT, Decision
 from warmroute.router.errors import ApiError
 from warmroute.router.metrics import Metrics
 from warmroute.router.routing import Router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from warmroute.errors import UsageError
-from warmroute.router.settings import DOC_PATH, configuration_markdown, load_settings
+from warmroute.router.settings_cli import DOC_PATH, configuration_markdown
+from warmroute.router.settings_load import load_settings
 
 URL = "http://127.0.0.1:9"
 
@@ -170,5 +171,5 @@ def test_cli_rejects_bad_settings_with_one_line_and_exit_2():
 
 
 def test_configuration_doc_is_up_to_date():
-    assert DOC_PATH.exists(), "run: python -m warmroute.router.settings"
-    assert DOC_PATH.read_text() == configuration_markdown(), "regenerate: python -m warmroute.router.settings"
+    assert DOC_PATH.exists(), "run: python -m warmroute.router.settings_cli"
+    assert DOC_PATH.read_text() == configuration_markdown(), "regenerate: python -m warmroute.router.settings_cli"

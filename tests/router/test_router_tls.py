@@ -16,7 +16,7 @@ from client_helpers import wait_for
 from fake_upstream import CHAT, Upstream, router_for
 from warmroute.errors import UsageError
 from warmroute.router.app import ROUTER
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
 

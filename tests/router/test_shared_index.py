@@ -18,7 +18,7 @@ from warmroute.bench.processes import free_ports
 from warmroute.core.block_hash import block_hashes
 from warmroute.router.app import ROUTER
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.router.shared_index import FORGET, MAX_LINK_BLOCKS, RECORD, WorkerLinks, pack, unpack, worker_links
 

@@ -10,7 +10,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from warmroute.core.routing_key import key_for_json
 from warmroute.errors import UsageError
 from warmroute.router.errors import ApiError
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 from warmroute.router.tenancy import ANONYMOUS, Tenancy
 
 

@@ -16,7 +16,7 @@ from warmroute.engine.server import start_fleet
 from warmroute.router.app import ROUTER
 from warmroute.router.kubernetes import DELETION_COST
 from warmroute.router.server import start_router
-from warmroute.router.settings import load_settings
+from warmroute.router.settings_load import load_settings
 
 PATH = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
 

@@ -6,7 +6,8 @@ import argparse
 import logging
 
 from warmroute.router.cli import add_arguments as add_arguments  # the same flags as `warmroute serve`
-from warmroute.router.settings import cli_values, load_settings
+from warmroute.router.settings_cli import cli_values
+from warmroute.router.settings_load import load_settings
 
 
 def run(args: argparse.Namespace) -> int:

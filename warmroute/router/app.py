@@ -42,12 +42,12 @@ from warmroute.router.discovery import Discovery, DiscoverySettings, Membership,
 from warmroute.router.engine_metrics import EngineScraper, ScrapeSettings
 from warmroute.router.errors import ApiError, bad_request, json_error, no_instance, too_large
 from warmroute.router.health import HEALTH, Health, HealthSettings
-from warmroute.router.kv_subscriber import KvEventMetrics, KvEventSources
+from warmroute.router.kv_subscriber import KvEventMetrics, KvEventSources, kv_event_source
 from warmroute.router.metrics import NO_INSTANCE, Metrics
 from warmroute.router.models import CatalogSettings, ModelCatalog, fetch_models
 from warmroute.router.proxy import Proxy
 from warmroute.router.routing import SESSION_HEADER, Router
-from warmroute.router.settings import RouterSettings, kv_event_source, upstream_tls
+from warmroute.router.settings import RouterSettings, upstream_tls
 from warmroute.router.shared_index import Links, SharedIndex, WorkerLinks
 from warmroute.router.tenancy import Tenancy, declared_tenants
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from warmroute.router.settings import add_setting_arguments, cli_values, load_settings
+from warmroute.router.settings_cli import add_setting_arguments, cli_values
+from warmroute.router.settings_load import load_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -40,7 +40,7 @@ from warmroute.core.kv_events import (AllBlocksCleared, BadMessage, EventBatch, 
 from warmroute.router.background import cancel_all
 from warmroute.router.connections import Upstreams
 from warmroute.router.members import Member
-from warmroute.router.settings import Backend
+from warmroute.router.settings import Backend, RouterSettings
 
 log = logging.getLogger("warmroute.router")
 
@@ -488,8 +488,22 @@ class KvEventSubscriber:
             self.index.fresh.discard(self.name)
 
 
-# An instance's (publisher, replay) endpoints and the URL to ask where it publishes (settings.kv_event_source)
+# An instance's (publisher, replay) endpoints and the URL to ask where it publishes (kv_event_source)
 Endpoints = Callable[[Backend], tuple[str | None, str | None, str | None]]
+
+
+def kv_event_source(settings: RouterSettings, backend: Backend) -> tuple[str | None, str | None, str | None]:
+    """An instance's KV-event publisher and replay endpoints, and the URL to ask where it publishes (None: don't
+    ask): those its entry gives; else, with kv_events_discover, what the instance itself says, falling back to its
+    URL's host at the ports set."""
+    if backend.kv_events_endpoint is not None:
+        return backend.kv_events_endpoint, backend.kv_events_replay_endpoint, None
+    host = urlsplit(backend.url).hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    pub = f"tcp://{host}:{settings.kv_events_port}" if settings.kv_events_port else None
+    replay = backend.kv_events_replay_endpoint or (f"tcp://{host}:{settings.kv_events_replay_port}"
+                                                   if settings.kv_events_replay_port else None)
+    return pub, replay, backend.url if settings.kv_events_discover else None
 
 
 class KvEventSources:

@@ -1,37 +1,32 @@
 """Every setting of `warmroute serve`: one pydantic model, read from CLI flags > WARMROUTE_* env > YAML file > defaults.
 
-The model is the single source of truth: the CLI flags (router/cli.py) and docs/configuration.md are both
-generated from it, so a setting cannot exist in one place and not in another. The routing strategies' settings
-are the core's own model (core/strategies.py StrategySettings, which RouterSettings extends): a strategy's knobs
-nest under its name in YAML (`cache_aware: {balance_factor: 2}`) and keep their plain names as flags
-(`--balance-factor`), environment variables (`WARMROUTE_BALANCE_FACTOR`) and top-level YAML keys.
-`warmroute simulate` generates its router flags from the same model (add_strategy_arguments). A setting is one line
-(type, default, bounds) and the docstring under it, its description (core/settings_model.py).
+The model is the single source of truth: the CLI flags and docs/configuration.md are both generated from it
+(settings_cli.py), so a setting cannot exist in one place and not in another; settings_load.py merges the layers
+into it and words its errors. The routing strategies' settings are the core's own model (core/strategies.py
+StrategySettings, which RouterSettings extends): a strategy's knobs nest under its name in YAML
+(`cache_aware: {balance_factor: 2}`) and keep their plain names as flags (`--balance-factor`), environment variables
+(`WARMROUTE_BALANCE_FACTOR`) and top-level YAML keys. `warmroute simulate` generates its router flags from the same
+model (add_setting_arguments). A setting is one line (type, default, bounds) and the docstring under it, its
+description (core/settings_model.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import re
 import ssl
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import xxhash
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from warmroute.core.admission import AdmissionSettings
 from warmroute.core.kv_events import ZMQ_ENDPOINT
 from warmroute.core.demand import DemandSettings
 from warmroute.core.disaggregation import DisaggregationSettings
-from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, merge_layers, own_setting
-from warmroute.errors import UsageError
+from warmroute.core.strategies import STRATEGIES, StrategySettings
 
 ENV_PREFIX = "WARMROUTE_"
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -585,18 +580,13 @@ def _tokenizer_problem(path: str, chat_template: str | None) -> str | None:
     return None
 
 
-def kv_event_source(settings: RouterSettings, backend: Backend) -> tuple[str | None, str | None, str | None]:
-    """An instance's KV-event publisher and replay endpoints, and the URL to ask where it publishes (None: don't
-    ask): those its entry gives; else, with kv_events_discover, what the instance itself says, falling back to its
-    URL's host at the ports set."""
-    if backend.kv_events_endpoint is not None:
-        return backend.kv_events_endpoint, backend.kv_events_replay_endpoint, None
-    host = urlsplit(backend.url).hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    pub = f"tcp://{host}:{settings.kv_events_port}" if settings.kv_events_port else None
-    replay = backend.kv_events_replay_endpoint or (f"tcp://{host}:{settings.kv_events_replay_port}"
-                                                   if settings.kv_events_replay_port else None)
-    return pub, replay, backend.url if settings.kv_events_discover else None
+# -- a setting's names outside the model (its errors name them too) ------------------------------------------
+def flag_of(name: str) -> str:
+    return "--backend" if name == "backends" else "--" + name.replace("_", "-")
+
+
+def env_of(name: str) -> str:
+    return ENV_PREFIX + name.upper()
 
 
 def upstream_tls(settings: RouterSettings, only: str | None = None) -> ssl.SSLContext | None:
@@ -612,300 +602,3 @@ def upstream_tls(settings: RouterSettings, only: str | None = None) -> ssl.SSLCo
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
     return ctx
-
-
-# -- loading -----------------------------------------------------------------------------------------------
-def load_settings(cli_values: dict[str, Any] | None = None, config_file: str | Path | None = None,
-                  env: dict[str, str] | None = None) -> RouterSettings:
-    """Merge the layers (CLI > env > file > defaults) and validate; bad input raises a one-line UsageError."""
-    file_values = read_config_file(config_file) if config_file else {}
-    try:
-        env_source = EnvSettingsSource(RouterSettings)
-        if env is not None:  # tests pass their own environment
-            env_source.env_vars = {k.lower(): v for k, v in env.items()}
-        env_values = {**env_source(), **_own_settings_from_env(env_source.env_vars)}
-        merged = merge_layers(file_values, env_values, cli_values or {})
-        # Everything is in `merged`, so the model's own env reading cannot change the outcome.
-        return RouterSettings(**merged)
-    except ValidationError as exc:
-        raise UsageError(describe_errors(exc)) from None
-
-
-def _own_settings_from_env(env_vars: Mapping[str, str | None]) -> dict[str, Any]:
-    """Strategies' own settings by their plain names (WARMROUTE_BALANCE_FACTOR), which the model's env reading
-    does not see (they are nested fields)."""
-    names = [n for model in OWN_SETTINGS.values() for n in model.model_fields]
-    return {n: env_vars[env_of(n).lower()] for n in names if env_vars.get(env_of(n).lower()) is not None}
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise UsageError(f"cannot read config file {path}: {str(exc).splitlines()[0]}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UsageError(f"config file {path} must be a mapping of setting: value")
-    values = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(k for k in values if k not in RouterSettings.model_fields and own_setting(k) is None)
-    if unknown:
-        raise UsageError(f"config file {path}: unknown setting {unknown[0]!r}; "
-                         f"known: {', '.join(RouterSettings.model_fields)}")
-    return values
-
-
-def describe_errors(exc: ValidationError) -> str:
-    """One line naming each bad setting, how to set it, and what is valid."""
-    parts = []
-    for err in exc.errors():
-        loc = err.get("loc") or ()
-        if len(loc) > 1 and loc[0] in OWN_SETTINGS:  # a strategy's own setting: named by its plain name
-            if err["type"] == "extra_forbidden":
-                parts.append(f"unknown setting {'.'.join(map(str, loc))}")
-                continue
-            loc = loc[1:]
-        name = str(loc[0]) if loc else ""
-        if not is_setting(name):
-            parts.append(_clean(err["msg"]))
-            continue
-        got = err.get("input")
-        shown = "" if len(loc) > 1 or isinstance(got, (dict, list)) or got is None or name in _SECRET else f" = {got!r}"
-        if err["type"] == "too_short" and name == "backends":
-            detail = "at least one backend is required (--backend URL or NAME=URL)"
-        elif len(loc) > 1:  # inside a backend entry
-            detail = f"{'.'.join(map(str, loc[1:]))}: {_clean(err['msg'])}"
-        elif err["type"] == "value_error":
-            detail = _clean(err["msg"])
-        else:
-            detail = valid_range(name)
-        parts.append(f"invalid setting {name}{shown} ({flag_of(name)}, {env_of(name)}): {detail}")
-    return "; ".join(parts)
-
-
-_SECRET = frozenset({"api_keys", "api_key_salt", "admin_token", "observability_token", "redis_url"})  # never echoed
-
-
-def _clean(msg: str) -> str:
-    return msg.removeprefix("Value error, ")
-
-
-def valid_range(name: str) -> str:
-    """'must be an integer from 1,024 to 65,536' and the like, from the field's own constraints."""
-    field = field_of(name)
-    ann = field.annotation
-    if name == "scorers":
-        return "NAME=WEIGHT pairs, comma-separated (weights from 0 to 1000)"
-    if getattr(ann, "__origin__", None) is Literal:
-        return "must be one of " + ", ".join(ann.__args__)
-    if ann is bool:
-        return "must be true or false"
-    lo = hi = None
-    for m in field.metadata:
-        lo = getattr(m, "ge", lo) if getattr(m, "ge", None) is not None else lo
-        hi = getattr(m, "le", hi) if getattr(m, "le", None) is not None else hi
-    kind = "an integer" if ann is int else "a number" if ann is float else "a string"
-    if lo is None and hi is None:
-        return f"must be {kind}"
-    if name.endswith("_bytes") and hi and hi >= MiB:
-        return f"must be a size from {_size(lo)} to {_size(hi)} (bytes, or with a unit: 32MiB)"
-    extra = " and a multiple of 8" if name == "block_bytes" else ""
-    return f"must be {kind} from {_num(lo)} to {_num(hi)}{extra}"
-
-
-def _num(x: float | None) -> str:
-    if x is None:
-        return "?"
-    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
-
-
-def _size(x: int) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if x >= scale and x % scale == 0:
-            return f"{x // scale}{unit}"
-    return f"{x:,} bytes"
-
-
-# -- names in other places -----------------------------------------------------------------------------------
-def is_setting(name: str) -> bool:
-    return (name in RouterSettings.model_fields and name not in OWN_SETTINGS) or own_setting(name) is not None
-
-
-def field_of(name: str) -> FieldInfo:
-    """The field behind a setting's plain name: RouterSettings' own, or a strategy's (balance_factor)."""
-    nested = own_setting(name)
-    return OWN_SETTINGS[nested[0]].model_fields[name] if nested else RouterSettings.model_fields[name]
-
-
-def setting_names(model: type[BaseModel] | None = None) -> list[str]:
-    """Every setting by its plain name, a strategy's own right after `strategy` (only the strategy settings
-    for model=StrategySettings)."""
-    strategy = [n for n in StrategySettings.model_fields if n not in OWN_SETTINGS]
-    strategy += [n for m in OWN_SETTINGS.values() for n in m.model_fields]
-    if model is StrategySettings:
-        return strategy
-    demand = list(DemandSettings.model_fields)  # next to the other settings for autoscaling
-    pd = list(DisaggregationSettings.model_fields)  # right after the strategy's
-    own = [n for n in RouterSettings.model_fields
-           if n not in StrategySettings.model_fields and n not in demand and n not in pd]
-    at = own.index("pod_deletion_cost_interval") + 1
-    own = own[:at] + demand + own[at:]
-    at = own.index("strategy") + 1
-    return own[:at] + strategy + pd + own[at:]
-
-
-def yaml_key(name: str) -> str:
-    nested = own_setting(name)
-    return f"{nested[0]}.{name}" if nested else name
-
-
-def flag_of(name: str) -> str:
-    return "--backend" if name == "backends" else "--" + name.replace("_", "-")
-
-
-def env_of(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def _fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
-    """Each setting's field by its plain name: the router's and strategies' (nested ones flat), or any other
-    model's own fields (the simulator's autoscaler)."""
-    if model is RouterSettings or model is StrategySettings:
-        return {name: field_of(name) for name in setting_names(model)}
-    return dict(model.model_fields)
-
-
-def add_setting_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RouterSettings,
-                          aliases: Mapping[str, str] | None = None) -> None:
-    """One flag per setting (of `model`: RouterSettings, StrategySettings or another settings model for the
-    simulator); values stay strings so the model validates them like env and file values. `aliases`: a shorter
-    second flag for some settings (name -> flag)."""
-    aliases = aliases or {}
-    for name, field in _fields(model).items():
-        env = f"{env_of(name)}; " if model is RouterSettings else ""  # the simulator reads no environment
-        help_text = f"{field.description} [{env}default {_default_text(name, field)}]"
-        flags = [flag_of(name), *([aliases[name]] if name in aliases else [])]
-        if field.annotation is bool:
-            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        elif name == "backends":
-            parser.add_argument("--backend", dest=name, action="append", metavar="[NAME=]URL",
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            metavar = {int: "N", float: "X"}.get(field.annotation, "VALUE")
-            parser.add_argument(*flags, dest=name, metavar=metavar,
-                                default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
-
-
-def cli_values(args: argparse.Namespace, model: type[BaseModel] = RouterSettings) -> dict[str, Any]:
-    names = set(_fields(model))
-    return {k: v for k, v in vars(args).items() if k in names}
-
-
-def strategy_settings_from(args: argparse.Namespace) -> StrategySettings:
-    """The strategy settings given as flags (add_setting_arguments(parser, StrategySettings)), validated as
-    `warmroute serve` validates them; a bad one raises a one-line UsageError."""
-    try:
-        return StrategySettings(**merge_layers(cli_values(args, StrategySettings)))
-    except ValidationError as exc:
-        raise UsageError(describe_errors(exc)) from None
-
-
-def _default_text(name: str, field: FieldInfo | None = None) -> str:
-    field = field or field_of(name)
-    if name == "backends":
-        return "none (required)"
-    value = field.get_default(call_default_factory=True)
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, dict):
-        return ",".join(f"{k}={v:g}" for k, v in value.items())
-    if name.endswith("_bytes") and isinstance(value, int) and value >= MiB:
-        return _size(value)
-    return str(value)
-
-
-# -- documentation -------------------------------------------------------------------------------------------
-DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-
-
-def configuration_markdown() -> str:
-    """docs/configuration.md, generated from the model (tests/router/test_router_settings.py keeps it current)."""
-    lines = [
-        "# Configuration of `warmroute serve`",
-        "",
-        "<!-- Generated by warmroute.router.settings.configuration_markdown(); do not edit by hand. -->",
-        "",
-        "Every setting can be given as a command-line flag, as an environment variable, or as a key of the",
-        "YAML file named by `--config FILE`. Precedence: flag > environment > file > default. An invalid",
-        "value stops the router before it binds its port, with one line naming the setting and what is valid,",
-        "and exit status 2. A strategy's own settings nest under its name in the file (`cache_aware:` then",
-        "`balance_factor: 2`); they may also be written at the top level by their plain name, as flags and",
-        "environment variables name them. `warmroute simulate` takes the strategy settings as the same flags.",
-        "",
-        "| Setting (YAML key) | Flag | Environment | Default | Valid | Meaning |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name in setting_names():
-        valid = "" if name == "backends" else valid_range(name).removeprefix("must be ")
-        lines.append(f"| `{yaml_key(name)}` | `{flag_of(name)}` | `{env_of(name)}` | `{_default_text(name)}` | "
-                     f"{valid} | {field_of(name).description} |")
-    lines += [
-        "",
-        "## Example file",
-        "",
-        "```yaml",
-        "backends:",
-        "  - http://10.0.0.1:8000            # named 10.0.0.1-8000",
-        "  - name: big",
-        "    url: http://10.0.0.2:8000",
-        "    kv_capacity_tokens: 1500000     # this instance's own KV-cache capacity",
-        "    models: [llama-3-70b]           # what it serves (default: read from its /v1/models)",
-        "strategy: cache_aware",
-        "prefix_length: 8192",
-        "concurrency_threshold: 64",
-        "cache_aware:",
-        "  hot_balance_factor: 0.5",
-        "index_memory_bytes: 512MiB",
-        "```",
-        "",
-        "## Notes",
-        "",
-        "- `block_bytes` should match the engines' cache block: 64 bytes is about 16 tokens, vLLM's default.",
-        "- `kv_capacity_tokens` sizes each instance's share of the prefix index, so the router forgets what",
-        "  the engine has evicted; `index_memory_bytes` caps the whole index whatever the fleet's size. Unset,",
-        "  it is read from each engine's `/metrics` (vLLM's `cache_config_info`, SGLang's `max_total_num_tokens`).",
-        "  With `engine_feedback`, a wrong capacity is corrected from the cached tokens the engines report",
-        "  (see docs/feedback.md); `warmroute_index_capacity_scale` in `/metrics` shows the factor learnt.",
-        "- Several router replicas each keep their own index and metrics, and each sees only its share of a",
-        "  prefix's requests: the fleet hit rate drops (docs/replicas.md). Set `redis_url` (the same Redis and",
-        "  `redis_channel` for every replica) to share index updates between them. The `workers` of one router",
-        "  share theirs through local sockets without Redis (with `redis_url`, through Redis like replicas);",
-        "  `/metrics` sums the workers' counters and `/dashboard` shows every worker's traffic (each sends",
-        "  the others its figures every second), whichever worker answers.",
-        "- Mixed models: each instance's `/v1/models` is read every `models_interval` (and when a client asks the",
-        "  router's `/v1/models`, with its credentials); a request naming a model goes only to the instances",
-        "  that list it, a model no instance lists to any instance. A backend's `models` fixes its list.",
-        "- Precise mode (`kv_events`, with `tokenizer`): each instance's KV-cache events (vLLM:",
-        "  `--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\":",
-        "  \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'`) are read from its URL's host at",
-        "  `kv_events_port` and `kv_events_replay_port`, or from a backend entry's own `kv_events_endpoint` and",
-        "  `kv_events_replay_endpoint` (`tcp://HOST:PORT`). See docs/precise.md.",
-        "- Membership at run time (`backends_file`, `dns_refresh_interval`, `admin_token`): docs/deployment.md.",
-        "- Health: a refused connection ejects an instance at once; `failures_before_ejection` consecutive",
-        "  5xx answers or timeouts eject it, unless no other instance could take its requests; only a passing",
-        "  `GET /health` brings it back.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def write_configuration_doc(path: Path = DOC_PATH) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(configuration_markdown())
-
-
-if __name__ == "__main__":  # python -m warmroute.router.settings  regenerates the doc
-    write_configuration_doc()

@@ -14,8 +14,9 @@ from warmroute.bench.cli import add_workload_arguments, workload_from_args
 from warmroute.core.admission import AdmissionSettings
 from warmroute.core.disaggregation import DisaggregationSettings
 from warmroute.core.strategies import STRATEGIES, StrategySettings
-from warmroute.router.settings import (RouterSettings, add_setting_arguments, cli_values, describe_errors,
-                                       field_of, setting_names, strategy_settings_from)
+from warmroute.router.settings import RouterSettings
+from warmroute.router.settings_cli import add_setting_arguments, cli_values, field_of, setting_names
+from warmroute.router.settings_load import describe_errors, strategy_settings_from
 from warmroute.errors import UsageError
 from warmroute.sim.autoscale import AutoscaleSettings
 from warmroute.sim.report import (Summary, as_json, autoscale_summary, autoscale_table, fmt, plot, slo_text,
