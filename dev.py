@@ -19,6 +19,7 @@ import sys
 import tempfile
 import venv
 import zipfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,23 +85,30 @@ def _install_vllm(retry: bool = False) -> bool:
 
 
 def _install_vllm_itself(retry: bool) -> bool:
-    recipe = f"{VLLM_PIN} {TORCH_PIN}\n"
-    if VLLM_STAMP.exists() and VLLM_STAMP.read_text() == recipe:
+    return _install_once(f"{VLLM_PIN} {TORCH_PIN}\n", VLLM_STAMP, VLLM_FAILED, retry, _vllm_install_problem,
+                         "vLLM not installed ({}); the real-vLLM tests will be skipped")
+
+
+def _install_once(recipe: str, stamp: Path, failed: Path, retry: bool, install: Callable[[], str | None],
+                  warning: str) -> bool:
+    """Run `install` (it returns what went wrong, or None) unless `stamp` records `recipe` done, or `failed`
+    records it failed and this is no `retry`; then record the outcome, warning with `warning` on failure."""
+    if stamp.exists() and stamp.read_text() == recipe:
         return True
-    if not retry and VLLM_FAILED.exists() and VLLM_FAILED.read_text().startswith(recipe):
+    if not retry and failed.exists() and failed.read_text().startswith(recipe):
         return False
-    VLLM_STAMP.unlink(missing_ok=True)
+    stamp.unlink(missing_ok=True)
     try:
-        problem = _vllm_install_problem()
+        problem = install()
     except (OSError, StopIteration, subprocess.SubprocessError) as exc:
         problem = f"{type(exc).__name__}: {exc}"
     if problem:
-        VLLM_VENV.mkdir(exist_ok=True)
-        VLLM_FAILED.write_text(recipe + problem + "\n")
-        print(f"warning: vLLM not installed ({problem}); the real-vLLM tests will be skipped", flush=True)
+        failed.parent.mkdir(exist_ok=True)
+        failed.write_text(recipe + problem + "\n")
+        print("warning: " + warning.format(problem), flush=True)
         return False
-    VLLM_FAILED.unlink(missing_ok=True)
-    VLLM_STAMP.write_text(recipe)
+    failed.unlink(missing_ok=True)
+    stamp.write_text(recipe)
     return True
 
 
@@ -134,32 +142,20 @@ def _vllm_install_problem() -> str | None:
 
 def _install_nixl(retry: bool) -> bool:
     """NIXL into .venv-vllm (seconds: one 70 MB wheel), recorded like vLLM's install."""
-    recipe = " ".join(NIXL_PINS) + "\n"
-    if NIXL_STAMP.exists() and NIXL_STAMP.read_text() == recipe:
-        return True
-    if not retry and NIXL_FAILED.exists() and NIXL_FAILED.read_text().startswith(recipe):
+    if not (VLLM_VENV / "bin" / "python").exists():
         return False
+    return _install_once(" ".join(NIXL_PINS) + "\n", NIXL_STAMP, NIXL_FAILED, retry, _nixl_install_problem,
+                         "NIXL not installed ({}); the prefill/decode vLLM tests will be skipped")
+
+
+def _nixl_install_problem() -> str | None:
     python = str(VLLM_VENV / "bin" / "python")
-    if not Path(python).exists():
-        return False
-    NIXL_STAMP.unlink(missing_ok=True)
-    try:
-        if subprocess.run([python, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
-                           *NIXL_PINS]).returncode != 0:
-            problem = f"{' '.join(NIXL_PINS)} did not install"
-        elif subprocess.run([python, "-c", "from nixl._api import nixl_agent"], capture_output=True).returncode:
-            problem = "nixl installed but does not import"
-        else:
-            problem = None
-    except (OSError, subprocess.SubprocessError) as exc:
-        problem = f"{type(exc).__name__}: {exc}"
-    if problem:
-        NIXL_FAILED.write_text(recipe + problem + "\n")
-        print(f"warning: NIXL not installed ({problem}); the prefill/decode vLLM tests will be skipped", flush=True)
-        return False
-    NIXL_FAILED.unlink(missing_ok=True)
-    NIXL_STAMP.write_text(recipe)
-    return True
+    if subprocess.run([python, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
+                       *NIXL_PINS]).returncode != 0:
+        return f"{' '.join(NIXL_PINS)} did not install"
+    if subprocess.run([python, "-c", "from nixl._api import nixl_agent"], capture_output=True).returncode:
+        return "nixl installed but does not import"
+    return None
 
 
 def _requirements_for_text(wheel: Path) -> list[str]:
