@@ -5,7 +5,7 @@ redis-server of the test's own."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
@@ -38,6 +38,13 @@ async def stand_ins():
     yield started
     for up in started:
         await up.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A plain client session (the emulated engine's tests)."""
+    async with aiohttp.ClientSession() as session:
+        yield session
 
 
 @pytest.fixture

@@ -47,12 +47,6 @@ async def nixl() -> AsyncIterator[Fleet]:
     await f.close()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def post(http: aiohttp.ClientSession, url: str, body: object) -> tuple[int, dict]:
     async with http.post(url + "/v1/chat/completions", json=body) as resp:
         return resp.status, await resp.json()

@@ -30,12 +30,6 @@ async def fleet() -> AsyncIterator[Fleet]:
     await f.close()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def post(http: aiohttp.ClientSession, url: str, body: object) -> tuple[int, dict]:
     async with http.post(url, json=body) as resp:
         return resp.status, await resp.json()
