@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from urllib.parse import urlsplit
 
-from warmroute.core.fleet import Fleet
 from warmroute.router.discovery import is_address
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -35,17 +33,3 @@ def names_at(urls: Mapping[str, str], endpoints: Iterable[str]) -> set[str]:
 def unaddressed(urls: Mapping[str, str]) -> list[str]:
     """Instances whose URL names a host instead of an address: a gateway's ORIGINAL_DST cluster cannot reach them."""
     return [name for name, url in urls.items() if not is_address(host_of(url))]
-
-
-@contextmanager
-def only(fleet: Fleet, names: set[str]) -> Iterator[None]:
-    """Within the block (which must not await), the instances outside `names` do not take requests: the gateway's
-    subset hint narrows one decision without the strategies knowing about it."""
-    hidden = [i for n, i in fleet.instances.items() if n not in names and i.healthy]
-    for inst in hidden:
-        inst.healthy = False
-    try:
-        yield
-    finally:
-        for inst in hidden:
-            inst.healthy = True

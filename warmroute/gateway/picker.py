@@ -36,7 +36,7 @@ from google.protobuf import struct_pb2
 from warmroute.core.lifecycle import ENDED, Lifecycle, OutOfOrder, State
 from warmroute.core.routing_key import ROUTED_PATHS, RoutingKey
 from warmroute.core.strategies import UNHEALTHY_FALLBACK, Decision, ModelNotServed, NoInstanceAvailable
-from warmroute.gateway.endpoints import endpoint_of, names_at, only
+from warmroute.gateway.endpoints import endpoint_of, names_at
 from warmroute.router.app import FORWARDED_PATHS, unknown_path
 from warmroute.router.dashboard import Activity
 from warmroute.router.errors import ApiError, error_body, no_instance, too_large
@@ -280,9 +280,7 @@ class Exchange:
         picker = self.picker
         if self.subset is None:
             return picker.router.route(self.path, body, self.session, key)
-        allowed = names_at(picker.urls, self.subset)
-        with only(picker.router.fleet, allowed):  # no await inside: the hidden instances are back at once
-            return picker.router.route(self.path, body, self.session, key)
+        return picker.router.route(self.path, body, self.session, key, within=names_at(picker.urls, self.subset))
 
     def _fallbacks(self, key: RoutingKey | None, decision: Decision) -> list[Decision]:
         """The least loaded other instances that may serve it (and are in the subset): the gateway tries them in

@@ -144,14 +144,17 @@ class Router:
         lora = key.model if key.model in self.lora_adapters else None  # vLLM: an adapter by its name
         key.token_seed = token_seed(lora, salt if isinstance(salt, str) else None)
 
-    def decide(self, key: RoutingKey | None, avoid: str | None = None) -> Decision:
+    def decide(self, key: RoutingKey | None, avoid: str | None = None, within: set[str] | None = None) -> Decision:
         """The strategy's choice for this key (least loaded when there is no key); NoInstanceAvailable if none.
-        `avoid` names an instance that just failed this request: it is left out of this one choice."""
+        `avoid` names an instance that just failed this request: it is left out of this one choice; `within`, where
+        given, the instances it may choose from (a gateway's subset hint)."""
         model = key.model if key else None
         if self.fleet.disaggregated:  # a whole request goes to a decode instance (prefill-only ones take prefill legs)
             pool = [i for i in routable(self.fleet, model, but=avoid) if takes(i, DECODE)]
         else:
-            pool = routable(self.fleet, model, but=avoid) if avoid is not None else None
+            pool = routable(self.fleet, model, but=avoid) if avoid is not None or within is not None else None
+        if within is not None:
+            pool = [i for i in pool if i.name in within]
         if key is None:
             return self._any.choose(_NO_KEY, self.fleet, pool)
         self.fleet.now = now = time.monotonic()  # the core reads no clock (slow start's ramps)
@@ -181,13 +184,13 @@ class Router:
         return parsed
 
     def route(self, path: str, body: bytes, session: str | None, key: RoutingKey | None = None,
-              parsed: Any = None) -> tuple[RoutingKey | None, Decision]:
+              parsed: Any = None, within: set[str] | None = None) -> tuple[RoutingKey | None, Decision]:
         """Key (unless given: key_off_loop; `parsed`: the body, parsed by tokenize_ahead) + decision for one
-        request, timed and counted."""
+        request (among `within`, where given), timed and counted."""
         start = time.perf_counter()
         if key is None and is_routed(path):
             key = self.key_of(path, body, session, parsed)
-        decision = self.decide(key)
+        decision = self.decide(key, within=within)
         self.metrics.decided(decision.reason, decision.matched_ratio, time.perf_counter() - start)
         return key, decision
 
