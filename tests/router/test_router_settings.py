@@ -173,3 +173,69 @@ def test_cli_rejects_bad_settings_with_one_line_and_exit_2():
 def test_configuration_doc_is_up_to_date():
     assert DOC_PATH.exists(), "run: python -m warmroute.router.settings_cli"
     assert DOC_PATH.read_text() == configuration_markdown(), "regenerate: python -m warmroute.router.settings_cli"
+
+
+PROFILES = """\
+backends: [http://127.0.0.1:9]
+strategy: sticky
+cache_aware: {miss_weight: 8}
+strategies:
+  ttft_only: {stages: [prefix_match, load_guard, scorers, tie_slack, least_loaded_ties, rendezvous]}
+  sticky:
+    base: cache_aware
+    settings: {miss_weight: 32, balance_factor: 2.0, hold_timeout: 9}
+"""
+
+
+def test_a_config_file_defines_strategies_and_selects_one(tmp_path):
+    from warmroute.core.strategies import CacheAwareStrategy
+    from warmroute.router.metrics import Metrics
+    from warmroute.router.routing import Router
+
+    path = tmp_path / "profiles.yaml"
+    path.write_text(PROFILES)
+    s = load(config=path)
+    assert s.strategy == "sticky" and set(s.strategies) == {"ttft_only", "sticky"}
+    assert s.strategies["ttft_only"].pipeline()[-1] == "rendezvous"
+    router = Router(s, Metrics(s.strategy, [b.name for b in s.backends]))
+    assert isinstance(router.strategy, CacheAwareStrategy) and router.strategy.records_prefixes
+    assert router.strategy.settings.cache_aware.miss_weight == 32  # the profile's own over the file's 8
+    assert router.strategy.settings.cache_aware.balance_factor == 2.0
+    assert router.admission.settings.patience_s == 9  # the admission queue reads the profile's hold_timeout too
+    assert load({"strategy": "ttft_only"}, config=path).strategy == "ttft_only"
+    assert load({"strategy": "cache_aware"}, config=path).cache_aware.miss_weight == 8
+
+
+@pytest.mark.parametrize("strategies, needle", [
+    ("{mine: {stages: [prefix_match, teleport, rendezvous]}}", "strategies.mine: unknown stage 'teleport'"),
+    ("{mine: {stages: []}}", "strategies.mine: stages: at least one stage"),
+    ("{mine: {stages: [prefix_match, scorers]}}", "strategies.mine: the last stage must be a picker"),
+    ("{mine: {stages: [scorers, tie_slack, rendezvous]}}", "add 'prefix_match' to the stages"),
+    ("{mine: {base: cache_aware, settings: {miss_wieght: 1}}}", "strategies.mine.settings: unknown setting"),
+    ("{mine: {base: cache_aware, settings: {balance_factor: -1}}}", "balance_factor: Input should be greater"),
+    ("{mine: {base: cache_aware, stage: [random]}}", "strategies.mine: unknown key 'stage'"),
+    ("{cache_aware: {base: cache_aware}}", "'cache_aware' is a built-in strategy"),
+    ("[random]", "strategies"),
+])
+def test_a_bad_strategy_in_the_config_is_one_line(tmp_path, strategies, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"backends: [http://127.0.0.1:9]\nstrategy: cache_aware\nstrategies: {strategies}\n")
+    with pytest.raises(UsageError) as exc:
+        load(config=path)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_strategy_naming_nothing_known_is_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("backends: [http://127.0.0.1:9]\nstrategy: stiky\nstrategies: {sticky: {base: cache_aware}}\n")
+    with pytest.raises(UsageError, match=r"invalid setting strategy = 'stiky' .*one of cache_aware.*, sticky$"):
+        load(config=path)
+
+
+def test_serve_refuses_a_bad_strategy_with_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"backends: [{URL}]\nstrategy: mine\nstrategies:\n  mine: {{stages: [prefix_match, load_guard]}}\n")
+    out = _serve("--config", str(bad))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "strategies.mine" in lines[0] and "last stage must be a picker" in lines[0]

@@ -292,3 +292,24 @@ def test_a_prefill_budget_holds_the_noisy_tenant_and_the_books_return_to_zero():
     # budget; quiet, asking for less than its share and with nothing of its own queued there, is not.
     assert adm.capped("noisy", sim.fleet.instances["instance-0"]) == PREFILL
     assert adm.capped("quiet", sim.fleet.instances["instance-0"]) is None
+
+
+def test_cli_simulates_a_strategy_defined_in_a_config_file(tmp_path):
+    """`--config` brings a router config's strategies (and strategy settings) to the simulator."""
+    config = tmp_path / "router.yaml"
+    config.write_text("backends: [http://127.0.0.1:9]\nprefix_length: 2048\nstrategies:\n"
+                      "  mine: {stages: [prefix_match, load_guard, scorers, tie_slack, least_loaded_ties, rendezvous]}\n"
+                      "  sticky: {base: cache_aware, settings: {miss_weight: 32}}\n")
+    p = subprocess.run([sys.executable, "-m", "warmroute", "simulate", "--workload", "shared", "--requests", "200",
+                        "--instances", "3", "--rate", "4", "--config", str(config), "--strategies",
+                        "cache_aware,mine,sticky", "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert [r["strategy"] for r in json.loads(p.stdout)[0]["results"]] == ["cache_aware", "mine", "sticky"]
+    p = subprocess.run([sys.executable, "-m", "warmroute", "simulate", "--requests", "10", "--strategies", "mine"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "unknown strategy 'mine'" in p.stderr and "--config" in p.stderr
+    config.write_text("strategies: {mine: {stages: [prefix_match]}}\n")
+    p = subprocess.run([sys.executable, "-m", "warmroute", "simulate", "--requests", "10", "--config", str(config),
+                        "--strategies", "mine"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "strategies.mine: the last stage must be a picker" in p.stderr

@@ -13,15 +13,19 @@ doing no I/O, so the HTTP router and the simulator make exactly the same decisio
   least_loaded, round_robin, random   the baselines.
 
 Each strategy's own knobs are a settings model nested in StrategySettings (`cache_aware`), which the router's
-and the simulator's settings both carry; STRATEGIES builds a strategy from them by name.
+and the simulator's settings both carry; STRATEGIES builds a strategy from them by name. A strategy is a profile
+(StrategySpec): its stages, whose parameters are declared with each stage (core/stages/__init__.py). The built-in
+strategies are such profiles; the config may define more (StrategyProfile, `strategies:` in the router's YAML),
+checked at start-up (stages_problem).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from warmroute.core.decision import (AFFINITY, APPROXIMATE, CACHE_HIT, COLD, HOT_SPREAD, KV_SPILL, LOAD_BALANCE,
                                      OVERLOAD_SPILL, PRECISE, REASONS, UNHEALTHY_FALLBACK, Decision, ModelNotServed,
@@ -40,7 +44,8 @@ from warmroute.core.stages.routable import routable
 __all__ = ["AFFINITY", "APPROXIMATE", "PRECISE", "CACHE_HIT", "COLD", "HOT_SPREAD", "KV_SPILL", "LOAD_BALANCE", "OVERLOAD_SPILL", "REASONS",
            "UNHEALTHY_FALLBACK", "Decision", "ModelNotServed", "NoInstanceAvailable", "PRIVATE", "SHARED", "SWAMPED",
            "kv_pressure", "_scan", "CacheAwareSettings", "StrategySettings", "Strategy", "CacheAwareStrategy",
-           "STRATEGIES", "StrategySpec", "CACHE_AWARE", "make_strategy", "Handles", "merge_layers",
+           "STRATEGIES", "StrategySpec", "StrategyProfile", "CACHE_AWARE", "make_strategy", "stages_problem",
+           "check_profiles", "settings_for", "strategy_names", "ADMISSION_PARAMS", "Handles", "merge_layers",
            "nest_flat_names", "own_setting", "OWN_SETTINGS"]
 
 
@@ -246,9 +251,20 @@ class CacheAwareStrategy(Strategy):
 
 @dataclass(frozen=True)
 class StrategySpec:
-    stages: tuple[str, ...]  # names in warmroute.core.stages.STAGES, in pipeline order
+    """A strategy's profile: its stages, by their names in warmroute.core.stages.STAGES, in pipeline order (each
+    stage's parameters are declared there, next to its code)."""
+
+    stages: tuple[str, ...]
     cls: type[Strategy] = Strategy
     records_prefixes: bool = False
+
+    @classmethod
+    def of(cls, stages: Sequence[str]) -> StrategySpec:
+        """The profile of these stages: with prefix_match, a CacheAwareStrategy whose choices feed the prefix index
+        (as cache_aware); else a plain one."""
+        stages = tuple(stages)
+        matched = "prefix_match" in stages
+        return cls(stages, CacheAwareStrategy if matched else Strategy, records_prefixes=matched)
 
     def build(self, name: str, settings: StrategySettings, handles: Handles) -> Strategy:
         made: list[Stage] = []
@@ -260,23 +276,157 @@ class StrategySpec:
         return self.cls(name, settings, pipeline, self.records_prefixes)
 
 
-CACHE_AWARE = StrategySpec(("prefix_match", "load_guard", "slow_start", "hot_share", "scorers", "slot_wait",
-                            "tie_slack", "least_loaded_ties", "rendezvous"), CacheAwareStrategy, records_prefixes=True)
+_KINDS = (Facts, Filter, Scorer, Picker)  # the order a pipeline runs them in (pipeline.py)
+_KIND_NAMES = {Facts: "facts", Filter: "a filter", Scorer: "a scorer", Picker: "a picker"}
+
+
+def stages_problem(stages: Sequence[str]) -> str | None:
+    """Why these stages make no strategy (None: they do): unknown, repeated, out of the pipeline's order (facts,
+    filters, scorers, pickers), a stage without the stages whose facts it reads, no picker that chooses last."""
+    if not stages:
+        return "stages: at least one stage is needed, the last a picker"
+    for n in stages:
+        if n not in STAGES:
+            return f"unknown stage {n!r}; known: {', '.join(STAGES)}"
+    seen: list[str] = []
+    for n in stages:
+        if n in seen:
+            return f"stage {n!r} is listed twice"
+        kind = STAGES[n].kind
+        later = next((p for p in seen if _KINDS.index(STAGES[p].kind) > _KINDS.index(kind)), None)
+        if later is not None:
+            return (f"stage {n!r} ({_KIND_NAMES[kind]}) comes after {later!r} ({_KIND_NAMES[STAGES[later].kind]}): "
+                    "the order is facts, filters, scorers, pickers")
+        seen.append(n)
+    for n in stages:
+        missing = [m for m in STAGES[n].needs if m not in stages]
+        if missing:
+            return f"stage {n!r} reads what {missing[0]!r} works out: add {missing[0]!r} to the stages"
+    last = stages[-1]
+    if not STAGES[last].picks:
+        choosers = [n for n, d in STAGES.items() if d.picks]
+        return f"the last stage must be a picker that chooses ({', '.join(choosers)}), not {last!r}"
+    return None
+
+
+def _builtin(*stages: str) -> StrategySpec:
+    problem = stages_problem(stages)
+    assert problem is None, problem
+    return StrategySpec.of(stages)
+
+
+CACHE_AWARE = _builtin("prefix_match", "load_guard", "slow_start", "hot_share", "scorers", "slot_wait", "tie_slack",
+                       "least_loaded_ties", "rendezvous")
+# The built-in profiles; the config may define more (StrategyProfile, under `strategies`).
 STRATEGIES: dict[str, StrategySpec] = {
     "cache_aware": CACHE_AWARE,
-    "prefix": StrategySpec(("prefix_affinity",)),
-    "session": StrategySpec(("session_affinity",)),
-    "least_loaded": StrategySpec(("least_loaded",)),
-    "round_robin": StrategySpec(("round_robin",)),
-    "random": StrategySpec(("random",)),
+    "prefix": _builtin("prefix_affinity"),
+    "session": _builtin("session_affinity"),
+    "least_loaded": _builtin("least_loaded"),
+    "round_robin": _builtin("round_robin"),
+    "random": _builtin("random"),
 }
+# Strategy settings the admission queue reads (core/admission/settings.py), whatever the stages.
+ADMISSION_PARAMS = ("concurrency_threshold", "hold_kv_limit", "hold_keep", "hold_timeout")
+
+
+class StrategyProfile(SettingsModel):
+    """A strategy defined in the config (`strategies: NAME: {...}`): its stages, and settings of its own over the
+    strategy settings."""
+
+    stages: list[str] | None = None
+    """Stage names in pipeline order (warmroute.core.stages.STAGES); unset: base's."""
+    base: str | None = None
+    """A built-in strategy whose stages are the default."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """Strategy settings (prefix_length, concurrency_threshold, cache_aware's own, nested or by plain name) that
+    this strategy uses instead of the configured ones."""
+
+    @field_validator("settings")
+    @classmethod
+    def _valid_settings(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            StrategySettings(**v)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = [str(x) for x in err.get("loc") or ()]
+            where = ".".join(loc[1:] if len(loc) > 1 and loc[0] in OWN_SETTINGS else loc)
+            if err["type"] == "extra_forbidden":
+                raise ValueError(f"unknown setting {where!r}; known: "
+                                 f"{', '.join(n for n in StrategySettings.model_fields if n not in OWN_SETTINGS)} "
+                                 f"and {', '.join(OWN_SETTINGS)}'s own") from None
+            raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _valid_stages(self) -> StrategyProfile:
+        if self.base is not None and self.base not in STRATEGIES:
+            raise ValueError(f"base {self.base!r} is not a built-in strategy; one of {', '.join(STRATEGIES)}")
+        if self.stages is None and self.base is None:
+            raise ValueError("give its stages (a list of stage names), or a base strategy")
+        problem = stages_problem(self.pipeline())
+        if problem:
+            raise ValueError(problem)
+        read = {p for n in self.pipeline() for p in STAGES[n].params} | set(ADMISSION_PARAMS)
+        unread = [n for n in _plain_names(self.settings) if n not in read]
+        if unread:
+            raise ValueError(f"setting {unread[0]!r} is read by none of its stages ({', '.join(self.pipeline())})")
+        return self
+
+    def pipeline(self) -> tuple[str, ...]:
+        return tuple(self.stages) if self.stages is not None else STRATEGIES[self.base or ""].stages
+
+    def spec(self) -> StrategySpec:
+        return StrategySpec.of(self.pipeline())
+
+    def applied(self, settings: StrategySettings) -> StrategySettings:
+        """`settings` with this strategy's own settings over them."""
+        if not self.settings:
+            return settings
+        base = settings.strategy_settings().model_dump()
+        return StrategySettings(**merge_layers(base, self.settings))
+
+
+def _plain_names(values: dict[str, Any]) -> list[str]:
+    """The settings named in a layer, nested ones by their plain names."""
+    out = []
+    for k, v in nest_flat_names(values).items():
+        out += list(v) if k in OWN_SETTINGS and isinstance(v, dict) else [k]
+    return out
+
+
+def check_profiles(profiles: dict[str, StrategyProfile]) -> dict[str, StrategyProfile]:
+    """Profiles named after a built-in strategy are refused (the built-ins decide as documented)."""
+    clash = [n for n in profiles if n in STRATEGIES]
+    if clash:
+        raise ValueError(f"{clash[0]!r} is a built-in strategy; give yours another name")
+    bad = [n for n in profiles if not n or not all(c.isalnum() or c in "_-." for c in n)]
+    if bad:
+        raise ValueError(f"strategy name {bad[0]!r}: use letters, digits, '_', '-' or '.'")
+    return profiles
+
+
+def strategy_names(profiles: dict[str, StrategyProfile] | None = None) -> list[str]:
+    return [*STRATEGIES, *(profiles or {})]
+
+
+def settings_for(name: str, settings: StrategySettings, profiles: dict[str, StrategyProfile] | None = None
+                 ) -> StrategySettings:
+    """The settings strategy `name` decides with: a profile's own over `settings` (unchanged for a built-in)."""
+    profile = (profiles or {}).get(name) if name not in STRATEGIES else None
+    return profile.applied(settings) if profile is not None else settings
 
 
 def make_strategy(name: str, settings: StrategySettings | None = None, seed: int | None = None,
-                  handles: Handles | None = None) -> Strategy:
-    """The strategy registered as `name`, built from `settings` (defaults if None)."""
-    try:
+                  handles: Handles | None = None, profiles: dict[str, StrategyProfile] | None = None) -> Strategy:
+    """The strategy registered as `name` (a built-in, or one of `profiles`, defined in the config), built from
+    `settings` (defaults if None; a profile's own settings over them)."""
+    settings = settings or StrategySettings()
+    if name in STRATEGIES:
         spec = STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}") from None
-    return spec.build(name, settings or StrategySettings(), handles or Handles(seed=seed))
+    elif profiles and name in profiles:
+        spec = profiles[name].spec()
+        settings = profiles[name].applied(settings)
+    else:
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(strategy_names(profiles))}") from None
+    return spec.build(name, settings, handles or Handles(seed=seed))

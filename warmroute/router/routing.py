@@ -26,7 +26,7 @@ from warmroute.core.disaggregation import (DECODE, NOT_SPLITTABLE, PREFILL, Plan
                                            pool_of, takes)
 from warmroute.core.stages import Handles
 from warmroute.core.stages.routable import routable
-from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy
+from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy, settings_for
 from warmroute.router.autoscaling import FleetSignals
 from warmroute.router.errors import ApiError, bad_request, no_instance
 from warmroute.router.metrics import Metrics
@@ -74,10 +74,11 @@ class Router:
         for b in settings.backends:
             self.fleet.add(b.name, b.kv_capacity_tokens, engine_capacity=settings.engine_capacity_of(b), role=b.role)
         wait = (lambda i: self.admission.slot_wait(i)) if settings.admission else None  # (the queue is built below)
-        self.strategy = make_strategy(settings.strategy, settings.strategy_settings(), handles=Handles(slot_wait=wait))
+        self.strategy = make_strategy(settings.strategy, settings.strategy_settings(), handles=Handles(slot_wait=wait),
+                                      profiles=settings.strategies)
         self._any = make_strategy("least_loaded")
-        self.admission = Admission(admission_settings(
-            settings, settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
+        self.admission = Admission(admission_settings(  # a strategy defined in the config may set its own hold_*
+            settings_for(settings.strategy, settings, settings.strategies), settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
             timeout_s=settings.queue_timeout, spill_headroom=settings.spill_headroom,
             aging_tokens_per_s=settings.queue_aging, lifo_after_s=settings.queue_lifo_after,
             tenant_weights=settings.tenant_weights,

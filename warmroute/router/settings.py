@@ -26,7 +26,7 @@ from warmroute.core.admission import AdmissionSettings
 from warmroute.core.kv_events import ZMQ_ENDPOINT
 from warmroute.core.demand import DemandSettings
 from warmroute.core.disaggregation import DisaggregationSettings
-from warmroute.core.strategies import STRATEGIES, StrategySettings
+from warmroute.core.strategies import STRATEGIES, StrategyProfile, StrategySettings, check_profiles, strategy_names
 
 ENV_PREFIX = "WARMROUTE_"
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -210,8 +210,13 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings, Disaggregat
     envoy_config: str | None = None
     """`warmroute epp` only: the gateway's Envoy configuration (YAML); its ext_proc filters' smallest message_timeout
     is checked as ext_proc_message_timeout is."""
-    strategy: StrategyName = "cache_aware"
-    """Routing strategy."""
+    strategy: str = "cache_aware"
+    """Routing strategy: a built-in one, or one defined under `strategies`."""
+    strategies: dict[str, StrategyProfile] = Field(default_factory=dict)
+    """Strategies of your own, by name (YAML, or JSON in the variable): each a mapping of `stages` (stage names in
+    pipeline order), `base` (a built-in strategy whose stages are the default) and `settings` (strategy settings it
+    uses instead of the configured ones); `strategy` then names one. See docs/architecture.md, Defining a
+    strategy."""
     admission: bool = True
     """Admission control: a request whose chosen engine is full (engine_capacity in flight, stated or learned from its
     /metrics; or hold_kv_limit of KV demand) waits in the router, in a bounded queue with priorities and fair shares per
@@ -494,6 +499,22 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings, Disaggregat
                              "the URL's host, port and path: the same URL twice, or give each NAME=URL)")
         return v
 
+    @field_validator("strategies")
+    @classmethod
+    def _check_strategies(cls, v: dict[str, StrategyProfile]) -> dict[str, StrategyProfile]:
+        return check_profiles(v)
+
+    @model_validator(mode="after")
+    def _known_strategy(self) -> RouterSettings:
+        if self.strategy not in STRATEGIES and self.strategy not in self.strategies:
+            raise ValueError(f"invalid setting strategy = {self.strategy!r} ({flag_of('strategy')}, "
+                             f"{env_of('strategy')}): must be one of {', '.join(strategy_names(self.strategies))}")
+        return self
+
+    def strategy_profile(self) -> StrategyProfile | None:
+        """The chosen strategy's profile when the config defines it (None: a built-in)."""
+        return self.strategies.get(self.strategy) if self.strategy not in STRATEGIES else None
+
     @model_validator(mode="after")
     def _tls_files(self) -> RouterSettings:
         """The certificate files load, so that a typo stops start-up instead of failing every https request."""
@@ -526,8 +547,9 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings, Disaggregat
         if not self.kv_events:
             return self
         problem = None
-        if self.strategy != "cache_aware":
-            problem = f"needs strategy cache_aware (strategy is {self.strategy})"
+        profile = self.strategy_profile()
+        if self.strategy != "cache_aware" and (profile is None or "prefix_match" not in profile.pipeline()):
+            problem = f"needs strategy cache_aware, or one with stage prefix_match (strategy is {self.strategy})"
         elif self.tokenizer is None:
             problem = f"needs a tokenizer ({flag_of('tokenizer')} MODEL_DIR: the model the engines serve)"
         else:

@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 
 from warmroute.core.demand import DemandSettings
 from warmroute.core.disaggregation import DisaggregationSettings
-from warmroute.core.strategies import OWN_SETTINGS, StrategySettings, own_setting
+from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, own_setting
 from warmroute.router.settings import GiB, KiB, MiB, RouterSettings, env_of, flag_of
 
 
@@ -45,8 +45,9 @@ def setting_names(model: type[BaseModel] | None = None) -> list[str]:
            if n not in StrategySettings.model_fields and n not in demand and n not in pd]
     at = own.index("pod_deletion_cost_interval") + 1
     own = own[:at] + demand + own[at:]
+    own.remove("strategies")  # right after `strategy`
     at = own.index("strategy") + 1
-    return own[:at] + strategy + pd + own[at:]
+    return own[:at] + ["strategies"] + strategy + pd + own[at:]
 
 
 def yaml_key(name: str) -> str:
@@ -55,6 +56,9 @@ def yaml_key(name: str) -> str:
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
+NO_FLAG = frozenset({"strategies"})  # structured: the YAML file (or JSON in the variable) only
+
+
 def _fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
     """Each setting's field by its plain name: the router's and strategies' (nested ones flat), or any other
     model's own fields (the simulator's autoscaler)."""
@@ -70,6 +74,8 @@ def add_setting_arguments(parser: argparse.ArgumentParser, model: type[BaseModel
     second flag for some settings (name -> flag)."""
     aliases = aliases or {}
     for name, field in _fields(model).items():
+        if name in NO_FLAG:
+            continue
         env = f"{env_of(name)}; " if model is RouterSettings else ""  # the simulator reads no environment
         help_text = f"{field.description} [{env}default {_default_text(name, field)}]"
         flags = [flag_of(name), *([aliases[name]] if name in aliases else [])]
@@ -99,6 +105,8 @@ def _default_text(name: str, field: FieldInfo | None = None) -> str:
         return "none"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, dict) and not value:
+        return "none"
     if isinstance(value, dict):
         return ",".join(f"{k}={v:g}" for k, v in value.items())
     if name.endswith("_bytes") and isinstance(value, int) and value >= MiB:
@@ -113,6 +121,10 @@ def valid_range(name: str) -> str:
     ann = field.annotation
     if name == "scorers":
         return "NAME=WEIGHT pairs, comma-separated (weights from 0 to 1000)"
+    if name == "strategy":
+        return f"must be one of {', '.join(STRATEGIES)}, or a name defined under strategies"
+    if name == "strategies":
+        return "must be a mapping of NAME: {stages, base, settings}"
     if getattr(ann, "__origin__", None) is Literal:
         return "must be one of " + ", ".join(ann.__args__)
     if ann is bool:
@@ -166,7 +178,8 @@ def configuration_markdown() -> str:
     ]
     for name in setting_names():
         valid = "" if name == "backends" else valid_range(name).removeprefix("must be ")
-        lines.append(f"| `{yaml_key(name)}` | `{flag_of(name)}` | `{env_of(name)}` | `{_default_text(name)}` | "
+        flag = "—" if name in NO_FLAG else f"`{flag_of(name)}`"
+        lines.append(f"| `{yaml_key(name)}` | {flag} | `{env_of(name)}` | `{_default_text(name)}` | "
                      f"{valid} | {field_of(name).description} |")
     lines += [
         "",
@@ -185,6 +198,18 @@ def configuration_markdown() -> str:
         "cache_aware:",
         "  hot_balance_factor: 0.5",
         "index_memory_bytes: 512MiB",
+        "```",
+        "",
+        "A strategy of your own (docs/architecture.md, Defining a strategy), selected by `strategy`:",
+        "",
+        "```yaml",
+        "strategy: sticky",
+        "strategies:",
+        "  sticky:                           # cache_aware's stages, keeping conversations home longer",
+        "    base: cache_aware",
+        "    settings: {miss_weight: 32, balance_factor: 2.0}",
+        "  ttft_only:                        # no slow start, no hot-prefix guard",
+        "    stages: [prefix_match, load_guard, scorers, tie_slack, least_loaded_ties, rendezvous]",
         "```",
         "",
         "## Notes",

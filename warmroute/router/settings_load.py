@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from warmroute.core.strategies import OWN_SETTINGS, StrategySettings, merge_layers, own_setting
+from warmroute.core.strategies import (OWN_SETTINGS, StrategyProfile, StrategySettings, check_profiles, merge_layers,
+                                       own_setting)
 from warmroute.errors import UsageError
 from warmroute.router.settings import RouterSettings, env_of, flag_of
 from warmroute.router.settings_cli import cli_values, is_setting, valid_range
@@ -64,6 +65,9 @@ def describe_errors(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = err.get("loc") or ()
+        if loc and loc[0] == "strategies":  # a strategy defined in the config (YAML only: no flag)
+            parts.append(_profile_error(loc, err))
+            continue
         if len(loc) > 1 and loc[0] in OWN_SETTINGS:  # a strategy's own setting: named by its plain name
             if err["type"] == "extra_forbidden":
                 parts.append(f"unknown setting {'.'.join(map(str, loc))}")
@@ -87,6 +91,15 @@ def describe_errors(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _profile_error(loc: tuple, err: Any) -> str:
+    """'invalid setting strategies.NAME: what is wrong' for a strategy defined under `strategies`."""
+    if err["type"] == "extra_forbidden":
+        where, detail = ".".join(map(str, loc[:-1])), f"unknown key {loc[-1]!r} (known: stages, base, settings)"
+    else:
+        where, detail = ".".join(map(str, loc)), _clean(err["msg"])
+    return f"invalid setting {where}: {detail}"
+
+
 _SECRET = frozenset({"api_keys", "api_key_salt", "admin_token", "observability_token", "redis_url"})  # never echoed
 
 
@@ -94,10 +107,28 @@ def _clean(msg: str) -> str:
     return msg.removeprefix("Value error, ")
 
 
-def strategy_settings_from(args: argparse.Namespace) -> StrategySettings:
-    """The strategy settings given as flags (add_setting_arguments(parser, StrategySettings)), validated as
-    `warmroute serve` validates them; a bad one raises a one-line UsageError."""
+def strategy_settings_from(args: argparse.Namespace, file_values: Mapping[str, Any] | None = None
+                           ) -> StrategySettings:
+    """The strategy settings given as flags (add_setting_arguments(parser, StrategySettings)) over those of a config
+    file's values (read_config_file; its other settings ignored), validated as `warmroute serve` validates them; a
+    bad one raises a one-line UsageError."""
+    from_file = {k: v for k, v in (file_values or {}).items()
+                 if (k in StrategySettings.model_fields or own_setting(k) is not None)}
     try:
-        return StrategySettings(**merge_layers(cli_values(args, StrategySettings)))
+        return StrategySettings(**merge_layers(from_file, cli_values(args, StrategySettings)))
     except ValidationError as exc:
         raise UsageError(describe_errors(exc)) from None
+
+
+def profiles_from(file_values: Mapping[str, Any]) -> dict[str, StrategyProfile]:
+    """The strategies a config file's values define (`strategies:`), checked as `warmroute serve` checks them; a
+    bad one raises a one-line UsageError."""
+    try:
+        return check_profiles(_PROFILES.validate_python(file_values.get("strategies") or {}))
+    except ValidationError as exc:
+        raise UsageError("; ".join(_profile_error(("strategies", *e["loc"]), e) for e in exc.errors())) from None
+    except ValueError as exc:
+        raise UsageError(f"invalid setting strategies: {exc}") from None
+
+
+_PROFILES = TypeAdapter(dict[str, StrategyProfile])

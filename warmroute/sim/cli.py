@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Mapping
 from typing import Annotated
 
 from pydantic import TypeAdapter, ValidationError
@@ -16,7 +17,7 @@ from warmroute.core.disaggregation import DisaggregationSettings
 from warmroute.core.strategies import STRATEGIES, StrategySettings
 from warmroute.router.settings import RouterSettings
 from warmroute.router.settings_cli import add_setting_arguments, cli_values, field_of, setting_names
-from warmroute.router.settings_load import describe_errors, strategy_settings_from
+from warmroute.router.settings_load import describe_errors, profiles_from, read_config_file, strategy_settings_from
 from warmroute.errors import UsageError
 from warmroute.sim.autoscale import AutoscaleSettings
 from warmroute.sim.report import (Summary, as_json, autoscale_summary, autoscale_table, fmt, plot, slo_text,
@@ -40,8 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS),
                         help="a named experiment (reference-70b: the published benchmark, 16 configurations)")
     parser.add_argument("--strategies", default="random,prefix,cache_aware,oracle,pooled",
-                        help="comma-separated; any router strategy, the references oracle and pooled, and the peer "
-                             "model sglang_like")
+                        help="comma-separated; any router strategy (also one defined in --config), the references "
+                             "oracle and pooled, and the peer model sglang_like")
+    parser.add_argument("--config", metavar="FILE",
+                        help="a `warmroute serve` YAML config: its strategy settings (flags win; its other settings "
+                             "are ignored) and the strategies it defines under `strategies`, which --strategies may "
+                             "name")
     f = parser.add_argument_group("fleet")
     f.add_argument("--instances", type=int, default=8)
     f.add_argument("--profile", choices=("8b", "70b"), default="8b")
@@ -95,8 +100,14 @@ def _validated(name: str, value: object, flag: str | None = None) -> None:
         raise UsageError(f"{flag or '--' + name.replace('_', '-')} {value}: {exc.errors()[0]['msg']}") from None
 
 
+def _config(args: argparse.Namespace) -> dict:
+    """The --config file's values (empty without one)."""
+    return read_config_file(args.config) if getattr(args, "config", None) else {}
+
+
 def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSettings:
-    routing = strategy_settings_from(args)
+    config = _config(args)
+    routing = strategy_settings_from(args, config)
     _validated("queue_timeout", args.queue_timeout)
     if args.router_kv_capacity_tokens is not None:
         _validated("kv_capacity_tokens", args.router_kv_capacity_tokens, "--router-kv-capacity-tokens")
@@ -122,7 +133,7 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
     return SimSettings(
         instances=args.instances, profile=args.profile, kv_capacity_tokens=args.kv_capacity_tokens,
         max_running=args.max_running, router_kv_capacity_tokens=args.router_kv_capacity_tokens,
-        feedback=args.feedback, routing=routing, admission=args.admission, queue_timeout_s=args.queue_timeout,
+        feedback=args.feedback, routing=routing, profiles=profiles_from(config), admission=args.admission, queue_timeout_s=args.queue_timeout,
         requests=args.requests,
         rate=args.rate, concurrency=closed, speedup=args.speedup,
         rate_shape=parse_rate_shape(args.rate_shape) if args.rate_shape else None,
@@ -141,12 +152,14 @@ def _scale_event(text: str) -> tuple[float, int]:
     raise UsageError(f"--scale-at expects T:+1 or T:-1 (seconds), got {text!r}")
 
 
-def _strategies(text: str) -> list[str]:
+def _strategies(text: str, profiles: Mapping[str, object] | None = None) -> list[str]:
+    """The --strategies names: built-in, defined in the --config file (`profiles`), or references."""
+    known = [*STRATEGIES, *(profiles or {}), *REFERENCES]
     names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [n for n in names if n not in STRATEGIES and n not in REFERENCES]
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise UsageError(f"unknown strategy {unknown[0] if unknown else text!r}; choose from "
-                         f"{', '.join([*STRATEGIES, *REFERENCES])}")
+        raise UsageError(f"unknown strategy {unknown[0] if unknown else text!r}; choose from {', '.join(known)}"
+                         + ("" if profiles else " (or one defined under `strategies` in a --config file)"))
     return names
 
 
@@ -167,14 +180,15 @@ def _sweep(text: str) -> tuple[str, list[object]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    strategies = _strategies(args.strategies)
+    profiles = profiles_from(_config(args))
+    strategies = _strategies(args.strategies, profiles)
     if args.plot:
         from warmroute.bench.plot import require_matplotlib
 
         require_matplotlib()
     started = time.perf_counter()
     if args.scenario:
-        return _run_scenario(args, strategies, started)
+        return _run_scenario(args, strategies, started, profiles)
     workload = workload_from_args(args)
     base = settings_from_args(args, workload)
     runs: list[tuple[str, SimSettings]] = [("", base)]
@@ -234,11 +248,13 @@ def _describe(s: SimSettings, w: Workload) -> str:
             f"{s.requests} requests, feedback {'on' if s.feedback else 'off'}")
 
 
-def _run_scenario(args: argparse.Namespace, strategies: list[str], started: float) -> int:
+def _run_scenario(args: argparse.Namespace, strategies: list[str], started: float,
+                  profiles: dict | None = None) -> int:
     cases = SCENARIOS[args.scenario](requests=args.requests, seed=args.seed)
     rows = []
     for case in cases:
-        summaries = {r.strategy: summarize(r) for r in simulate(case.settings, case.workload, strategies)}
+        settings = dataclasses.replace(case.settings, profiles=profiles or {})
+        summaries = {r.strategy: summarize(r) for r in simulate(settings, case.workload, strategies)}
         rows.append({"case": case.label, "results": {k: dataclasses.asdict(v) for k, v in summaries.items()}})
         if not args.json:
             print(_scenario_row(case.label, summaries), flush=True)

@@ -27,8 +27,8 @@ from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.lifecycle import Lifecycle
 from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
 from warmroute.core.stages import Handles
-from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategySettings, make_strategy,
-                                       merge_layers)
+from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategyProfile, StrategySettings,
+                                       make_strategy, merge_layers, settings_for)
 from warmroute.engine.model import EngineConfig, EngineModel
 from warmroute.sim.autoscale import ARBITRARY, CACHE_AWARE, DEMAND, AutoscaleSettings, Autoscaler
 from warmroute.workloads.base import Workload
@@ -51,6 +51,8 @@ class SimSettings:
     # The router's strategy settings, as `warmroute serve` takes them (hold_kv_limit, hold_keep and hold_timeout
     # included: the admission queue applies them).
     routing: StrategySettings = field(default_factory=StrategySettings)
+    # Strategies defined in a config file (`strategies:` of `warmroute simulate --config`), by name.
+    profiles: dict[str, StrategyProfile] = field(default_factory=dict)
     requests: int = 10_000
     rate: float | None = None  # open loop (Poisson sessions per second); None with no concurrency: the trace's
     concurrency: int | None = None  # closed loop: this many sessions in flight
@@ -92,8 +94,10 @@ class SimSettings:
             return replace(self, **{name: value})
         return replace(self, routing=StrategySettings(**merge_layers(self.routing.model_dump(), {name: value})))
 
-    def admission_settings(self) -> AdmissionSettings:
-        return admission_settings(self.routing, self.admission, timeout_s=self.queue_timeout_s, **self.queue)
+    def admission_settings(self, strategy: str = "") -> AdmissionSettings:
+        """The queue's settings (with a strategy defined in the config, from its own settings, as the router)."""
+        return admission_settings(settings_for(strategy, self.routing, self.profiles), self.admission,
+                                  timeout_s=self.queue_timeout_s, **self.queue)
 
 
 @dataclass
@@ -189,7 +193,7 @@ class Simulation:
         self._seq = itertools.count()
         self._rejected: dict[str, int] = {}  # per tenant
         self._last_instance_by_prefix: dict[int, str] = {}
-        adm = settings.admission_settings()
+        adm = settings.admission_settings(self.strategy_name)
         adm.enabled = self.admission_on
         adm.record_queued = self.strategy.records_prefixes
         self.admission = Admission(adm, self.fleet)
@@ -679,4 +683,5 @@ def make_strategy_for_sim(name: str, settings: StrategySettings, seed: int, sim:
     if name == "sglang_like":
         from warmroute.sim.references import sglang_like
         return sglang_like(settings)
-    return make_strategy(name, settings, handles=Handles(seed=seed, slot_wait=sim.slot_wait))
+    return make_strategy(name, settings, handles=Handles(seed=seed, slot_wait=sim.slot_wait),
+                         profiles=sim.s.profiles)
