@@ -30,8 +30,6 @@ from warmroute.core.strategies import STRATEGIES, StrategyProfile, StrategySetti
 
 ENV_PREFIX = "WARMROUTE_"
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
-StrategyName = Literal["cache_aware", "prefix", "session", "least_loaded", "round_robin", "random"]
-assert set(StrategyName.__args__) == set(STRATEGIES), "StrategyName must list the core's strategies"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # safe in a header and a metric label
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
