@@ -29,7 +29,8 @@ default instead of the SLO), `direct` (no router: only with --instances 1) and, 
            for them and the timings are partly its own).
   sim-surge  the surge in the simulator (virtual time): `flow`, `no-flow` where --contenders names it, and
            `sglang_like` (the simulator's model of SGLang's policy) in place of smg; --set changes a SimSettings
-           field or strategy setting of the flow contenders (e.g. 'queue={"lifo_after_s": 0}', shared_miss_weight=16).
+           field or strategy setting of the flow contenders, admission settings by their names (e.g. lifo_after_s=0,
+           'admission={"fair_lend": 2}', shared_miss_weight=16).
   sim-tenants  the same in the simulator (virtual time: seconds, no machine noise): `flow` with this checkout's
            defaults, and, where tenant cap flags are given, `flow+caps` with them (side by side in one run);
            `no-flow` (admission off) where --contenders names it.
@@ -396,8 +397,8 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
     streams = tuple(TenantStream(t, mixed(seed + i), r, start_s=noisy_from(args, t))
                     for i, (t, r) in enumerate(rates.items()))
     workload = Tenants(streams=streams, duration_s=args.duration)
-    queue = {**caps, **({"fair_lend": args.fair_lend} if args.fair_lend is not None else {})}
-    res = Simulation(sim_settings(args, admission, seed=seed, queue=queue), workload, "cache_aware").run()
+    knobs = {**caps, **({"fair_lend": args.fair_lend} if args.fair_lend is not None else {})}
+    res = Simulation(sim_settings(args, admission, knobs, seed=seed), workload, "cache_aware").run()
     done = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None)
             for x in res.records if x.arrival < args.duration]
     split = [(x.tenant, x.arrival, x.first_token - x.arrival if x.first_token is not None else None,
@@ -406,10 +407,13 @@ def sim_tenants(args: argparse.Namespace, admission: bool, noisy: bool, cap: flo
              "fair_tail": tail_split(split, args.warmup, FAIR)}, fair_ttfts(args, done))
 
 
-def sim_settings(args: argparse.Namespace, admission: bool, **changes: object) -> SimSettings:
-    routing = StrategySettings(**({"concurrency_threshold": args.threshold} if args.threshold else {}))
-    s = SimSettings(instances=args.instances, max_running=args.max_running, admission=admission,
-                    queue_timeout_s=args.slo / args.time_scale, routing=routing, requests=10**7, seed=args.seed)
+def sim_settings(args: argparse.Namespace, admission: bool, knobs: dict[str, object] | None = None,
+                 **changes: object) -> SimSettings:
+    """The simulated fleet; `knobs`: admission settings by their names (AdmissionConfig: fair_lend, ...)."""
+    queue = {"enabled": admission, "timeout_s": args.slo / args.time_scale, **(knobs or {})}
+    routing = StrategySettings(**({"concurrency_threshold": args.threshold} if args.threshold else {}), admission=queue)
+    s = SimSettings(instances=args.instances, max_running=args.max_running, routing=routing, requests=10**7,
+                    seed=args.seed)
     return dataclasses.replace(s, **changes)
 
 

@@ -67,11 +67,11 @@ def test_admission_off_lets_everything_go():
 
 def test_a_conversation_over_the_kv_limit_waits_for_its_own_instance():
     """The former hold: a prompt kept on the one instance holding its history (private) waits while the prompts
-    in flight there, with it, would need more than kv_limit x its KV cache; never when nothing is in flight
+    in flight there, with it, would need more than hold_kv_limit x its KV cache; never when nothing is in flight
     there. Pinned to its instance for hold_keep x the mean TTFT, then any instance with room takes it once the
-    aging term outweighs what it would lose there, and in any case after patience_s."""
+    aging term outweighs what it would lose there, and in any case after hold_timeout."""
     f, s, a, b, k, holder = conversation_on_the_first_of_two()
-    adm = _adm(f, kv_limit=1.4, hold_keep=1.5)
+    adm = _adm(f, hold_kv_limit=1.4, hold_keep=1.5)
     holder.inflight_prompt_tokens = 14_000 - k.tokens  # with it: exactly 1.4 x its KV cache
     d = s.choose(k, f)
     assert d.instance == a and d.reason == CACHE_HIT and d.private and adm.waiter_for(d, 0.0) is None
@@ -90,7 +90,7 @@ def test_a_conversation_over_the_kv_limit_waits_for_its_own_instance():
 
 def test_a_pinned_waiter_goes_elsewhere_once_its_pin_runs_out():
     f, s, a, b, k, holder = conversation_on_the_first_of_two()
-    adm = _adm(f, kv_limit=1.4, hold_keep=1.5, patience_s=5.0, aging_tokens_per_s=2000.0)
+    adm = _adm(f, hold_kv_limit=1.4, hold_keep=1.5, hold_timeout=5.0, aging_tokens_per_s=2000.0)
     holder.inflight_prompt_tokens = 14_500  # over the KV limit with it, under sticky_kv_limit
     f.mean_ttft_s = 1.0
     w = adm.waiter_for(s.choose(k, f), 0.0)

@@ -79,9 +79,9 @@ def test_the_shipped_envoy_files_wait_longer_than_the_pickers_defaults(config, t
     picker told about a shorter one refuses to start."""
     defaults = load_settings({"backends": ["http://127.0.0.1:1"], "envoy_config": str(config)}, env={})
     check_gateway_timeouts(defaults)
-    assert envoy_message_timeout(str(config)) > defaults.queue_timeout
+    assert envoy_message_timeout(str(config)) > defaults.admission.timeout_s
     short = tmp_path / "short.yaml"
     short.write_text(config.read_text().replace("message_timeout: 65s", "message_timeout: 10s"))
     with pytest.raises(UsageError) as exc:
         check_gateway_timeouts(defaults.model_copy(update={"envoy_config": str(short)}))
-    assert "queue_timeout (60 s)" in str(exc.value) and "10 s" in str(exc.value)
+    assert "admission.timeout_s (60 s)" in str(exc.value) and "10 s" in str(exc.value)

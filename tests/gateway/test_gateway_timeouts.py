@@ -67,7 +67,7 @@ async def test_a_picker_whose_waits_outlast_the_gateways_timeout_refuses_to_star
         finally:
             child.stop(grace_s=0)
         lines = [ln for ln in child.log_text().splitlines() if ln.strip()]
-        assert status != 0 and len(lines) == 1 and "queue_timeout (60 s)" in lines[0], lines
+        assert status != 0 and len(lines) == 1 and "admission.timeout_s (60 s)" in lines[0], lines
         assert "Traceback" not in child.log_text()
         print(f"\n  picker with queue_timeout 60 s behind a {TIMEOUT:g} s ext_proc timeout: exit {status}: {lines[0]}")
     finally:
@@ -113,7 +113,7 @@ async def test_a_request_waiting_behind_envoy_gets_the_pickers_429_never_a_fallb
         for (status, headers, body, seconds), name in zip(answers, ("FailClose", "FailOpen")):
             print(f"\n  {name}: waited {seconds:.2f} s, then {status} from the picker (Envoy's timeout {TIMEOUT:g} s)")
             assert status == 429 and "retry-after" in {k.lower() for k in headers}, (name, status, body)
-            assert body["error"]["type"] == "rate_limit_error" and "queue_timeout" in body["error"]["message"]
+            assert body["error"]["type"] == "rate_limit_error" and "timeout_s" in body["error"]["message"]
             assert QUEUE_TIMEOUT - 0.5 <= seconds < TIMEOUT
     finally:
         envoy.stop()

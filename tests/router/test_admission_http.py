@@ -105,7 +105,7 @@ async def test_past_its_deadline_a_waiting_request_gets_429_not_a_hang():
         loop = asyncio.get_running_loop()
         start = loop.time()
         status, headers, body = await asyncio.wait_for(_post(client, router.url, _chat(0, 1)), 10)
-        assert status == 429 and "queue_timeout" in body["error"]["message"] and "Retry-After" in headers
+        assert status == 429 and "timeout_s" in body["error"]["message"] and "Retry-After" in headers
         assert loop.time() - start < 2.0
         assert (await slow)[0] == 200
 

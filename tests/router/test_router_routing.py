@@ -269,7 +269,7 @@ async def test_a_full_fleet_queues_then_refuses_with_429_past_its_bounds_and_dea
     assert full.value.status == 429 and full.value.headers["Retry-After"] == "1"
     with pytest.raises(ApiError) as late:
         await asyncio.wait_for(first, 2.0)
-    assert late.value.status == 429 and "queue_timeout" in late.value.message
+    assert late.value.status == 429 and "timeout_s" in late.value.message
     assert _metric(router, "warmroute_sheds_total", reason="queue_full", priority="0") == 1
     assert _metric(router, "warmroute_sheds_total", reason="deadline", priority="0") == 1
     for life in lives:

@@ -201,7 +201,7 @@ def test_a_config_file_defines_strategies_and_selects_one(tmp_path):
     assert isinstance(router.strategy, CacheAwareStrategy) and router.strategy.records_prefixes
     assert router.strategy.settings.cache_aware.miss_weight == 32  # the profile's own over the file's 8
     assert router.strategy.settings.cache_aware.balance_factor == 2.0
-    assert router.admission.settings.patience_s == 9  # the admission queue reads the profile's hold_timeout too
+    assert router.admission.settings.hold_timeout == 9  # the admission queue reads the profile's hold_timeout too
     assert load({"strategy": "ttft_only"}, config=path).strategy == "ttft_only"
     assert load({"strategy": "cache_aware"}, config=path).cache_aware.miss_weight == 8
 

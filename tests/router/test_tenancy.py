@@ -84,4 +84,4 @@ def test_bad_tenancy_settings_are_refused_naming_the_setting():
         with pytest.raises(UsageError) as exc:
             _tenancy(**kw)
         assert next(iter(kw)) in str(exc.value)
-    assert json.dumps(_tenancy(tenant_weights="a=2").settings.tenant_weights) == '{"a": 2.0}'
+    assert json.dumps(_tenancy(tenant_weights="a=2").settings.admission.tenant_weights) == '{"a": 2.0}'

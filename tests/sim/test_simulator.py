@@ -81,7 +81,8 @@ def test_hot_prompt_under_load_is_spread_not_pinned(seed):
         return summarize(Simulation(settings, make_workload("hot", seed=seed), strategy).run()).load_spread
 
     # prefix as the reference router runs it: spilling along its own order, with no admission queue in front
-    spread = {"cache_aware": spread_of("cache_aware"), "prefix": spread_of("prefix", admission=False)}
+    spread = {"cache_aware": spread_of("cache_aware"),
+              "prefix": spread_of("prefix", routing=StrategySettings(admission=False))}
     assert spread["cache_aware"] <= 1.35 and spread["prefix"] > 2
 
 

@@ -21,6 +21,7 @@ checked at start-up (stages_problem).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,8 @@ __all__ = ["AFFINITY", "APPROXIMATE", "PRECISE", "CACHE_HIT", "COLD", "HOT_SPREA
            "kv_pressure", "_scan", "CacheAwareSettings", "StrategySettings", "Strategy", "CacheAwareStrategy",
            "STRATEGIES", "StrategySpec", "StrategyProfile", "CACHE_AWARE", "make_strategy", "stages_problem",
            "check_profiles", "settings_for", "strategy_names", "ADMISSION_PARAMS", "Handles", "merge_layers",
-           "nest_flat_names", "own_setting", "OWN_SETTINGS"]
+           "nest_flat_names", "own_setting", "OWN_SETTINGS", "FLAT_ALIASES", "AdmissionConfig", "flat_name",
+           "flat_names", "former_names"]
 
 
 class CacheAwareSettings(SettingsModel):
@@ -125,8 +127,13 @@ class CacheAwareSettings(SettingsModel):
         return v
 
 
-# Strategies with knobs of their own: the field of StrategySettings that holds them.
+# Settings models nested in StrategySettings, whose knobs may also be named alone (flags, variables, older YAML):
+# each strategy's own (cache_aware), and the admission queue's (core/admission/settings.py AdmissionConfig, added at
+# the end of this module, which it imports). The field of StrategySettings that holds them -> the model.
 OWN_SETTINGS: dict[str, type[BaseModel]] = {"cache_aware": CacheAwareSettings}
+# Other names a nested setting is still accepted under (former names): name -> (field, its name in the model).
+# Filled with the admission model (ADMISSION_ALIASES); `admission: false` is its `enabled`.
+FLAT_ALIASES: dict[str, tuple[str, str]] = {}
 
 
 class StrategySettings(SettingsModel):
@@ -144,6 +151,8 @@ class StrategySettings(SettingsModel):
     never caps an engine's batch (engine_capacity does, where an engine is full)."""
     cache_aware: CacheAwareSettings = Field(default_factory=CacheAwareSettings)
     """cache_aware's own settings."""
+    admission: AdmissionConfig = Field(default_factory=lambda: AdmissionConfig())
+    """The admission queue's settings (`admission: {timeout_s: 30}`; `admission: false` turns it off)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -158,17 +167,42 @@ class StrategySettings(SettingsModel):
 
 
 def nest_flat_names(data: Any) -> Any:
-    """{'balance_factor': 2} -> {'cache_aware': {'balance_factor': 2}}: a strategy's own setting named alone."""
+    """{'balance_factor': 2} -> {'cache_aware': {'balance_factor': 2}}: a nested setting named alone (or by a
+    former name: {'queue_timeout': 9} -> {'admission': {'timeout_s': 9}}; {'admission': False} -> {'admission':
+    {'enabled': False}})."""
     if not isinstance(data, dict):
         return data
     out = dict(data)
+    for field in OWN_SETTINGS:
+        if isinstance(out.get(field), str) and out[field].lstrip().startswith("{"):  # JSON, from a variable
+            out[field] = json.loads(out[field])
+        if not isinstance(out.get(field, {}), (dict, BaseModel)):  # `admission: false`
+            out[field] = {FLAT_ALIASES[field][1]: out[field]} if field in FLAT_ALIASES else out[field]
     for field, model in OWN_SETTINGS.items():
         flat = {k: out.pop(k) for k in list(out) if k in model.model_fields}
+        flat.update({FLAT_ALIASES[k][1]: out.pop(k) for k in list(out)
+                     if k in FLAT_ALIASES and FLAT_ALIASES[k][0] == field and k != field})
         if flat:
             nested = out.get(field)
             nested = nested.model_dump(exclude_unset=True) if isinstance(nested, BaseModel) else dict(nested or {})
             out[field] = {**flat, **nested}
     return out
+
+
+def flat_name(field: str, name: str) -> str:
+    """A nested setting's name alone: its own (balance_factor), or for admission's `enabled`, `admission`."""
+    return field if name in FLAT_NAMELESS else name
+
+
+def flat_names(field: str) -> list[str]:
+    """The nested settings of `field` (cache_aware, admission) by their names alone, in the model's order."""
+    return [flat_name(field, n) for n in OWN_SETTINGS[field].model_fields]
+
+
+def former_names(name: str) -> list[str]:
+    """The former names a setting (by its name alone) is still accepted under: timeout_s -> [queue_timeout]."""
+    nested = own_setting(name)
+    return [old for old, to in FLAT_ALIASES.items() if to == nested and old != name] if nested else []
 
 
 def merge_layers(*layers: dict[str, Any]) -> dict[str, Any]:
@@ -185,9 +219,12 @@ def merge_layers(*layers: dict[str, Any]) -> dict[str, Any]:
 
 
 def own_setting(name: str) -> tuple[str, str] | None:
-    """('cache_aware', 'balance_factor') for a strategy's own setting named alone; None for any other name."""
+    """('cache_aware', 'balance_factor') for a nested setting named alone, ('admission', 'timeout_s') for one by
+    a former name (queue_timeout) or `admission` itself (its `enabled`); None for any other name."""
+    if name in FLAT_ALIASES:
+        return FLAT_ALIASES[name]
     for field, model in OWN_SETTINGS.items():
-        if name in model.model_fields:
+        if name in model.model_fields and name not in FLAT_NAMELESS:
             return field, name
     return None
 
@@ -430,3 +467,14 @@ def make_strategy(name: str, settings: StrategySettings | None = None, seed: int
     else:
         raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(strategy_names(profiles))}") from None
     return spec.build(name, settings, handles or Handles(seed=seed))
+
+
+# The admission queue's settings model, nested as StrategySettings.admission (imported last: its package imports
+# this module).
+from warmroute.core.admission.settings import ADMISSION_ALIASES, AdmissionConfig  # noqa: E402
+
+OWN_SETTINGS["admission"] = AdmissionConfig
+FLAT_ALIASES.update({old: ("admission", new) for old, new in ADMISSION_ALIASES.items()})
+# Nested settings with no flat name of their own: admission's `enabled` is named `admission` alone.
+FLAT_NAMELESS = frozenset({"enabled"})
+StrategySettings.model_rebuild()

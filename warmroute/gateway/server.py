@@ -82,9 +82,9 @@ def check_gateway_timeouts(settings: RouterSettings) -> None:
     limit, source = settings.ext_proc_message_timeout, "ext_proc_message_timeout"
     if limit is None and settings.envoy_config is not None:
         limit, source = envoy_message_timeout(settings.envoy_config), f"message_timeout in {settings.envoy_config}"
-    if limit is None or not settings.admission:
+    if limit is None or not settings.admission.enabled:
         return
-    for name, seconds in (("queue_timeout", settings.queue_timeout),
+    for name, seconds in (("admission.timeout_s", settings.admission.timeout_s),
                           ("hold_timeout", settings.cache_aware.hold_timeout)):
         if seconds + GATEWAY_MARGIN_S > limit:
             raise UsageError(f"{name} ({seconds:g} s) must end at least {GATEWAY_MARGIN_S:g} s before the gateway's "

@@ -284,7 +284,7 @@ def build_app(settings: RouterSettings, resolver: Resolver = resolve, links: Lin
     app[HEALTH] = health_ = Health(router.fleet, upstreams, HealthSettings.of(settings), metrics_)
     app[PROXY] = proxy = Proxy(router, health_, upstreams, settings)
     app[SCRAPER] = scraper = EngineScraper(router.fleet, upstreams, ScrapeSettings.of(settings), metrics_,
-                                           router.admission.limit if settings.admission else None)
+                                           router.admission.limit if settings.admission.enabled else None)
     app[CATALOG] = catalog = ModelCatalog(router.fleet, upstreams, CatalogSettings.of(settings), router.lora_adapters)
     app[KV_EVENTS] = kv_events = _kv_events(settings, router, metrics_, upstreams)
     app[MEMBERSHIP] = membership = Membership(router.fleet, settings.backends, settings.capacity_configured,

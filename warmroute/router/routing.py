@@ -73,17 +73,12 @@ class Router:
                                          feedback=settings.engine_feedback))
         for b in settings.backends:
             self.fleet.add(b.name, b.kv_capacity_tokens, engine_capacity=settings.engine_capacity_of(b), role=b.role)
-        wait = (lambda i: self.admission.slot_wait(i)) if settings.admission else None  # (the queue is built below)
+        wait = (lambda i: self.admission.slot_wait(i)) if settings.admission.enabled else None  # (the queue is built below)
         self.strategy = make_strategy(settings.strategy, settings.strategy_settings(), handles=Handles(slot_wait=wait),
                                       profiles=settings.strategies)
         self._any = make_strategy("least_loaded")
         self.admission = Admission(admission_settings(  # a strategy defined in the config may set its own hold_*
-            settings_for(settings.strategy, settings, settings.strategies), settings.admission, max_requests=settings.queue_max_requests, max_bytes=settings.queue_max_bytes,
-            timeout_s=settings.queue_timeout, spill_headroom=settings.spill_headroom,
-            aging_tokens_per_s=settings.queue_aging, lifo_after_s=settings.queue_lifo_after,
-            tenant_weights=settings.tenant_weights,
-            tenant_queue_share=settings.tenant_queue_share, tenant_pending=settings.tenant_pending,
-            prefill_budget=settings.prefill_budget,
+            settings_for(settings.strategy, settings, settings.strategies),
             record_queued=self.strategy.records_prefixes), self.fleet)
         self.exact: ExactIndex | None = None  # precise mode (kv_events): what the engines report holding
         self.tokenizer: PromptTokenizer | None = None
@@ -321,7 +316,8 @@ class Router:
     def _refusal(self, w: Waiter, key: RoutingKey | None) -> ApiError:
         if w.shed == NO_INSTANCE:
             return no_instance(self.settings.health_interval, key.model if key else None)
-        why = {DEADLINE: f"waited queue_timeout ({self.settings.queue_timeout:g} s) without room at an instance",
+        why = {DEADLINE: f"waited admission.timeout_s ({self.settings.admission.timeout_s:g} s) without room at an "
+                         "instance",
                PREEMPTED: "the router's queue is full and a higher-priority request took this one's place"}
         return _too_busy(f"the fleet is overloaded: {why.get(w.shed or '', w.shed)}; retry later",
                          max(1.0, self.fleet.mean_ttft_s))

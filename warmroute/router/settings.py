@@ -22,17 +22,16 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from warmroute.core.admission import AdmissionSettings
+from warmroute.core.admission import AdmissionConfig
 from warmroute.core.kv_events import ZMQ_ENDPOINT
 from warmroute.core.demand import DemandSettings
 from warmroute.core.disaggregation import DisaggregationSettings
+from warmroute.core.settings_model import GiB, KiB, MiB, parse_mapping, parse_size  # noqa: F401 (re-exported)
 from warmroute.core.strategies import STRATEGIES, StrategyProfile, StrategySettings, check_profiles, strategy_names
 
 ENV_PREFIX = "WARMROUTE_"
-KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # safe in a header and a metric label
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 
 
 _K8S_SERVICE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # [NAMESPACE/]SERVICE
@@ -102,19 +101,6 @@ def parse_backends(value: Any) -> list[dict]:
     return out
 
 
-def parse_mapping(value: Any) -> Any:
-    """NAME=VALUE,NAME=VALUE (a flag or env variable) into a dict; a mapping (YAML) as it is."""
-    if not isinstance(value, str):
-        return value
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in value.split(","))):
-        name, eq, v = part.partition("=")
-        if not eq or not name.strip():
-            raise ValueError(f"expected NAME=VALUE,... but got {part!r}")
-        out[name.strip()] = v.strip()
-    return out
-
-
 def name_from_url(url: str) -> str:
     """A backend's default name, from its URL alone (host, port, path): the same in every list it appears in
     and whatever else the list holds, so the index stays pointed at the right host."""
@@ -128,17 +114,6 @@ def name_from_url(url: str) -> str:
     if len(name) > 63:  # long host names and paths: a readable head and a digest of the whole
         name = f"{name[:54].rstrip('-._')}-{xxhash.xxh32_hexdigest(raw.encode())}"
     return name
-
-
-def parse_size(value: Any) -> Any:
-    """'32MiB', '256 MiB', '64k', '1GiB' -> bytes; plain numbers pass through."""
-    if not isinstance(value, str):
-        return value
-    m = _SIZE.match(value)
-    if not m:
-        return value  # let the int validator name the problem
-    unit = (m.group(2) or "B").upper()[0]
-    return int(float(m.group(1)) * {"B": 1, "K": KiB, "M": MiB, "G": GiB}[unit])
 
 
 class RouterSettings(BaseSettings, StrategySettings, DemandSettings, DisaggregationSettings):
@@ -202,12 +177,15 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings, Disaggregat
     address; Envoy's override_host load-balancing policy reads the list (deploy/envoy/)."""
     ext_proc_message_timeout: float | None = Field(None, ge=0.0, le=3600)
     """`warmroute epp` only: seconds the gateway waits for the picker's answer to one message (Envoy ext_proc's
-    message_timeout). The picker refuses to start unless queue_timeout and hold_timeout end a second before it: past
+    message_timeout). The picker refuses to start unless admission.timeout_s and hold_timeout end a second before it: past
     it the gateway answers 503 itself, or, failing open, sends the request on past admission. Unset: read from
     envoy_config, else not checked."""
     envoy_config: str | None = None
     """`warmroute epp` only: the gateway's Envoy configuration (YAML); its ext_proc filters' smallest message_timeout
     is checked as ext_proc_message_timeout is."""
+    admission: Annotated[AdmissionConfig, NoDecode] = Field(default_factory=AdmissionConfig)
+    """The admission queue's settings (StrategySettings'; here WARMROUTE_ADMISSION is read as written: a boolean,
+    off, no, ..., or a JSON mapping)."""
     strategy: str = "cache_aware"
     """Routing strategy: a built-in one, or one defined under `strategies`."""
     strategies: dict[str, StrategyProfile] = Field(default_factory=dict)
@@ -215,48 +193,6 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings, Disaggregat
     pipeline order), `base` (a built-in strategy whose stages are the default) and `settings` (strategy settings it
     uses instead of the configured ones); `strategy` then names one. See docs/architecture.md, Defining a
     strategy."""
-    admission: bool = True
-    """Admission control: a request whose chosen engine is full (engine_capacity in flight, stated or learned from its
-    /metrics; or hold_kv_limit of KV demand) waits in the router, in a bounded queue with priorities and fair shares per
-    tenant, instead of queueing in the engine; when an engine has room it takes the waiting request whose prefix it
-    holds. An engine whose capacity is unknown is never held for. Off: every request goes at once."""
-    queue_max_requests: int = Field(AdmissionSettings.max_requests, ge=1, le=1_000_000)
-    """Most requests waiting in the router; beyond, 429 (the lowest priority waiting is refused first)."""
-    queue_max_bytes: Annotated[int, Field(ge=KiB, le=64 * GiB)] = 256 * MiB
-    """Most bytes of request bodies waiting in the router (accepts 256MiB, ...); beyond, 429."""
-    queue_timeout: float = Field(AdmissionSettings.timeout_s, ge=0.01, le=3600)
-    """Seconds a request may wait in the router; then 429 with Retry-After."""
-    spill_headroom: float = Field(AdmissionSettings.spill_headroom, ge=0.0, le=1.0)
-    """A request waiting for its busy instance goes to another at once only if that one has at least this share of
-    concurrency_threshold free (1: only an idle one); else it waits for its own (within queue_timeout). Lower values
-    spill sooner, at the cost of cache hits under load."""
-    queue_lifo_after: float = Field(AdmissionSettings.lifo_after_s, ge=0.0, le=3600)
-    """Once the oldest waiting request has waited this many seconds, a freed slot takes the newest of the requests it
-    would take alike, not the oldest (adaptive LIFO; 0: always the oldest first). Under sustained overload some requests
-    wait until queue_timeout whatever the order; newest first keeps most waits short instead of making every request
-    wait almost that long. Requests its cache favours still go first."""
-    queue_aging: float = Field(AdmissionSettings.aging_tokens_per_s, ge=0.0, le=1e9)
-    """Prompt tokens a waiting request is willing to lose per second waited to go to another instance than its own (away
-    from it, it loses at least its whole prompt); 0: never (only an idle instance takes it, or a free slot anywhere once
-    its own is down)."""
-    tenant_queue_share: float = Field(AdmissionSettings.tenant_queue_share, ge=0.0, le=64.0)
-    """While other tenants have requests in flight or waiting, a tenant may have at most this many times its weighted
-    share of concurrency_threshold awaiting their first token at an instance (at least 1); past it, its requests wait
-    in the router (see tenant_pending). Engines prefill first come first served, so one tenant's burst queued in them
-    delays every other tenant's first tokens. 0: no cap. Costs throughput where the engines would batch the burst."""
-    tenant_pending: int = Field(AdmissionSettings.tenant_pending, ge=0, le=1_000_000)
-    """A tenant past its tenant_queue_share cap at an instance may still send there while fewer than this many
-    requests there await their first token, so that the engine is not left idle for want of its work. 0: never past
-    the cap."""
-    prefill_budget: int = Field(AdmissionSettings.prefill_budget, ge=0, le=1 << 30)
-    """While several tenants have requests in flight or waiting, an instance with at least this many uncached prompt
-    tokens sent to it and awaiting their first token takes no more requests of tenants asking for their weighted
-    share of the arriving requests or more; those wait in the router, where the fair shares pick whose goes next as
-    its prefill drains, while a tenant asking for less goes first (at once, on a slot lent to its instance if need
-    be, and past the budget while its own prefill queued there is under it). Engines prefill first come first
-    served, so this bounds the prefill a quiet tenant's request finds queued ahead of it. A request counts at least one
-    token, so 1 is strict: nothing may await a first token there (the heaviest isolation, at a latency cost to the
-    heavy tenant even below overload; docs/deployment.md). 0: no budget. One tenant alone is never held."""
     trust_client_headers: bool = False
     """Honour what a request says about who sent it and how urgent it is: tenant_header, priority_header and the body's
     `user` field (tenant_from). Only for a hop that sets them itself after authenticating the client (a gateway that
@@ -293,8 +229,6 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings, Disaggregat
     listed may claim no more than its default priority."""
     model_priorities: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
     """Priority per model, NAME=N,... (below tenant_priorities)."""
-    tenant_weights: Annotated[dict[str, float], NoDecode] = Field(default_factory=dict)
-    """Share weight per tenant, NAME=X,... (1 for the others)."""
     block_bytes: int = Field(64, ge=16, le=4096)
     """Block size of the prefix index in bytes (multiple of 8; 64 bytes is about 16 tokens)."""
     index_memory_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = 256 * MiB
@@ -407,7 +341,7 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings, Disaggregat
     def _parse_list(cls, v: Any) -> Any:
         return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
 
-    @field_validator("tenant_priorities", "tenant_max_priorities", "model_priorities", "tenant_weights", "api_keys",
+    @field_validator("tenant_priorities", "tenant_max_priorities", "model_priorities", "api_keys",
                      mode="before")
     @classmethod
     def _parse_mapping(cls, v: Any) -> Any:
@@ -460,15 +394,7 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings, Disaggregat
             out[digest] = tenant
         return out
 
-    @field_validator("tenant_weights")
-    @classmethod
-    def _check_weights(cls, v: dict[str, float]) -> dict[str, float]:
-        bad = [k for k, w in v.items() if not 0.001 <= w <= 1000]
-        if bad:
-            raise ValueError(f"weights must be 0.001..1000; {bad[0]!r} is not")
-        return v
-
-    @field_validator("index_memory_bytes", "max_body_bytes", "queue_max_bytes", mode="before")
+    @field_validator("index_memory_bytes", "max_body_bytes", mode="before")
     @classmethod
     def _parse_size(cls, v: Any) -> Any:
         return parse_size(v)

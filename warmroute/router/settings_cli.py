@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 
 from warmroute.core.demand import DemandSettings
 from warmroute.core.disaggregation import DisaggregationSettings
-from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, own_setting
+from warmroute.core.strategies import OWN_SETTINGS, STRATEGIES, StrategySettings, flat_names, former_names, own_setting
 from warmroute.router.settings import GiB, KiB, MiB, RouterSettings, env_of, flag_of
 
 
@@ -27,16 +27,17 @@ def is_setting(name: str) -> bool:
 
 
 def field_of(name: str) -> FieldInfo:
-    """The field behind a setting's plain name: RouterSettings' own, or a strategy's (balance_factor)."""
+    """The field behind a setting's plain name: RouterSettings' own, or a nested one's (balance_factor, timeout_s,
+    admission: its `enabled`, and former names: queue_timeout)."""
     nested = own_setting(name)
-    return OWN_SETTINGS[nested[0]].model_fields[name] if nested else RouterSettings.model_fields[name]
+    return OWN_SETTINGS[nested[0]].model_fields[nested[1]] if nested else RouterSettings.model_fields[name]
 
 
 def setting_names(model: type[BaseModel] | None = None) -> list[str]:
     """Every setting by its plain name, a strategy's own right after `strategy` (only the strategy settings
     for model=StrategySettings)."""
     strategy = [n for n in StrategySettings.model_fields if n not in OWN_SETTINGS]
-    strategy += [n for m in OWN_SETTINGS.values() for n in m.model_fields]
+    strategy += [n for field in OWN_SETTINGS for n in flat_names(field)]
     if model is StrategySettings:
         return strategy
     demand = list(DemandSettings.model_fields)  # next to the other settings for autoscaling
@@ -52,7 +53,7 @@ def setting_names(model: type[BaseModel] | None = None) -> list[str]:
 
 def yaml_key(name: str) -> str:
     nested = own_setting(name)
-    return f"{nested[0]}.{name}" if nested else name
+    return f"{nested[0]}.{nested[1]}" if nested else name
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ def add_setting_arguments(parser: argparse.ArgumentParser, model: type[BaseModel
             continue
         env = f"{env_of(name)}; " if model is RouterSettings else ""  # the simulator reads no environment
         help_text = f"{field.description} [{env}default {_default_text(name, field)}]"
-        flags = [flag_of(name), *([aliases[name]] if name in aliases else [])]
+        flags = [flag_of(name), *([aliases[name]] if name in aliases else []), *map(flag_of, former_names(name))]
         if field.annotation is bool:
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
@@ -171,7 +172,12 @@ def configuration_markdown() -> str:
         "value stops the router before it binds its port, with one line naming the setting and what is valid,",
         "and exit status 2. A strategy's own settings nest under its name in the file (`cache_aware:` then",
         "`balance_factor: 2`); they may also be written at the top level by their plain name, as flags and",
-        "environment variables name them. `warmroute simulate` takes the strategy settings as the same flags.",
+        "environment variables name them. The admission queue's settings nest under `admission:` the same way",
+        "(`admission: {timeout_s: 30, fair_lend: 2}`, or `timeout_s: 30` at the top level, `--timeout-s 30`,",
+        "`WARMROUTE_TIMEOUT_S=30`); `admission: false` (`--no-admission`) turns it off. Their former names still work",
+        "as keys, flags and variables: `queue_timeout` (timeout_s), `queue_max_requests` (max_requests),",
+        "`queue_max_bytes` (max_bytes), `queue_lifo_after` (lifo_after_s), `queue_aging` (aging_tokens_per_s).",
+        "`warmroute simulate` takes the strategy and admission settings as the same flags.",
         "",
         "| Setting (YAML key) | Flag | Environment | Default | Valid | Meaning |",
         "|---|---|---|---|---|---|",
@@ -197,6 +203,9 @@ def configuration_markdown() -> str:
         "concurrency_threshold: 64",
         "cache_aware:",
         "  hot_balance_factor: 0.5",
+        "admission:",
+        "  timeout_s: 30                     # your time-to-first-token objective",
+        "  fair_lend: 2",
         "index_memory_bytes: 512MiB",
         "```",
         "",

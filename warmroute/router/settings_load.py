@@ -13,8 +13,8 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from warmroute.core.strategies import (OWN_SETTINGS, StrategyProfile, StrategySettings, check_profiles, merge_layers,
-                                       own_setting)
+from warmroute.core.strategies import (FLAT_ALIASES, OWN_SETTINGS, StrategyProfile, StrategySettings, check_profiles,
+                                       flat_name, flat_names, merge_layers, own_setting)
 from warmroute.errors import UsageError
 from warmroute.router.settings import RouterSettings, env_of, flag_of
 from warmroute.router.settings_cli import cli_values, is_setting, valid_range
@@ -28,7 +28,8 @@ def load_settings(cli_values: dict[str, Any] | None = None, config_file: str | P
         env_source = EnvSettingsSource(RouterSettings)
         if env is not None:  # tests pass their own environment
             env_source.env_vars = {k.lower(): v for k, v in env.items()}
-        env_values = {**env_source(), **_own_settings_from_env(env_source.env_vars)}
+        env_values = {k: v for k, v in env_source().items() if k not in OWN_SETTINGS}  # those: by plain names
+        env_values.update(_own_settings_from_env(env_source.env_vars))
         merged = merge_layers(file_values, env_values, cli_values or {})
         # Everything is in `merged`, so the model's own env reading cannot change the outcome.
         return RouterSettings(**merged)
@@ -37,9 +38,9 @@ def load_settings(cli_values: dict[str, Any] | None = None, config_file: str | P
 
 
 def _own_settings_from_env(env_vars: Mapping[str, str | None]) -> dict[str, Any]:
-    """Strategies' own settings by their plain names (WARMROUTE_BALANCE_FACTOR), which the model's env reading
-    does not see (they are nested fields)."""
-    names = [n for model in OWN_SETTINGS.values() for n in model.model_fields]
+    """Nested settings by their plain names (WARMROUTE_BALANCE_FACTOR, WARMROUTE_TIMEOUT_S, WARMROUTE_ADMISSION) or
+    former names (WARMROUTE_QUEUE_TIMEOUT), which the model's env reading does not see (they are nested fields)."""
+    names = [n for field in OWN_SETTINGS for n in flat_names(field)] + [n for n in FLAT_ALIASES if n not in OWN_SETTINGS]
     return {n: env_vars[env_of(n).lower()] for n in names if env_vars.get(env_of(n).lower()) is not None}
 
 
@@ -72,7 +73,7 @@ def describe_errors(exc: ValidationError) -> str:
             if err["type"] == "extra_forbidden":
                 parts.append(f"unknown setting {'.'.join(map(str, loc))}")
                 continue
-            loc = loc[1:]
+            loc = (flat_name(str(loc[0]), str(loc[1])), *loc[2:])
         name = str(loc[0]) if loc else ""
         if not is_setting(name):
             parts.append(_clean(err["msg"]))

@@ -133,5 +133,5 @@ class Tenancy:
 
 def declared_tenants(settings: RouterSettings) -> set[str]:
     """The tenants the settings name (their metric labels are never capped or removed), and `anonymous`."""
-    return {ANONYMOUS, *settings.api_keys.values(), *settings.tenant_weights, *settings.tenant_priorities,
+    return {ANONYMOUS, *settings.api_keys.values(), *settings.admission.tenant_weights, *settings.tenant_priorities,
             *settings.tenant_max_priorities}

@@ -12,7 +12,6 @@ from typing import Annotated
 from pydantic import TypeAdapter, ValidationError
 
 from warmroute.bench.cli import add_workload_arguments, workload_from_args
-from warmroute.core.admission import AdmissionSettings
 from warmroute.core.disaggregation import DisaggregationSettings
 from warmroute.core.strategies import STRATEGIES, StrategySettings
 from warmroute.router.settings import RouterSettings
@@ -60,11 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("router", "the strategies' settings, as `warmroute serve` takes them")
     add_setting_arguments(r, StrategySettings)
     add_setting_arguments(r, DisaggregationSettings)
-    r.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
-                   help="the router's admission queue: a request whose instance has no room waits in the router "
-                        "(default: on, as `warmroute serve`)")
-    r.add_argument("--queue-timeout", type=float, default=AdmissionSettings.timeout_s, metavar="S",
-                   help="seconds a request may wait in the router's queue before it is refused (429)")
     r.add_argument("--router-kv-capacity-tokens", type=int, metavar="N",
                    help="the router's idea of each instance's KV capacity, to study misconfiguration "
                         "(default: the engines' real capacity)")
@@ -108,7 +102,6 @@ def _config(args: argparse.Namespace) -> dict:
 def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSettings:
     config = _config(args)
     routing = strategy_settings_from(args, config)
-    _validated("queue_timeout", args.queue_timeout)
     if args.router_kv_capacity_tokens is not None:
         _validated("kv_capacity_tokens", args.router_kv_capacity_tokens, "--router-kv-capacity-tokens")
     for name in ("instances", "requests", "max_running"):
@@ -133,7 +126,7 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> SimSetti
     return SimSettings(
         instances=args.instances, profile=args.profile, kv_capacity_tokens=args.kv_capacity_tokens,
         max_running=args.max_running, router_kv_capacity_tokens=args.router_kv_capacity_tokens,
-        feedback=args.feedback, routing=routing, profiles=profiles_from(config), admission=args.admission, queue_timeout_s=args.queue_timeout,
+        feedback=args.feedback, routing=routing, profiles=profiles_from(config),
         requests=args.requests,
         rate=args.rate, concurrency=closed, speedup=args.speedup,
         rate_shape=parse_rate_shape(args.rate_shape) if args.rate_shape else None,

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from warmroute.core.admission import Admission, AdmissionSettings, QueueFull, Waiter, admission_settings, decide_at
+from warmroute.core.admission import Admission, AdmissionConfig, AdmissionSettings, QueueFull, Waiter, admission_settings, decide_at
 from warmroute.core.cache_value import CacheValue, scale_in_victim
 from warmroute.core.demand import DemandMeter, fleet_demand
 from warmroute.core.disaggregation import (DECODE, PREFILL, SPLIT, DisaggregationSettings, Plan, decode_after,
@@ -48,8 +48,10 @@ class SimSettings:
     engine_capacity: int | None = None
     scrape_interval_s: float = 1.0  # the router's scrapes of each engine's load (engine_metrics_interval)
     max_batched_tokens: int = 8192
-    # The router's strategy settings, as `warmroute serve` takes them (hold_kv_limit, hold_keep and hold_timeout
-    # included: the admission queue applies them).
+    # The router's strategy settings, as `warmroute serve` takes them: the admission queue's (routing.admission,
+    # the router's `admission:`, by the same names: StrategySettings(admission={"fair_lend": 2}), or
+    # StrategySettings(fair_lend=2); admission=False turns it off) and cache_aware's hold_kv_limit, hold_keep and
+    # hold_timeout, which the admission queue applies too.
     routing: StrategySettings = field(default_factory=StrategySettings)
     # Strategies defined in a config file (`strategies:` of `warmroute simulate --config`), by name.
     profiles: dict[str, StrategyProfile] = field(default_factory=dict)
@@ -61,11 +63,6 @@ class SimSettings:
     scale_events: list[tuple[float, int]] = field(default_factory=list)  # (time s, +1 or -1)
     autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)  # off unless .autoscale is set
     window_s: float = 10.0  # time-series bucket
-    admission: bool = True  # the router's admission queue (core/admission/); off: every request goes at once
-    queue_timeout_s: float = AdmissionSettings.timeout_s  # a waiting request is refused (429) after this
-    # The admission queue's other settings by their AdmissionSettings names (fair_lend, prefill_budget, ...), as
-    # `warmroute serve` takes them; unset ones keep the queue's defaults.
-    queue: dict[str, Any] = field(default_factory=dict)
     # Disaggregated prefill/decode: the first `prefill_instances` of the fleet prefill, the others decode (0: every
     # instance serves whole requests); the router splits as `warmroute serve` does (pd_threshold_tokens). The KV
     # cache moves at transfer_tokens_per_s, after transfer_latency_s per request.
@@ -94,10 +91,14 @@ class SimSettings:
             return replace(self, **{name: value})
         return replace(self, routing=StrategySettings(**merge_layers(self.routing.model_dump(), {name: value})))
 
+    @property
+    def admission(self) -> AdmissionConfig:
+        """The admission queue's settings (routing.admission)."""
+        return self.routing.admission
+
     def admission_settings(self, strategy: str = "") -> AdmissionSettings:
         """The queue's settings (with a strategy defined in the config, from its own settings, as the router)."""
-        return admission_settings(settings_for(strategy, self.routing, self.profiles), self.admission,
-                                  timeout_s=self.queue_timeout_s, **self.queue)
+        return admission_settings(settings_for(strategy, self.routing, self.profiles))
 
 
 @dataclass
@@ -173,7 +174,7 @@ class Simulation:
         self.instances: dict[str, _Instance] = {}
         self.strategy_name = "pooled" if pooled else (strategy if isinstance(strategy, str) else strategy.name)
         # Not for the pooled reference (one ideal instance) nor the peer model (its router has no such queue).
-        self.admission_on = settings.admission and not pooled and self.strategy_name != "sglang_like"
+        self.admission_on = settings.admission.enabled and not pooled and self.strategy_name != "sglang_like"
         # What the strategy sees of the queue: how long a request waits for a slot at a full engine (built below).
         self.slot_wait = (lambda i: self.admission.slot_wait(i)) if self.admission_on else None
         for _ in range(1 if pooled else settings.instances):

@@ -94,7 +94,7 @@ class Capacity:
         if not strict_kv or not inst.inflight or inst.kv_capacity_tokens <= 0:
             return True
         scale = self.fleet.cache_scale.value
-        return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.kv_limit
+        return kv_pressure(inst, scale) + kv_tokens / (inst.kv_capacity_tokens * scale) <= self.settings.hold_kv_limit
 
     def fleet_spare(self) -> int:
         """Free slots over the routable instances: fewer than theirs added up while an instance serves past its

@@ -12,7 +12,7 @@ from warmroute.core.admission.capacity import Capacity
 from warmroute.core.admission.fairness import Tenants
 from warmroute.core.admission.settings import AdmissionSettings
 from warmroute.core.admission.waiter import BUSY, KV, Waiter
-from warmroute.core.disaggregation import takes
+from warmroute.core import disaggregation  # (the module: it and the strategies import each other through here)
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.routing_key import RoutingKey
 from warmroute.core.strategies import OVERLOAD_SPILL, UNHEALTHY_FALLBACK, Decision, Strategy
@@ -148,7 +148,7 @@ class Placement:
             if w.model not in serving_cache:
                 serving = self.fleet.serving(w.model) if w.model is not None else None
                 serving_cache[w.model] = serving is None or inst.name in serving
-            if not serving_cache[w.model] or not takes(inst, w.pool) or \
+            if not serving_cache[w.model] or not disaggregation.takes(inst, w.pool) or \
                     not self.fits(inst, w.kv_tokens, now < w.strict_until, 0, w.tenant):
                 continue
             local = w.pin is None or w.pin == inst.name or self._may_leave(w, inst.name, free, now)

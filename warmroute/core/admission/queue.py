@@ -102,10 +102,10 @@ class Admission:
                         enqueued=now, deadline=now + s.timeout_s, kv_tokens=decision.kv_tokens,
                         uncached_tokens=decision.uncached_tokens, prompt_tokens=decision.prompt_tokens, why=why,
                         pin=decision.instance if decision.blocks else None, first=decision.instance, keep_until=now,
-                        strict_until=now + s.patience_s, depths=depths, blocks=decision.blocks, model=model,
+                        strict_until=now + s.hold_timeout, depths=depths, blocks=decision.blocks, model=model,
                         pool=pool)
         if why == KV and decision.private:
-            waiter.keep_until = now + min(s.patience_s, s.hold_keep * self.fleet.mean_ttft_s)
+            waiter.keep_until = now + min(s.hold_timeout, s.hold_keep * self.fleet.mean_ttft_s)
         return waiter
 
     def _lent_at_once(self, tenant: str, inst: Instance, decision: Decision) -> bool:

@@ -15,7 +15,7 @@ SHED_REASONS = (QUEUE_FULL, PREEMPTED, DEADLINE, NO_INSTANCE)
 # Why a request waited (Waiter.why; the label values of the admissions metric besides IMMEDIATE).
 IMMEDIATE = "immediate"
 BUSY = "engine_full"  # its instance's engine was full (as many in flight as it runs at once)
-KV = "kv"  # its instance's KV demand was over kv_limit with it (a conversation: the former hold)
+KV = "kv"  # its instance's KV demand was over hold_kv_limit with it (a conversation: the former hold)
 SHARE = "share"  # its tenant had its share of its instance's queue (tenant_queue_share) while others were active
 PREFILL = "prefill"  # its instance had its prefill_budget awaiting first tokens while several tenants were active
 WAIT_REASONS = (BUSY, KV, SHARE, PREFILL)
