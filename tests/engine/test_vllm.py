@@ -445,6 +445,12 @@ async def test_an_instance_killed_mid_run_costs_no_retryable_request(setup: Setu
         status, _ = await ask(victim_prefix)  # the prefix is cached somewhere: its next requests follow it
         assert status == 200
         in_flight = [asyncio.ensure_future(ask(p, max_tokens=1500)) for p in [victim_prefix] * 4 + [other_prefix] * 2]
+        for _ in range(1000):  # every request sent on by the router (none left in its queue), so the engines are
+            # busy and their gauges current (an idle vLLM's may still show the request before)
+            async with client.get(setup.router + "/metrics") as r:
+                if sample_sum(await r.text(), "warmroute_inflight") == len(in_flight):
+                    break
+            await asyncio.sleep(0.01)
         held = {n: 0.0 for n in setup.engines}
         for _ in range(1000):
             held = {n: await held_by(url) for n, url in setup.engines.items()}
