@@ -110,6 +110,9 @@ class Fleet:
     now: float = 0.0
     # Instances in their slow-start ramp: name -> when it began (`start_ramp`; read by stages/slow_start.py).
     ramps: dict[str, float] = field(default_factory=dict, init=False)
+    # Whether any instance has a part of its own in disaggregated serving (prefill or decode only): kept by `add` and
+    # `remove`, read on every request.
+    disaggregated: bool = field(default=False, init=False)
     # model -> names of the instances that may serve it, or None where any may (see `serving`); rebuilt lazily
     _serving: dict[str, frozenset[str] | None] = field(default_factory=dict, init=False, repr=False)
 
@@ -138,6 +141,7 @@ class Fleet:
             inst.capacity.stated = engine_capacity
         if role is not None:
             inst.role = role
+            self.disaggregated = any(i.role != "both" for i in self.instances.values())
         self.index.add_instance(name, self.estimated_capacity_tokens(name) // self.block_tokens)
         self._serving.clear()
         return inst
@@ -147,11 +151,7 @@ class Fleet:
         self.ramps.pop(name, None)
         self.index.remove_instance(name)
         self._serving.clear()
-
-    @property
-    def disaggregated(self) -> bool:
-        """Whether any instance has a part of its own in disaggregated serving (prefill or decode only)."""
-        return any(i.role != "both" for i in self.instances.values())
+        self.disaggregated = any(i.role != "both" for i in self.instances.values())
 
     def routable(self, model: str | None = None) -> list[Instance]:
         """Healthy, not draining, and (for a request naming a model) among the instances that may serve it."""
