@@ -21,8 +21,7 @@ from typing import Any
 from warmroute.core.admission import Admission, AdmissionConfig, AdmissionSettings, QueueFull, Waiter, admission_settings, decide_at
 from warmroute.core.cache_value import CacheValue, scale_in_victim
 from warmroute.core.demand import DemandMeter, fleet_demand
-from warmroute.core.disaggregation import (DECODE, PREFILL, SPLIT, DisaggregationSettings, Plan, decode_after,
-                                           plan_for_decode, pool_of)
+from warmroute.core.disaggregation import DECODE, PREFILL, SPLIT, DisaggregationSettings, Plan, decode_after, plan
 from warmroute.core.fleet import Fleet, FleetSettings
 from warmroute.core.lifecycle import Lifecycle
 from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
@@ -498,11 +497,10 @@ class Simulation:
         for `_send`)."""
         if not self.fleet.disaggregated:
             return self.strategy.choose(key, self.fleet), ""
-        decoders = pool_of(self.fleet, DECODE, key.model)
-        plan = plan_for_decode(self.strategy, key, self.fleet, self.s.pd, self.strategy.choose(key, self.fleet, decoders))
-        if plan.split:
-            self._plans[life] = plan
-        return plan.first, plan.pool
+        p = plan(self.strategy, key, self.fleet, self.s.pd)
+        if p.split:
+            self._plans[life] = p
+        return p.first, p.pool
 
     def _pump(self, now: float) -> None:
         """Instances with room take the waiting requests the admission queue gives them."""
