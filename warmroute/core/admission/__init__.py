@@ -11,6 +11,7 @@ time) drive the same object with their own clocks. The rules in full, and why: d
   waiter     Waiter, and why a request waits (WAIT_REASONS) or is refused (SHED_REASONS)
   capacity   who has room (Capacity: limit, spare, fits, fleet_spare, slot_wait)
   fairness   tenants' virtual time, shares and caps (Tenants)
+  waitlist   the waiters, indexed in groups alike, by deadline and by tenant (WaitList)
   placement  which waiter a freed slot takes (Placement.best_for), and decide_at
   queue      the queue the shells drive (Admission, QueueFull)
 """

@@ -1,6 +1,6 @@
 """Fair shares between tenants. Each tenant has a virtual time, advanced by 1 / its weight per request admitted
-(`charge`), which orders the waiters (`finish_times`): a quieter tenant's request comes level with the head of a
-burst, not behind all of it. A tenant asking for less than its weighted share of the requests arriving lately is
+(`charge`), which orders the waiters (placement's finish times): a quieter tenant's request comes level with the
+head of a burst, not behind all of it. A tenant asking for less than its weighted share of the requests arriving lately is
 `under_share`. While other tenants are active, a tenant's requests awaiting their first token at an instance are
 capped (`capped`: its share of that engine's queue, and the instance's prefill budget). The books here count, per
 tenant, what waits, what is held at each instance until its first token, and what is active at all."""
@@ -8,12 +8,11 @@ tenant, what waits, what is held at each instance until its first token, and wha
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Any
 
 from warmroute.core.admission.capacity import Capacity
 from warmroute.core.admission.settings import AdmissionSettings
-from warmroute.core.admission.waiter import PREFILL, SHARE, Waiter
+from warmroute.core.admission.waiter import PREFILL, SHARE
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.popularity import Popularity
 
@@ -82,19 +81,6 @@ class Tenants:
         else:
             del self.waiting[tenant]
         self.activity(tenant, -1)
-
-    def finish_times(self, waiters: Iterable[Waiter]) -> dict[int, float]:
-        """Each waiter's virtual finish time, by seq: its tenant's virtual time plus its place among that tenant's
-        waiters (arrival order, fleet-wide) over the tenant's weight. A burst queues behind itself: a request of
-        a quieter tenant (which starts at the least-served waiting tenant's time, `enqueued`) comes level with
-        the head of the burst, not behind all of it."""
-        weights, served = self.settings.tenant_weights, self.served
-        last: dict[str, float] = {}
-        out: dict[int, float] = {}
-        for w in waiters:  # arrival order
-            place = last.get(w.tenant, served.get(w.tenant, 0.0)) + 1.0 / weights.get(w.tenant, 1.0)
-            out[w.seq] = last[w.tenant] = place
-        return out
 
     # -- shares of the requests arriving -------------------------------------------------------------------
     def arrived(self, tenant: str) -> None:

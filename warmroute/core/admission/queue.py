@@ -14,6 +14,7 @@ from warmroute.core.admission.fairness import Tenants
 from warmroute.core.admission.placement import Placement, uncached_at
 from warmroute.core.admission.settings import AdmissionSettings
 from warmroute.core.admission.waiter import BUSY, DEADLINE, KV, NO_INSTANCE, PREEMPTED, Waiter
+from warmroute.core.admission.waitlist import WaitList
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.strategies import Decision
 
@@ -28,12 +29,13 @@ class Admission:
     def __init__(self, settings: AdmissionSettings, fleet: Fleet) -> None:
         self.settings = settings
         self.fleet = fleet
-        self.waiters: dict[int, Waiter] = {}  # by seq: arrival order
+        self.waits = WaitList(settings.aging_tokens_per_s)
+        self.waiters: dict[int, Waiter] = self.waits.by_seq  # by seq: arrival order (read-only: `waits` keeps it)
         self.bytes = 0
         self._seq = itertools.count()
         self.capacity = Capacity(settings, fleet)
         self.tenants = Tenants(settings, fleet, self.capacity)
-        self.placement = Placement(settings, fleet, self.waiters, self.capacity, self.tenants)
+        self.placement = Placement(settings, fleet, self.waits, self.capacity, self.tenants)
 
     # -- room (Capacity's) ---------------------------------------------------------------------------------
     @property
@@ -130,14 +132,14 @@ class Admission:
         victims: list[Waiter] = []
         while len(self.waiters) + 1 - len(victims) > s.max_requests or \
                 self.bytes + waiter.size_bytes - sum(v.size_bytes for v in victims) > s.max_bytes:
-            victim = self._lowest_below(waiter.priority, victims)
+            victim = self.waits.newest_below(waiter.priority, victims)
             if victim is None:
                 raise QueueFull(f"the router's queue is full ({len(self.waiters)} requests, {self.bytes} bytes)")
             victims.append(victim)
         for v in victims:
             self._remove(v, PREEMPTED)
         self.tenants.enqueued(waiter.tenant)
-        self.waiters[waiter.seq] = waiter
+        self.waits.add(waiter)
         if waiter.pin is not None:
             self.capacity.pin(waiter.pin)
         self.bytes += waiter.size_bytes
@@ -166,14 +168,6 @@ class Admission:
         if inst is not None:
             inst.queued_prefill_tokens = max(0.0, inst.queued_prefill_tokens + sign * w.uncached_tokens)
 
-    def _lowest_below(self, priority: int, taken: list[Waiter]) -> Waiter | None:
-        """The newest waiter of the lowest priority below `priority`, not among `taken`."""
-        best: Waiter | None = None
-        for w in self.waiters.values():  # arrival order: the last of the lowest wins ties
-            if w.priority < priority and w not in taken and (best is None or w.priority <= best.priority):
-                best = w
-        return best
-
     # -- leaving the queue ---------------------------------------------------------------------------------
     def cancel(self, waiter: Waiter) -> None:
         """The client left: out of the queue, or its reserved slot back. Safe to call more than once."""
@@ -191,7 +185,7 @@ class Admission:
             self.capacity.release(name)
 
     def _remove(self, waiter: Waiter, shed: str | None = None) -> None:
-        del self.waiters[waiter.seq]
+        self.waits.remove(waiter)
         if waiter.pin is not None:
             self.capacity.unpin(waiter.pin)
         self.tenants.dequeued(waiter.tenant)
@@ -223,15 +217,15 @@ class Admission:
         return assigned, shed
 
     def _expire(self, now: float) -> list[Waiter]:
-        shed: list[Waiter] = []
-        for w in list(self.waiters.values()):
-            if now >= w.deadline:
-                self._remove(w, DEADLINE)
-                shed.append(w)
-            elif not self.fleet.routable(w.model):
-                self._remove(w, NO_INSTANCE)
-                shed.append(w)
-        return shed
+        """Refuses the waiters past their deadline, then those no routable instance may serve, in arrival order."""
+        shed = [(w, DEADLINE) for w in self.waits.due(now)]
+        stranded = [m for m in self.waits.models if not self.fleet.routable(m)]
+        due = {w.seq for w, _ in shed}
+        shed += [(w, NO_INSTANCE) for m in stranded for w in self.waits.of_model(m) if w.seq not in due]
+        shed.sort(key=lambda ws: ws[0].seq)
+        for w, why in shed:
+            self._remove(w, why)
+        return [w for w, _ in shed]
 
     def _assign(self, w: Waiter, name: str) -> None:
         self._remove(w)
