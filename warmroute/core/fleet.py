@@ -240,6 +240,24 @@ class Fleet:
             self.index.record(name, blocks)
         return queued_ahead
 
+    def waiting(self, name: str, uncached_tokens: int, blocks: Sequence[int], cached_blocks: int,
+                joined: bool) -> None:
+        """A request began (`joined`) or ended waiting in the router for `name`. Its prefill counts as queued there
+        meanwhile (cache_aware's cost reads it: requests that could go elsewhere see the router's queue too), and
+        its chain (`blocks`, empty: none) is recorded there: its prefix will be computed there, so the requests
+        sharing it that arrive meanwhile wait there too (recorded only when sent, they scattered). When it leaves,
+        what was not cached before (beyond `cached_blocks`) is forgotten: the shell records what it sends; left
+        in, its own prediction at dispatch would count it as cached, and the engine's report that it was not would
+        shrink the index's model of the cache."""
+        inst = self.instances.get(name)
+        if inst is not None:
+            change = uncached_tokens if joined else -uncached_tokens
+            inst.queued_prefill_tokens = max(0.0, inst.queued_prefill_tokens + change)
+        if joined and blocks:
+            self.index.record(name, blocks)
+        elif blocks and cached_blocks < len(blocks):
+            self.index.forget(name, blocks[cached_blocks:])
+
     def first_token(self, name: str, uncached_tokens: int, seconds: float | None = None) -> None:
         """Its prefill is done: the work no longer queues ahead of later requests. `seconds`: since it was sent,
         where the caller measured it (into mean_ttft_s)."""

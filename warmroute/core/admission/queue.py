@@ -143,30 +143,16 @@ class Admission:
         if waiter.pin is not None:
             self.capacity.pin(waiter.pin)
         self.bytes += waiter.size_bytes
-        self._queue_prefill(waiter, +1)
-        self._pending(waiter, record=True)
+        self._waiting(waiter, joined=True)
         return victims
 
-    def _pending(self, w: Waiter, record: bool) -> None:
-        """A waiting request's chain in the index at the instance it waits for, beyond what was there when it
-        arrived: recorded while it waits (its prefix will be computed there, so the requests sharing it that
-        arrive meanwhile wait there too; recorded only when sent, they scattered), forgotten when it leaves the
-        queue (the shell records what it sends; left in, its own prediction at dispatch would count it as
-        cached, and the engine's report that it was not would shrink the index's model of the cache)."""
-        if not (self.settings.record_queued and w.pin is not None and w.blocks):
+    def _waiting(self, w: Waiter, joined: bool) -> None:
+        """The books of a request waiting for the instance it is pinned to (Fleet.waiting): its prefill queued
+        there and, with record_queued, its chain in the index."""
+        if w.pin is None:
             return
-        held = w.depths.get(w.pin, 0) // self.fleet.block_tokens
-        if record:
-            self.fleet.index.record(w.pin, w.blocks)
-        elif held < len(w.blocks):
-            self.fleet.index.forget(w.pin, w.blocks[held:])
-
-    def _queue_prefill(self, w: Waiter, sign: int) -> None:
-        """A waiter's prefill counts as queued at its pinned instance while it waits (Instance.queued_prefill_tokens,
-        which cache_aware's cost reads): requests that could go elsewhere see the queue in the router too."""
-        inst = self.fleet.instances.get(w.pin) if w.pin is not None else None
-        if inst is not None:
-            inst.queued_prefill_tokens = max(0.0, inst.queued_prefill_tokens + sign * w.uncached_tokens)
+        blocks = w.blocks if self.settings.record_queued else ()
+        self.fleet.waiting(w.pin, w.uncached_tokens, blocks, w.depths.get(w.pin, 0) // self.fleet.block_tokens, joined)
 
     # -- leaving the queue ---------------------------------------------------------------------------------
     def cancel(self, waiter: Waiter) -> None:
@@ -190,8 +176,7 @@ class Admission:
             self.capacity.unpin(waiter.pin)
         self.tenants.dequeued(waiter.tenant)
         self.bytes -= waiter.size_bytes
-        self._queue_prefill(waiter, -1)
-        self._pending(waiter, record=False)
+        self._waiting(waiter, joined=False)
         waiter.shed = shed
 
     # -- dispatch ------------------------------------------------------------------------------------------
