@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from warmroute.core.admission import (BUSY, ENGINE_QUEUE_SHARE, MIN_LEARNED_LIMIT, UNBOUNDED, Admission,
+from warmroute.core.admission import (BUSY, MIN_LEARNED_LIMIT, UNBOUNDED, Admission,
                                       AdmissionSettings)
 from warmroute.core.decision import CACHE_HIT, OVERLOAD_SPILL
 from warmroute.core.engine_capacity import GROWTH, KV_HIGH_WATER, PEAK_WINDOW, SUSTAINED, EngineCapacity
@@ -89,7 +89,7 @@ def test_a_learned_limit_never_holds_a_few_long_prefills_back():
         f.engine_load(a, waiting=5, running=40, kv_usage=0.5)
     # 40 running, and a share of that queued in the engine: the router hears of a free slot only after the fact
     learned = f.instances[a].capacity.learned
-    assert learned == 40 and adm.limit(f.instances[a]) == math.ceil(learned * (1 + ENGINE_QUEUE_SHARE))
+    assert learned == 40 and adm.limit(f.instances[a]) == math.ceil(learned * (1 + adm.settings.engine_queue_share))
 
 
 def _cache_aware_with_queue(f, threshold: int, **adm):

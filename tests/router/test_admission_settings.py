@@ -26,6 +26,7 @@ KNOBS = {
     "spill_headroom": ("0.25", 0.25),
     "lifo_after_s": ("3", 3.0),
     "aging_tokens_per_s": ("100", 100.0),
+    "engine_queue_share": ("0.5", 0.5),
     "fair_slack": ("7", 7.0),
     "fair_lend": ("2", 2.0),
     "tenant_weights": ("a=2,b=0.5", {"a": 2.0, "b": 0.5}),

@@ -16,7 +16,7 @@ time) drive the same object with their own clocks. The rules in full, and why: d
   queue      the queue the shells drive (Admission, QueueFull)
 """
 
-from warmroute.core.admission.capacity import ENGINE_QUEUE_SHARE, MIN_LEARNED_LIMIT, UNBOUNDED, Capacity
+from warmroute.core.admission.capacity import MIN_LEARNED_LIMIT, UNBOUNDED, Capacity
 from warmroute.core.admission.fairness import ARRIVALS_WINDOW, MAX_TENANTS_TRACKED, SHARE_TOLERANCE, Tenants
 from warmroute.core.admission.placement import Placement, decide_at, gain, uncached_at
 from warmroute.core.admission.queue import Admission, QueueFull
@@ -24,7 +24,7 @@ from warmroute.core.admission.settings import AdmissionConfig, AdmissionSettings
 from warmroute.core.admission.waiter import (BUSY, DEADLINE, IMMEDIATE, KV, NO_INSTANCE, PREEMPTED, PREFILL, QUEUE_FULL,
                                              SHARE, SHED_REASONS, WAIT_REASONS, Waiter)
 
-__all__ = ["ARRIVALS_WINDOW", "BUSY", "DEADLINE", "ENGINE_QUEUE_SHARE", "IMMEDIATE", "KV", "MAX_TENANTS_TRACKED",
+__all__ = ["ARRIVALS_WINDOW", "BUSY", "DEADLINE", "IMMEDIATE", "KV", "MAX_TENANTS_TRACKED",
            "MIN_LEARNED_LIMIT", "NO_INSTANCE", "PREEMPTED", "PREFILL", "QUEUE_FULL", "SHARE", "SHARE_TOLERANCE",
            "SHED_REASONS", "UNBOUNDED", "WAIT_REASONS", "Admission", "AdmissionConfig", "AdmissionSettings", "Capacity", "Placement",
            "QueueFull", "Tenants", "Waiter", "admission_settings", "decide_at", "gain", "uncached_at"]

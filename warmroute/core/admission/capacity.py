@@ -15,11 +15,6 @@ from warmroute.core.strategies import kv_pressure
 # (each step's token budget), not out of batch slots (vLLM's smallest default batch is 128), and holding requests in
 # the router below it costs throughput.
 MIN_LEARNED_LIMIT = 32
-# A learned limit lets the engine queue this share of its batch beyond it: the router learns that a request finished
-# only once its last byte is back, and sends the next one after that, so holding at exactly the batch it was seen
-# running would leave the engine short of work between a request's end and the next one's arrival. Not where its KV
-# cache was full: there a queued request's blocks would evict the prefixes of those to come.
-ENGINE_QUEUE_SHARE = 0.25
 UNBOUNDED = 1 << 30  # the room of an instance whose capacity is unknown: the router never holds requests for it
 
 
@@ -54,12 +49,14 @@ class Capacity:
 
     def limit(self, inst: Instance) -> int | None:
         """Requests `inst`'s engine runs at once: the operator's figure, else what it was seen running when it
-        queued, but never below MIN_LEARNED_LIMIT (an engine queueing with fewer running is busy computing long
-        prefills, not out of batch slots: holding requests for it would only delay them); None while unknown."""
+        queued plus engine_queue_share of that (none where its KV cache was full: a queued request's blocks would
+        evict the prefixes of those to come), but never below MIN_LEARNED_LIMIT (an engine queueing with fewer
+        running is busy computing long prefills, not out of batch slots: holding requests for it would only delay
+        them); None while unknown."""
         cap = inst.capacity
         if cap.stated is not None or cap.learned is None:
             return cap.stated
-        share = 0.0 if cap.kv_bound else ENGINE_QUEUE_SHARE  # a full KV cache would evict what a queue brings
+        share = 0.0 if cap.kv_bound else self.settings.engine_queue_share
         return max(math.ceil(cap.learned * (1 + share)), MIN_LEARNED_LIMIT)
 
     def spare(self, inst: Instance) -> int:
