@@ -3,7 +3,6 @@ operator's; the ConcurrencyThreshold only moves requests to an instance with roo
 
 from __future__ import annotations
 
-import math
 
 from warmroute.core.admission import (BUSY, MIN_LEARNED_LIMIT, UNBOUNDED, Admission,
                                       AdmissionSettings)
@@ -87,9 +86,14 @@ def test_a_learned_limit_never_holds_a_few_long_prefills_back():
     f.engine_load(a, waiting=5, running=40, kv_usage=0.5)  # growing: admitting
     for _ in range(SUSTAINED):
         f.engine_load(a, waiting=5, running=40, kv_usage=0.5)
-    # 40 running, and a share of that queued in the engine: the router hears of a free slot only after the fact
     learned = f.instances[a].capacity.learned
-    assert learned == 40 and adm.limit(f.instances[a]) == math.ceil(learned * (1 + adm.settings.engine_queue_share))
+    assert learned == 40 and adm.limit(f.instances[a]) == 40  # by default the engine queues nothing past it
+    # with engine_queue_share, that share more (not where the KV cache filled)
+    assert Admission(AdmissionSettings(concurrency_threshold=32, engine_queue_share=0.25), f).limit(
+        f.instances[a]) == 50
+    f.instances[a].capacity.kv_bound = True
+    assert Admission(AdmissionSettings(concurrency_threshold=32, engine_queue_share=0.25), f).limit(
+        f.instances[a]) == 40
 
 
 def _cache_aware_with_queue(f, threshold: int, **adm):

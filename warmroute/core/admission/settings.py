@@ -47,11 +47,12 @@ class AdmissionConfig(SettingsModel):
     would take alike, not the oldest (adaptive LIFO; 0: always the oldest first). Under sustained overload some requests
     wait until timeout_s whatever the order; newest first keeps most waits short instead of making every request
     wait almost that long. Requests its cache favours still go first. Formerly queue_lifo_after (still accepted)."""
-    engine_queue_share: float = Field(0.25, ge=0.0, le=4.0)
+    engine_queue_share: float = Field(0.0, ge=0.0, le=4.0)
     """Share of its batch an engine whose capacity was learned (not stated) may queue beyond it, except where its KV
-    cache was full: the router learns that a request ended only at its last byte, so holding at exactly the batch
-    leaves the engine short of work between one request's end and the next one's arrival. What the engine queues it
-    serves first come first served, behind the router's order (adaptive LIFO, fair shares). 0: none."""
+    cache was full. The router learns that a request ended only at its last byte, so a share keeps the engine fed
+    between one request's end and the next one's arrival; but what the engine queues it serves first come first
+    served, past the router's order (adaptive LIFO, fair shares): under sustained overload every request then waits
+    that queue's length. 0: none."""
     aging_tokens_per_s: float = Field(0.0, ge=0.0, le=1e9)
     """Prompt tokens a waiting request is willing to lose per second waited to go to another instance than its own (away
     from it, it loses at least its whole prompt); 0: never (only an idle instance takes it, or a free slot anywhere once
