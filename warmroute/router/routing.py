@@ -22,8 +22,7 @@ from warmroute.core.lifecycle import Hooks, Leg, Lifecycle
 from warmroute.core.routing_key import (CHAT_ROUTES, PROMPT_ROUTES, RAW_ROUTES, ROUTED_PATHS, KeyError_, RoutingKey,
                                         key_for_json, key_for_raw)
 from warmroute.core.decision import TOKENIZE_FAILED
-from warmroute.core.disaggregation import (DECODE, NOT_SPLITTABLE, PREFILL, Plan, decode_after, plan_for_decode,
-                                           pool_of, takes)
+from warmroute.core.disaggregation import DECODE, NOT_SPLITTABLE, PREFILL, Plan, decode_after, plan_for_decode, pool_of
 from warmroute.core.stages import Handles
 from warmroute.core.stages.routable import routable
 from warmroute.core.strategies import APPROXIMATE, Decision, NoInstanceAvailable, make_strategy, settings_for
@@ -146,7 +145,7 @@ class Router:
         given, the instances it may choose from (a gateway's subset hint)."""
         model = key.model if key else None
         if self.fleet.disaggregated:  # a whole request goes to a decode instance (prefill-only ones take prefill legs)
-            pool = [i for i in routable(self.fleet, model, but=avoid) if takes(i, DECODE)]
+            pool = pool_of(self.fleet, DECODE, model, but=avoid)
         else:
             pool = routable(self.fleet, model, but=avoid) if avoid is not None or within is not None else None
         if within is not None:

@@ -6,6 +6,7 @@ in the router for a slot (`slot_wait`). An instance whose limit is unknown alway
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from warmroute.core.admission.settings import AdmissionSettings
 from warmroute.core.fleet import Fleet, Instance
@@ -18,7 +19,8 @@ MIN_LEARNED_LIMIT = 32
 UNBOUNDED = 1 << 30  # the room of an instance whose capacity is unknown: the router never holds requests for it
 
 
-def _count_down(counts: dict[str, int], key: str) -> None:
+def count_down(counts: dict[Any, int], key: Any) -> None:
+    """One fewer of `key` in `counts`, dropping the key at none."""
     left = counts.get(key, 0) - 1
     if left > 0:
         counts[key] = left
@@ -39,13 +41,13 @@ class Capacity:
         self.reserved[name] = self.reserved.get(name, 0) + 1
 
     def release(self, name: str) -> None:
-        _count_down(self.reserved, name)
+        count_down(self.reserved, name)
 
     def pin(self, name: str) -> None:
         self.pinned[name] = self.pinned.get(name, 0) + 1
 
     def unpin(self, name: str) -> None:
-        _count_down(self.pinned, name)
+        count_down(self.pinned, name)
 
     def limit(self, inst: Instance) -> int | None:
         """Requests `inst`'s engine runs at once: the operator's figure, else what it was seen running when it

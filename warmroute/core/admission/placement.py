@@ -105,9 +105,7 @@ class Placement:
 
     def _band(self, slot: _Slot, groups: list[Group]) -> tuple[Waiter, str] | None:
         """best_for within one priority."""
-        several = len(self.tenants.waiting) > 1  # else no one is behind, and finish times go by arrival
-        under = self.tenants.waiting_under_share() if several else set()
-        finish = self._finish if several else _by_arrival
+        several, under, finish = slot.several, slot.under, slot.finish
         earliest: dict[str, Waiter] = {}  # per tenant, its first waiter `inst` may take
         best: dict[str, tuple[float, Waiter]] = {}  # per tenant, its best there, by score then arrival
         for g in groups:
@@ -210,7 +208,11 @@ class _Slot:
         self.now = now
         self.free = placement.capacity.ample_room(inst)
         self.aging = placement.settings.aging_tokens_per_s
+        self.several = len(placement.tenants.waiting) > 1  # else no one is behind: finish times go by arrival
+        self.under = placement.tenants.waiting_under_share() if self.several else set()
+        self.finish: Callable[[Waiter], float] = placement._finish if self.several else _by_arrival
         self._serves: dict[str | None, bool] = {}
+        self._leavers: dict[int, list[Waiter]] = {}  # by id(group): `leavers`, asked up to three times a group
 
     def may_serve(self, g: Group) -> bool:
         """Whether `inst` may take the waiters of `g` at all: their model, pool and tenant's cap there."""
@@ -248,6 +250,12 @@ class _Slot:
         """The waiters of `g`, pinned elsewhere, that `inst` may take (`may_leave`, `fits`). Only the group's
         lossless ones can while their instance is up and no rule lets them all go (Placement.may_leave); else
         the group is walked."""
+        found = self._leavers.get(id(g))
+        if found is None:
+            found = self._leavers[id(g)] = self._find_leavers(g)
+        return found
+
+    def _find_leavers(self, g: Group) -> list[Waiter]:
         p, inst, now = self.placement, self.inst, self.now
         pinned = p.fleet.instances.get(g.pin or "")
         kv_out = g.why == KV and now >= g.oldest().strict_until and (pinned is None or p.capacity.spare(pinned) <= 0)

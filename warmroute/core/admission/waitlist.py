@@ -10,6 +10,7 @@ import bisect
 import heapq
 from dataclasses import dataclass, field
 
+from warmroute.core.admission.capacity import count_down
 from warmroute.core.admission.waiter import Waiter
 
 GroupKey = tuple[str, str | None, str | None, str, str]  # tenant, pin, model, pool, why
@@ -100,7 +101,7 @@ class WaitList:
             del groups[key]
             if not groups:
                 del self.groups[w.priority]
-        _count_down(self.models, w.model)
+        count_down(self.models, w.model)
         at_priority = self._at_priority[w.priority]
         del at_priority[w.seq]
         if not at_priority:
@@ -143,10 +144,3 @@ class WaitList:
                     return w
         return None
 
-
-def _count_down(counts: dict, key: object) -> None:
-    left = counts[key] - 1
-    if left:
-        counts[key] = left
-    else:
-        del counts[key]
