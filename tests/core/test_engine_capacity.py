@@ -174,3 +174,30 @@ def test_a_single_engine_past_the_threshold_is_never_held_for():
     f.instances[a].inflight = 100
     d = s.choose(key(SYSTEM), f)
     assert d.instance == a and queue.waiter_for(d, 0.0) is None
+
+
+def test_a_saturated_fleet_keeps_a_shared_prefix_where_it_is_cached():
+    """Every engine full: a prompt whose prefix two instances hold (a shared miss, weighed 1 while any has room)
+    waits in a longer line there rather than computing its prefix at the third. The shorter line would only move
+    the wait onto the requests behind; the prefill repeated is compute the fleet lacks. With the weight off, the
+    shorter line wins, as it does while any instance has a slot."""
+    def choice(weight: float, free_slot: bool = False) -> str:
+        f = fleet(3)
+        a, b, c = sorted(f.instances)
+        for inst in f.instances.values():
+            inst.capacity.stated, inst.inflight = 4, 4
+        queue = Admission(AdmissionSettings(concurrency_threshold=64), f)
+        settings = StrategySettings(concurrency_threshold=64, cache_aware={"saturated_miss_weight": weight})
+        s = make_strategy("cache_aware", settings, handles=Handles(slot_wait=queue.slot_wait))
+        f.mean_service_s = 1.0  # each waiter ahead adds 0.25 s: a and b 0.5 s longer than c, a prefill ~0.1 s
+        for name in (a, b):
+            f.index.record(name, key(SYSTEM).blocks())
+            queue.capacity.pin(name)
+            queue.capacity.pin(name)
+        if free_slot:
+            f.instances[c].inflight = 3
+        return s.choose(key(SYSTEM), f).instance
+
+    assert choice(16.0) in ("i0", "i1")
+    assert choice(0.0) == "i2"
+    assert choice(16.0, free_slot=True) == "i2"  # not saturated: a slot now beats a wait

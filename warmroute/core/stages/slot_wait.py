@@ -2,7 +2,11 @@
 (core/admission/capacity.py: as many requests in flight as it runs at once, beyond those already waiting for
 it); 0 elsewhere. Added to the estimated time to first token, it weighs waiting for the engine that holds the
 prefix against a full prefill on one with room: a request goes where it is answered soonest, and waits in the
-router only where that is still the soonest."""
+router only where that is still the soonest.
+
+When every candidate is full (the fleet saturated), a shorter line only moves the wait onto the requests behind,
+while a prefix computed again elsewhere is compute the whole fleet lacks: there every uncached token weighs
+`saturated_miss_weight` (where the prefix match weighed it less: a prefix several instances hold, or none)."""
 
 from __future__ import annotations
 
@@ -15,9 +19,15 @@ from warmroute.core.pipeline import Request, Scorer
 class SlotWait(Scorer):
     name = "slot_wait"
 
-    def __init__(self, wait: Callable[[Instance], float]) -> None:
+    def __init__(self, wait: Callable[[Instance], float], saturated_miss_weight: float = 16.0) -> None:
         self.wait = wait
+        self.saturated_miss_weight = saturated_miss_weight
 
     def score(self, req: Request, candidates: list[Instance]) -> list[float]:
         wait = self.wait
-        return [wait(i) for i in candidates]
+        waits = [wait(i) for i in candidates]
+        extra = self.saturated_miss_weight - req.alpha
+        if extra <= 0 or req.alpha <= 0 or min(waits) <= 0:  # a miss weighed enough already, or one has room
+            return waits
+        get, miss_all, per_token = req.miss.get, req.miss_all, extra / req.alpha
+        return [w + per_token * get(i.name, miss_all) / i.prefill_tokens_per_s for w, i in zip(waits, candidates)]
