@@ -1,0 +1,103 @@
+"""One contender through overload.py's 2x surge, with what happened inside: every 2 s each engine's running and
+waiting requests and KV usage, and (warmroute) the router's queue, requests in flight per instance and engine
+limits; after the run, the prompt tokens each request class missed in the engines' caches, per 10 s of start time.
+
+A diagnostic for issue #32 (why a contender's goodput falls behind another's), not a scored benchmark: run it for
+each contender one after another, e.g.
+
+    python benchmarks/surge_timeline.py flow-defaults
+    python benchmarks/surge_timeline.py smg
+    WARMROUTE_ENGINE_CAPACITY=300 python benchmarks/surge_timeline.py flow-defaults
+
+Router settings reach warmroute (not smg) through WARMROUTE_* variables."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overload  # noqa: E402  (the surge, its stack and its load generator)
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+POLL_S = 2.0
+ENGINE = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+          "kv": "vllm:kv_cache_usage_perc"}
+ROUTER = {"inflight": "warmroute_inflight", "limit": "warmroute_engine_capacity", "queue": "warmroute_queue_waiting"}
+
+
+def sums(text: str, names: dict[str, str]) -> dict[str, list[float]]:
+    """Per name, the samples of its metric in label order (one per backend for the router's per-instance ones)."""
+    found: dict[str, list[tuple[tuple, float]]] = collections.defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found[s.name].append((tuple(sorted(s.labels.items())), s.value))
+    return {k: [v for _labels, v in sorted(found[metric])] for k, metric in names.items()}
+
+
+async def poll(stack: overload.Stack, router: bool, rows: list[dict], stop: asyncio.Event) -> None:
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as http:
+        while not stop.is_set():
+            row: dict = {"t": round(time.perf_counter() - t0, 1)}
+            for i, url in enumerate(stack.metrics):
+                got = sums(await (await http.get(url)).text(), ENGINE)
+                row[f"e{i}"] = [int(sum(got["running"])), int(sum(got["waiting"])), round(sum(got["kv"]), 2)]
+            if router:
+                got = sums(await (await http.get(stack.target + "/metrics")).text(), ROUTER)
+                row.update(queue=int(sum(got["queue"])), inflight=[int(v) for v in got["inflight"]],
+                           limit=[int(v) for v in got["limit"]])
+            rows.append(row)
+            await asyncio.sleep(max(0.0, len(rows) * POLL_S - (time.perf_counter() - t0)))
+
+
+async def run(label: str) -> None:
+    args = overload.parse_args(["surge", "--contenders", label])
+    args.logs = Path(tempfile.mkdtemp(prefix="warmroute-surge-timeline-"))
+    contender = overload.CONTENDERS[label]
+    cap = overload.capacity(args)
+    sent: list[tuple[str, object]] = []  # (request class, its record)
+    send = overload.send
+
+    async def recording_send(http, target, req, **kw):
+        rec = await send(http, target, req, **kw)
+        sent.append((req.tag, rec))
+        return rec
+
+    overload.send = recording_send
+    rows: list[dict] = []
+    async with overload.Stack(contender, args, slo=args.slo) as stack:
+        stop = asyncio.Event()
+        poller = asyncio.create_task(poll(stack, not contender.peer, rows, stop))
+        phases = [overload.Phase(args.high, 2 * cap), overload.Phase(args.high + args.low, 0.5 * cap)]
+        streams = {"": (overload.tagged(overload.mixed(args.seed).sessions(), ""), phases)}
+        recs, cache = await overload.offer(stack, streams, args.seed, [5.0, args.high, args.high + args.low])
+        stop.set()
+        await poller
+    print(json.dumps({"contender": label, "capacity_rps": round(cap, 1),
+                      "overload": overload.window_stats(recs, 5.0, args.high, args.slo, cache[0], cache[1])}))
+    for row in rows:
+        print(json.dumps(row))
+    print("start_s  per class: hit rate / prompt tokens missed (the engines' usage.cached_tokens)")
+    for lo in range(0, int(args.high + args.low), 10):
+        by: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        for tag, r in sent:
+            if r.ok and r.prompt_tokens and lo <= r.start_s < lo + 10:
+                by[tag][0] += r.prompt_tokens
+                by[tag][1] += r.cached_tokens or 0
+        print(lo, " ".join(f"{k}:{c / p:.3f}/{p - c}" for k, (p, c) in sorted(by.items())))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in overload.CONTENDERS:
+        print(f"usage: surge_timeline.py {{{','.join(overload.CONTENDERS)}}}", file=sys.stderr)
+        sys.exit(2)
+    asyncio.run(run(sys.argv[1]))
