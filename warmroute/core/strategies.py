@@ -77,8 +77,9 @@ class CacheAwareSettings(SettingsModel):
     saturated_miss_weight: float = Field(16.0, ge=0.0, le=1000.0)
     """The weight of every uncached token while each instance that may take the request is full and it will wait in
     the router wherever it goes (the admission queue's slot_wait): a shorter line there only moves the wait onto the
-    requests behind, while a prefix computed again elsewhere is compute the whole fleet lacks. Applies where the prefix
-    match weighed the miss less (shared_miss_weight); 0: as the prefix match weighed it."""
+    requests behind, while a prefix computed again elsewhere is compute the whole fleet lacks. Applies in place of
+    shared_miss_weight (when that is above 0), not to a prompt whose one holder is swamped (sticky_kv_limit); 0: as the
+    prefix match weighed it."""
     sticky_kv_limit: float = Field(3.0, ge=0.0, le=1000.0)
     """cache_aware keeps a prompt on the one instance holding its prefix (miss_weight) only while the prompts in flight
     there need at most this many times its KV cache (as engine feedback scales it); beyond, the engine evicts queued

@@ -5,8 +5,9 @@ prefix against a full prefill on one with room: a request goes where it is answe
 router only where that is still the soonest.
 
 When every candidate is full (the fleet saturated), a shorter line only moves the wait onto the requests behind,
-while a prefix computed again elsewhere is compute the whole fleet lacks: there every uncached token weighs
-`saturated_miss_weight` (where the prefix match weighed it less: a prefix several instances hold, or none)."""
+while a prefix computed again elsewhere is compute the whole fleet lacks: there the uncached tokens of a prompt whose
+prefix several instances hold, or none, weigh `saturated_miss_weight` instead of the prefix match's shared weight.
+Not those of a prompt whose one holder is swamped (prefix_match's SWAMPED): that engine evicts it anyway."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Callable
 
 from warmroute.core.fleet import Instance
 from warmroute.core.pipeline import Request, Scorer
+from warmroute.core.stages.prefix_match import SHARED
 
 
 class SlotWait(Scorer):
@@ -27,7 +29,8 @@ class SlotWait(Scorer):
         wait = self.wait
         waits = [wait(i) for i in candidates]
         extra = self.saturated_miss_weight - req.alpha
-        if extra <= 0 or req.alpha <= 0 or min(waits) <= 0:  # a miss weighed enough already, or one has room
+        # (req.miss is alpha x the uncached tokens: with a shared weight of 0 it says nothing to weigh again)
+        if req.holder != SHARED or extra <= 0 or req.alpha <= 0 or min(waits) <= 0:  # one has room: not saturated
             return waits
         get, miss_all, per_token = req.miss.get, req.miss_all, extra / req.alpha
         return [w + per_token * get(i.name, miss_all) / i.prefill_tokens_per_s for w, i in zip(waits, candidates)]
