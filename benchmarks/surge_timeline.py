@@ -26,7 +26,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overload  # noqa: E402  (the surge, its stack and its load generator)
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from warmroute.bench.scrape import fetch_metrics  # noqa: E402
+from warmroute.prometheus_text import read_samples  # noqa: E402
 
 POLL_S = 2.0
 ENGINE = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
@@ -34,13 +35,11 @@ ENGINE = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_
 ROUTER = {"inflight": "warmroute_inflight", "limit": "warmroute_engine_capacity", "queue": "warmroute_queue_waiting"}
 
 
-def sums(text: str, names: dict[str, str]) -> dict[str, list[float]]:
-    """Per name, the samples of its metric in label order (one per backend for the router's per-instance ones)."""
-    found: dict[str, list[tuple[tuple, float]]] = collections.defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            found[s.name].append((tuple(sorted(s.labels.items())), s.value))
-    return {k: [v for _labels, v in sorted(found[metric])] for k, metric in names.items()}
+def values(text: str, names: dict[str, str]) -> dict[str, list[float]]:
+    """Per name, the values of its metric's series in label order (one per backend for the router's)."""
+    found = read_samples(text, tuple(names.values()))
+    return {k: [v for _labels, v in sorted(found.get(metric, []), key=lambda lv: sorted(lv[0].items()))]
+            for k, metric in names.items()}
 
 
 async def poll(stack: overload.Stack, router: bool, rows: list[dict], stop: asyncio.Event) -> None:
@@ -48,11 +47,11 @@ async def poll(stack: overload.Stack, router: bool, rows: list[dict], stop: asyn
     async with aiohttp.ClientSession() as http:
         while not stop.is_set():
             row: dict = {"t": round(time.perf_counter() - t0, 1)}
-            for i, url in enumerate(stack.metrics):
-                got = sums(await (await http.get(url)).text(), ENGINE)
+            for i, text in enumerate(await fetch_metrics(http, stack.metrics)):
+                got = values(text, ENGINE)
                 row[f"e{i}"] = [int(sum(got["running"])), int(sum(got["waiting"])), round(sum(got["kv"]), 2)]
             if router:
-                got = sums(await (await http.get(stack.target + "/metrics")).text(), ROUTER)
+                got = values((await fetch_metrics(http, [stack.target + "/metrics"]))[0], ROUTER)
                 row.update(queue=int(sum(got["queue"])), inflight=[int(v) for v in got["inflight"]],
                            limit=[int(v) for v in got["limit"]])
             rows.append(row)
@@ -64,15 +63,6 @@ async def run(label: str) -> None:
     args.logs = Path(tempfile.mkdtemp(prefix="warmroute-surge-timeline-"))
     contender = overload.CONTENDERS[label]
     cap = overload.capacity(args)
-    sent: list[tuple[str, object]] = []  # (request class, its record)
-    send = overload.send
-
-    async def recording_send(http, target, req, **kw):
-        rec = await send(http, target, req, **kw)
-        sent.append((req.tag, rec))
-        return rec
-
-    overload.send = recording_send
     rows: list[dict] = []
     async with overload.Stack(contender, args, slo=args.slo) as stack:
         stop = asyncio.Event()
@@ -89,10 +79,10 @@ async def run(label: str) -> None:
     print("start_s  per class: hit rate / prompt tokens missed (the engines' usage.cached_tokens)")
     for lo in range(0, int(args.high + args.low), 10):
         by: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-        for tag, r in sent:
+        for r in recs:
             if r.ok and r.prompt_tokens and lo <= r.start_s < lo + 10:
-                by[tag][0] += r.prompt_tokens
-                by[tag][1] += r.cached_tokens or 0
+                by[r.tag][0] += r.prompt_tokens
+                by[r.tag][1] += r.cached_tokens or 0
         print(lo, " ".join(f"{k}:{c / p:.3f}/{p - c}" for k, (p, c) in sorted(by.items())))
 
 
