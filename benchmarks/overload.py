@@ -19,6 +19,8 @@ default instead of the SLO), `direct` (no router: only with --instances 1) and, 
            then 0.5x for --low: goodput (requests whose TTFT met --slo), hit rate, TTFT p50/p99 of the requests
            answered, 429s, and the recovery time (from the drop to 0.5x until every later 5-s window's TTFT p90
            is within the SLO). `flow` runs with --queue-timeout equal to the SLO: past it a request is refused.
+           The surge window also reports `engines_behind_s` (below) and `cpu_cores`: the router's and the engines'
+           CPU use over it (on a 2-core host they share, a router that costs more CPU slows the emulated engines).
   tenants  four tenants (x-tenant; each its own mixed workload), three at a quarter of capacity and one at 5x
            that: each tenant's goodput and TTFT p99, Jain's index over the tenants' completed request rates;
            and the three alone, for their TTFT p99 without the noisy one. --fair-share sets the fair rate.
@@ -46,6 +48,7 @@ import argparse
 import dataclasses
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -236,6 +239,7 @@ def window_stats(recs: list[RequestRecord], start: float, end: float, slo: float
             "refused_429": sum(r.error == "http_429" for r in sent),
             "other_errors": sum(r.error is not None and r.error != "http_429" for r in sent),
             "hit_rate": d.hits / d.queries if d and d.queries else None,
+            "engines_behind_s": round(d.behind_s, 1) if d else None,  # emulated engines' lag on this host, summed
             "ttft_p50_ms": to_ms(percentile(ttft, 50), 0), "ttft_p99_ms": to_ms(percentile(ttft, 99), 0)}
 
 
@@ -252,13 +256,30 @@ def recovery_s(recs: list[RequestRecord], drop: float, end: float, slo: float, w
     return None
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a live process has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def cpu_share(children: list[Child], start: float, end: float) -> dict[str, float]:
+    """Each child's CPU use, in cores, between `start` and `end` seconds from now (who this 2-core host served)."""
+    await asyncio.sleep(start)
+    before = {c.name: cpu_seconds(c.pid) for c in children}
+    await asyncio.sleep(end - start)
+    return {c.name.rsplit("-", 1)[0]: round((cpu_seconds(c.pid) - before[c.name]) / (end - start), 2)
+            for c in children}
+
+
 async def surge(args: argparse.Namespace, contender: Contender, cap: float) -> dict:
     high, low = args.high, args.low
     async with Stack(contender, args, slo=args.slo) as stack:
         phases = [Phase(high, 2 * cap), Phase(high + low, 0.5 * cap)]
         streams = {"": (tagged(mixed(args.seed).sessions(), ""), phases)}
+        cpu = asyncio.create_task(cpu_share(stack.children, 5.0, high))
         recs, cache = await offer(stack, streams, args.seed, [5.0, high, high + low])
-    return {"overload": window_stats(recs, 5.0, high, args.slo, cache[0], cache[1]),
+        cores = await cpu
+    return {"overload": {**window_stats(recs, 5.0, high, args.slo, cache[0], cache[1]), "cpu_cores": cores},
             "after": window_stats(recs, high, high + low, args.slo, cache[1], cache[2]),
             "recovery_s": recovery_s(recs, high, high + low, args.slo)}
 

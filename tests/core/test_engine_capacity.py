@@ -7,23 +7,44 @@ from __future__ import annotations
 from warmroute.core.admission import (BUSY, MIN_LEARNED_LIMIT, UNBOUNDED, Admission,
                                       AdmissionSettings)
 from warmroute.core.decision import CACHE_HIT, OVERLOAD_SPILL
-from warmroute.core.engine_capacity import GROWTH, KV_HIGH_WATER, PEAK_WINDOW, SUSTAINED, EngineCapacity
+from warmroute.core.engine_capacity import (GROWTH, KV_HIGH_WATER, MIN_BATCH, PEAK_WINDOW, SUSTAINED,
+                                            EngineCapacity)
 from warmroute.core.stages import Handles
 from warmroute.core.strategies import StrategySettings, make_strategy
 
 from fleet_helpers import SYSTEM, fleet, key
 
 
-def test_an_engine_shows_no_limit_until_it_queues_on_consecutive_scrapes():
+def test_an_engine_shows_no_limit_until_it_queues_at_its_batch_on_consecutive_scrapes():
     cap = EngineCapacity()
     cap.observe(waiting=0, running=250, at_limit=False)
     cap.observe(waiting=3, running=250, at_limit=False)  # one scrape may catch a step in passing
     assert cap.learned is None
-    cap.observe(waiting=0, running=10, at_limit=False)
-    cap.observe(waiting=3, running=10, at_limit=False)
+    cap.observe(waiting=0, running=250, at_limit=False)
+    cap.observe(waiting=3, running=250, at_limit=False)
     assert cap.learned is None
-    cap.observe(waiting=2, running=10, at_limit=False)
-    assert cap.learned == 250  # the most it ran lately, not what it ran while prefill filled its steps
+    cap.observe(waiting=2, running=250, at_limit=False)
+    assert cap.learned == 250
+
+
+def test_requests_waiting_while_the_engine_runs_fewer_than_its_peak_show_no_limit():
+    """Requests wait while each step's token budget goes to prefilling long prompts: an engine that ran 250 now runs
+    10, and a cold one prefills its first 8, scrape after scrape. Neither batch is full; a limit learned there
+    held a 256-request engine at 32-49 in the simulated 2x surge (benchmarks/surge_placement.py)."""
+    cap = EngineCapacity()
+    cap.observe(waiting=0, running=250, at_limit=False)
+    for _ in range(5):
+        cap.observe(waiting=3, running=10, at_limit=False)
+    assert cap.learned is None
+    cold = EngineCapacity()
+    for _ in range(5):
+        cold.observe(waiting=35, running=8, at_limit=False)
+    assert cold.learned is None
+    for _ in range(SUSTAINED):  # at its peak, past MIN_BATCH, requests still waiting: that is its batch
+        cold.observe(waiting=20, running=MIN_BATCH, at_limit=False)
+    assert cold.learned is None  # (the first of those grew the batch: no evidence yet)
+    cold.observe(waiting=20, running=MIN_BATCH, at_limit=False)
+    assert cold.learned == MIN_BATCH
 
 
 def test_an_engine_whose_batch_grows_while_requests_wait_is_not_full():
@@ -47,10 +68,10 @@ def test_the_peak_is_taken_over_recent_scrapes_only():
     cap = EngineCapacity()
     cap.observe(waiting=0, running=500, at_limit=False)
     for _ in range(PEAK_WINDOW):
-        cap.observe(waiting=0, running=30, at_limit=False)
+        cap.observe(waiting=0, running=40, at_limit=False)
     for _ in range(SUSTAINED):
-        cap.observe(waiting=5, running=30, at_limit=False)
-    assert cap.learned == 30
+        cap.observe(waiting=5, running=40, at_limit=False)
+    assert cap.learned == 40
 
 
 def test_a_learned_limit_grows_when_the_engine_shows_no_queue_at_it_and_falls_back_when_it_does():
@@ -82,7 +103,9 @@ def test_a_learned_limit_never_holds_a_few_long_prefills_back():
     for _ in range(SUSTAINED):
         f.engine_load(a, waiting=5, running=3, kv_usage=0.5)  # queueing at 3 running: busy with prefill
     adm = Admission(AdmissionSettings(concurrency_threshold=32), f)
-    assert f.instances[a].capacity.learned == 3 and adm.limit(f.instances[a]) == MIN_LEARNED_LIMIT
+    assert f.instances[a].capacity.learned is None and adm.limit(f.instances[a]) is None
+    f.instances[a].capacity.learned = 3  # (where its KV cache filled at 3: still held at no fewer than a few)
+    assert adm.limit(f.instances[a]) == MIN_LEARNED_LIMIT
     f.engine_load(a, waiting=5, running=40, kv_usage=0.5)  # growing: admitting
     for _ in range(SUSTAINED):
         f.engine_load(a, waiting=5, running=40, kv_usage=0.5)

@@ -10,9 +10,11 @@ its free KV blocks), so the limit is learned from its scrapes:
     fills each step's token budget), not full;
   * its KV cache that full: its limit is what it runs now. More requests would evict the cached prefixes of the
     requests to come (vLLM and SGLang free a finished request's blocks to a cache that new ones evict), or wait;
-  * requests waiting: its limit is the most requests it was seen running over the last PEAK_WINDOW scrapes. Not
-    what it runs while the queue shows: during a burst of long prompts an engine runs few requests because each
-    step's token budget goes to their prefill, not because its batch is full;
+  * requests waiting while it runs the most it was seen running over the last PEAK_WINDOW scrapes, and at least
+    MIN_BATCH: its limit is that batch. A batch-bound engine refills its batch from its queue at once, so it runs
+    at its peak whenever requests wait. One running fewer while requests wait spends each step's token budget on
+    prefilling long prompts (a burst, a cold start): it has batch slots, and a limit learned there would hold
+    its batch below what it serves (those scrapes are no evidence);
   * it reports neither on SUSTAINED scrapes in a row while the router kept it at its learned limit: the limit
     grows by GROWTH (at least one request), as the engine may have room it never got to show. An engine at its
     true batch size then queues the few requests past it for a scrape or two: the price of never holding requests
@@ -28,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 SUSTAINED = 2  # scrapes in a row that must agree before the limit moves: one scrape may catch a step in passing
+MIN_BATCH = 32  # fewer running while requests wait is prefill, not a full batch (vLLM's smallest default is 128)
 PEAK_WINDOW = 30  # scrapes over which the most requests running is the engine's batch
 GROWTH = 1.125  # the limit's growth when the engine showed no queue at it
 KV_HIGH_WATER = 0.9  # share of an engine's KV blocks held by running requests from which it counts as full
@@ -50,14 +53,14 @@ class EngineCapacity:
         growing = bool(self._running) and running > self._running[-1]
         self._running.append(running)
         kv_full = kv_usage is not None and kv_usage >= KV_HIGH_WATER
-        if (waiting > 0 or kv_full) and growing:
+        if (waiting > 0 or kv_full) and (growing or not (kv_full or self._batch_full(running))):
             self._queued = self._clear = 0
             return
         if waiting > 0 or kv_full:
             self._clear = 0
             self._queued += 1
             if self._queued >= SUSTAINED:
-                self.learned = max(1, running if kv_full else max(self._running))
+                self.learned = max(1, running)
                 self.kv_bound = kv_full
             return
         self._queued = 0
@@ -68,3 +71,7 @@ class EngineCapacity:
         if self._clear >= SUSTAINED:
             self.learned = max(self.learned + 1, math.ceil(self.learned * GROWTH))
             self._clear = 0
+
+    def _batch_full(self, running: int) -> bool:
+        """Whether requests waiting at `running` say the engine's batch is full (see the module's doc)."""
+        return running >= MIN_BATCH and running >= max(self._running)

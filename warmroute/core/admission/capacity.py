@@ -9,13 +9,14 @@ import math
 from typing import Any
 
 from warmroute.core.admission.settings import AdmissionSettings
+from warmroute.core.engine_capacity import MIN_BATCH
 from warmroute.core.fleet import Fleet, Instance
 from warmroute.core.strategies import kv_pressure
 
-# The least a learned engine limit holds requests at: an engine queueing with fewer running is busy with long prompts
-# (each step's token budget), not out of batch slots (vLLM's smallest default batch is 128), and holding requests in
-# the router below it costs throughput.
-MIN_LEARNED_LIMIT = 32
+# The least a learned engine limit holds requests at (one learned where the KV cache filled may be lower): an engine
+# queueing with fewer running is busy with long prompts (each step's token budget), not out of batch slots, and
+# holding requests in the router below it costs throughput.
+MIN_LEARNED_LIMIT = MIN_BATCH
 UNBOUNDED = 1 << 30  # the room of an instance whose capacity is unknown: the router never holds requests for it
 
 
