@@ -203,24 +203,33 @@ def test_a_saturated_fleet_keeps_a_shared_prefix_where_it_is_cached():
     """Every engine full: a prompt whose prefix two instances hold (a shared miss, weighed 1 while any has room)
     waits in a longer line there rather than computing its prefix at the third. The shorter line would only move
     the wait onto the requests behind; the prefill repeated is compute the fleet lacks. With the weight off, the
-    shorter line wins, as it does while any instance has a slot."""
-    def choice(weight: float, free_slot: bool = False) -> str:
+    shorter line wins. While an instance has a slot, a hot prefix (a third of the recent requests or more, 3
+    instances) is copied there to spread its load; with copy_only_hot, one that is not hot stays: a copy spreads
+    nothing."""
+    def choice(weight: float, free_slot: bool = False, hot: bool = False, copy_only_hot: bool = True) -> str:
         f = fleet(3)
         a, b, c = sorted(f.instances)
         for inst in f.instances.values():
             inst.capacity.stated, inst.inflight = 4, 4
         queue = Admission(AdmissionSettings(concurrency_threshold=64), f)
-        settings = StrategySettings(concurrency_threshold=64, cache_aware={"saturated_miss_weight": weight})
+        settings = StrategySettings(concurrency_threshold=64,
+                                    cache_aware={"saturated_miss_weight": weight, "copy_only_hot": copy_only_hot})
         s = make_strategy("cache_aware", settings, handles=Handles(slot_wait=queue.slot_wait))
         f.mean_service_s = 1.0  # each waiter ahead adds 0.25 s: a and b 0.5 s longer than c, a prefill ~0.1 s
         for name in (a, b):
             f.index.record(name, key(SYSTEM).blocks())
             queue.capacity.pin(name)
             queue.capacity.pin(name)
+        if hot:
+            for _ in range(4):  # decisions for this prefix alone: all of the recent requests
+                s.choose(key(SYSTEM), f)
         if free_slot:
             f.instances[c].inflight = 3
         return s.choose(key(SYSTEM), f).instance
 
     assert choice(16.0) in ("i0", "i1")
     assert choice(0.0) == "i2"
-    assert choice(16.0, free_slot=True) == "i2"  # not saturated: a slot now beats a wait
+    assert choice(16.0, free_slot=True, hot=True) == "i2"  # not saturated: a slot now beats a wait
+    assert choice(16.0, free_slot=True) in ("i0", "i1")  # not hot: no load to spread
+    assert choice(0.0, free_slot=True) == "i2"
+    assert choice(16.0, free_slot=True, copy_only_hot=False) == "i2"  # the default: a slot beats a wait

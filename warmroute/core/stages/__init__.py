@@ -96,8 +96,9 @@ STAGES: dict[str, StageDef] = {
         lambda s, h: [_weighted(n, w, s, h) for n, w in s.cache_aware.scorers.items()],
         Scorer, ("scorers",), needs=("prefix_match",)),
     "slot_wait": StageDef(
-        lambda s, h: SlotWait(h.slot_wait, s.cache_aware.saturated_miss_weight) if h.slot_wait is not None else None,
-        Scorer, ("saturated_miss_weight",), needs=("prefix_match",)),
+        lambda s, h: SlotWait(h.slot_wait, s.cache_aware.saturated_miss_weight, s.cache_aware.copy_only_hot)
+        if h.slot_wait is not None else None,
+        Scorer, ("saturated_miss_weight", "copy_only_hot"), needs=("prefix_match",)),
     "tie_slack": StageDef(lambda s, h: TieSlack(), Picker, needs=("scorers",)),  # narrows on the scorers' costs
     "least_loaded_ties": StageDef(
         lambda s, h: LeastLoadedTies(s.cache_aware.balance_slack) if s.cache_aware.cold_to_least_loaded else None,

@@ -7,7 +7,10 @@ router only where that is still the soonest.
 When every candidate is full (the fleet saturated), a shorter line only moves the wait onto the requests behind,
 while a prefix computed again elsewhere is compute the whole fleet lacks: there the uncached tokens of a prompt whose
 prefix several instances hold, or none, weigh `saturated_miss_weight` instead of the prefix match's shared weight.
-Not those of a prompt whose one holder is swamped (prefix_match's SWAMPED): that engine evicts it anyway."""
+With `copy_only_hot` (off by default), so do those of a prompt whose prefix several instances hold while that prefix
+is not hot (hot_share), full or not: the shared weight exists to copy a popular prefix to more instances, and one
+more copy of a prefix that carries less than an instance's share of the requests spreads no load that needed
+spreading. Not a prompt whose one holder is swamped (prefix_match's SWAMPED): that engine evicts it anyway."""
 
 from __future__ import annotations
 
@@ -21,16 +24,20 @@ from warmroute.core.stages.prefix_match import SHARED
 class SlotWait(Scorer):
     name = "slot_wait"
 
-    def __init__(self, wait: Callable[[Instance], float], saturated_miss_weight: float = 16.0) -> None:
+    def __init__(self, wait: Callable[[Instance], float], saturated_miss_weight: float = 16.0,
+                 copy_only_hot: bool = False) -> None:
         self.wait = wait
         self.saturated_miss_weight = saturated_miss_weight
+        self.copy_only_hot = copy_only_hot
 
     def score(self, req: Request, candidates: list[Instance]) -> list[float]:
         wait = self.wait
         waits = [wait(i) for i in candidates]
         extra = self.saturated_miss_weight - req.alpha
         # (req.miss is alpha x the uncached tokens: with a shared weight of 0 it says nothing to weigh again)
-        if req.holder != SHARED or extra <= 0 or req.alpha <= 0 or min(waits) <= 0:  # one has room: not saturated
+        if req.holder != SHARED or extra <= 0 or req.alpha <= 0:
+            return waits
+        if min(waits) <= 0 and (not self.copy_only_hot or req.hot or len(req.depths) < 2):  # one has room
             return waits
         get, miss_all, per_token = req.miss.get, req.miss_all, extra / req.alpha
         return [w + per_token * get(i.name, miss_all) / i.prefill_tokens_per_s for w, i in zip(waits, candidates)]
