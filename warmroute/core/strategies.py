@@ -84,7 +84,7 @@ class CacheAwareSettings(SettingsModel):
     """With the admission queue on: a prompt whose prefix several instances hold weighs its miss at
     saturated_miss_weight, full or not, unless that prefix is hot (hot_balance_factor's 1/N of the recent requests):
     another copy of a prefix that is not spreads no load that needed spreading. Off by default: it wins the 2x surge
-    over HTTP, but in the simulator it costs long chats on small caches throughput (docs/tuning.md)."""
+    over HTTP, but costs multi-turn chat hit rate and throughput (docs/tuning.md)."""
     sticky_kv_limit: float = Field(3.0, ge=0.0, le=1000.0)
     """cache_aware keeps a prompt on the one instance holding its prefix (miss_weight) only while the prompts in flight
     there need at most this many times its KV cache (as engine feedback scales it); beyond, the engine evicts queued
