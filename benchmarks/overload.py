@@ -267,17 +267,21 @@ async def cpu_share(children: list[Child], start: float, end: float) -> dict[str
     await asyncio.sleep(start)
     before = {c.name: cpu_seconds(c.pid) for c in children}
     await asyncio.sleep(end - start)
-    return {c.name.rsplit("-", 1)[0]: round((cpu_seconds(c.pid) - before[c.name]) / (end - start), 2)
-            for c in children}
+    return {c.name.split("-", 1)[0]: round((cpu_seconds(c.pid) - before[c.name]) / (end - start), 2)
+            for c in children}  # by role: Stack names its children "engines-LABEL" and "router-LABEL"
+
+
+def surge_streams(args: argparse.Namespace, cap: float) -> dict[str, tuple[Iterator[Session], list[Phase]]]:
+    """The surge's one stream for `offer`: the mixed workload at 2x `cap` for --high s, then 0.5x for --low s."""
+    phases = [Phase(args.high, 2 * cap), Phase(args.high + args.low, 0.5 * cap)]
+    return {"": (tagged(mixed(args.seed).sessions(), ""), phases)}
 
 
 async def surge(args: argparse.Namespace, contender: Contender, cap: float) -> dict:
     high, low = args.high, args.low
     async with Stack(contender, args, slo=args.slo) as stack:
-        phases = [Phase(high, 2 * cap), Phase(high + low, 0.5 * cap)]
-        streams = {"": (tagged(mixed(args.seed).sessions(), ""), phases)}
         cpu = asyncio.create_task(cpu_share(stack.children, 5.0, high))
-        recs, cache = await offer(stack, streams, args.seed, [5.0, high, high + low])
+        recs, cache = await offer(stack, surge_streams(args, cap), args.seed, [5.0, high, high + low])
         cores = await cpu
     return {"overload": {**window_stats(recs, 5.0, high, args.slo, cache[0], cache[1]), "cpu_cores": cores},
             "after": window_stats(recs, high, high + low, args.slo, cache[1], cache[2]),
@@ -438,16 +442,20 @@ def sim_settings(args: argparse.Namespace, admission: bool, knobs: dict[str, obj
     return dataclasses.replace(s, **changes)
 
 
+def sim_surge_settings(args: argparse.Namespace, admission: bool, cap: float) -> SimSettings:
+    """The simulated fleet offered `surge`'s load: sessions of the mixed workload at 2x `cap`, then 0.5x."""
+    shape = RateShape(((0.0, 2.0), (args.high, 0.5), (args.high + args.low, 0.0)))
+    return sim_settings(args, admission, rate=cap / turns_per_session(mixed(args.seed)), rate_shape=shape)
+
+
 def sim_surge(args: argparse.Namespace, strategy: str, admission: bool, cap: float,
               changes: list[str]) -> dict:
     """The surge in the simulator: the same fleet, workload, phases, SLO and goodput window as `surge`."""
-    workload = mixed(args.seed)
-    shape = RateShape(((0.0, 2.0), (args.high, 0.5), (args.high + args.low, 0.0)))
-    s = sim_settings(args, admission, rate=cap / turns_per_session(workload), rate_shape=shape)
+    s = sim_surge_settings(args, admission, cap)
     for item in changes:
         name, value = item.split("=", 1)
         s = s.changed(name, json.loads(value))
-    res = Simulation(s, workload, strategy).run()
+    res = Simulation(s, mixed(args.seed), strategy).run()
     window = [x for x in res.records if 5.0 <= x.arrival < args.high]
     ttft = [x.first_token - x.arrival for x in window if x.first_token is not None]
     return {"goodput_rps": round(sum(t <= args.slo for t in ttft) / (args.high - 5.0), 1),

@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overload  # noqa: E402  (the surge's fleet, workload and phases)
 
 from warmroute.sim.simulator import Simulation  # noqa: E402
-from warmroute.workloads.rate_shape import RateShape  # noqa: E402
 
 PREFIX_CHARS = 3000
 CLASSES = ("rag", "shared")
@@ -41,11 +40,8 @@ class Traced(Simulation):
 
 
 def run(args: argparse.Namespace, strategy: str, admission: bool) -> None:
-    workload = overload.mixed(args.seed)
-    shape = RateShape(((0.0, 2.0), (args.high, 0.5), (args.high + args.low, 0.0)))
-    s = overload.sim_settings(args, admission, rate=args.capacity / overload.turns_per_session(workload),
-                              rate_shape=shape).changed("timeout_s", 60.0)  # the router's default queue timeout
-    sim = Traced(s, workload, strategy)
+    s = overload.sim_surge_settings(args, admission, args.capacity).changed("timeout_s", 60.0)  # the default
+    sim = Traced(s, overload.mixed(args.seed), strategy)
     res = sim.run()
     per_s = collections.Counter(int(t) for t, *_ in sim.sends if t < 30)
     missed, total = collections.Counter(), collections.Counter()

@@ -67,9 +67,8 @@ async def run(label: str) -> None:
     async with overload.Stack(contender, args, slo=args.slo) as stack:
         stop = asyncio.Event()
         poller = asyncio.create_task(poll(stack, not contender.peer, rows, stop))
-        phases = [overload.Phase(args.high, 2 * cap), overload.Phase(args.high + args.low, 0.5 * cap)]
-        streams = {"": (overload.tagged(overload.mixed(args.seed).sessions(), ""), phases)}
-        recs, cache = await overload.offer(stack, streams, args.seed, [5.0, args.high, args.high + args.low])
+        recs, cache = await overload.offer(stack, overload.surge_streams(args, cap), args.seed,
+                                           [5.0, args.high, args.high + args.low])
         stop.set()
         await poller
     print(json.dumps({"contender": label, "capacity_rps": round(cap, 1),
