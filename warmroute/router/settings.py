@@ -240,8 +240,8 @@ class RouterSettings(BaseSettings, StrategySettings, DemandSettings, Disaggregat
     first); per backend in YAML. A request whose chosen engine is that full waits in the router's queue (admission)
     rather than in the engine's. Unset: learned from each engine's /metrics (once it reports requests waiting on two
     scrapes in a row while running the most it was seen running lately, at least 32: fewer running with a queue is
-    prefill, not a full batch), and until then the router never holds requests back for it. Not the concurrency_threshold, which only moves requests to
-    another instance with room."""
+    prefill, not a full batch; state it for an engine batching fewer), and until then the router never holds
+    requests back for it. Not the concurrency_threshold, which only moves requests to another instance with room."""
     kv_capacity_tokens: int = Field(1_000_000, ge=256, le=10**10)
     """Default KV-cache capacity of an instance in tokens (per backend in YAML). If not set, the engine's own figure
     from its /metrics replaces the default once scraped."""
