@@ -90,6 +90,23 @@ def test_a_learned_limit_grows_when_the_engine_shows_no_queue_at_it_and_falls_ba
     assert cap.learned == 32
 
 
+def test_a_learned_limit_rises_at_once_to_a_batch_the_engine_is_seen_running():
+    """A cold start's scrapes can catch one long prefill step twice, the batch at 94 and requests waiting: a limit of
+    94. The engine then runs 167, then 224 at once (requests sent before the limit was known): its batch holds that
+    many, and a limit of 94 would hold it far below them while it drains. The limit follows what it runs at once,
+    not GROWTH's climb."""
+    cap = EngineCapacity()
+    for _ in range(SUSTAINED + 1):
+        cap.observe(waiting=104, running=94, at_limit=False)
+    assert cap.learned == 94
+    cap.observe(waiting=104, running=167, at_limit=True)
+    assert cap.learned == 167
+    cap.observe(waiting=47, running=224, at_limit=True)
+    assert cap.learned == 224
+    cap.observe(waiting=0, running=48, at_limit=False)  # running fewer says nothing about its batch
+    assert cap.learned == 224
+
+
 def test_a_stated_capacity_is_never_learned_over():
     cap = EngineCapacity(stated=64)
     for _ in range(5):

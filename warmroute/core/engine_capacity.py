@@ -15,6 +15,9 @@ its free KV blocks), so the limit is learned from its scrapes:
     at its peak whenever requests wait. One running fewer while requests wait spends each step's token budget on
     prefilling long prompts (a burst, a cold start): it has batch slots, and a limit learned there would hold
     its batch below what it serves (those scrapes are no evidence);
+  * it runs more at once than its learned limit (requests sent before the limit was known, or a limit learned
+    where two scrapes caught one long prefill step): the limit is that batch at once. An engine is never held
+    below what it was seen running;
   * it reports neither on SUSTAINED scrapes in a row while the router kept it at its learned limit: the limit
     grows by GROWTH (at least one request), as the engine may have room it never got to show. An engine at its
     true batch size then queues the few requests past it for a scrape or two: the price of never holding requests
@@ -52,6 +55,8 @@ class EngineCapacity:
             return
         growing = bool(self._running) and running > self._running[-1]
         self._running.append(running)
+        if self.learned is not None and running > self.learned:  # it runs that many at once: its batch holds them
+            self.learned = running
         kv_full = kv_usage is not None and kv_usage >= KV_HIGH_WATER
         if (waiting > 0 or kv_full) and (growing or not (kv_full or self._batch_full(running))):
             self._queued = self._clear = 0
