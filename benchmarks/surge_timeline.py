@@ -1,6 +1,7 @@
 """One contender through overload.py's 2x surge, with what happened inside: every 2 s each engine's running and
-waiting requests and KV usage, and (warmroute) the router's queue, requests in flight per instance and engine
-limits; after the run, the prompt tokens each request class missed in the engines' caches, per 10 s of start time.
+waiting requests and KV usage, and (warmroute) the router's queue, requests in flight per instance, engine
+limits and its decisions by reason since the last poll; after the run, the prompt tokens each request class missed
+in the engines' caches, per 10 s of start time.
 
 A diagnostic for issue #32 (why a contender's goodput falls behind another's), not a scored benchmark: run it for
 each contender one after another, e.g.
@@ -33,6 +34,7 @@ POLL_S = 2.0
 ENGINE = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
           "kv": "vllm:kv_cache_usage_perc"}
 ROUTER = {"inflight": "warmroute_inflight", "limit": "warmroute_engine_capacity", "queue": "warmroute_queue_waiting"}
+DECISIONS = "warmroute_decisions_total"
 
 
 def values(text: str, names: dict[str, str]) -> dict[str, list[float]]:
@@ -42,8 +44,19 @@ def values(text: str, names: dict[str, str]) -> dict[str, list[float]]:
             for k, metric in names.items()}
 
 
+def decided(text: str, seen: collections.Counter) -> dict[str, int]:
+    """The router's decisions by reason since the last poll (`seen`: the counts then, updated)."""
+    now = collections.Counter()
+    for labels, v in read_samples(text, (DECISIONS,)).get(DECISIONS, []):
+        now[labels.get("reason", "")] += int(v)
+    delta = {k: v - seen[k] for k, v in now.items() if v > seen[k]}
+    seen.update(delta)
+    return delta
+
+
 async def poll(stack: overload.Stack, router: bool, rows: list[dict], stop: asyncio.Event) -> None:
     t0 = time.perf_counter()
+    seen: collections.Counter = collections.Counter()
     async with aiohttp.ClientSession() as http:
         while not stop.is_set():
             row: dict = {"t": round(time.perf_counter() - t0, 1)}
@@ -51,9 +64,10 @@ async def poll(stack: overload.Stack, router: bool, rows: list[dict], stop: asyn
                 got = values(text, ENGINE)
                 row[f"e{i}"] = [int(sum(got["running"])), int(sum(got["waiting"])), round(sum(got["kv"]), 2)]
             if router:
-                got = values((await fetch_metrics(http, [stack.target + "/metrics"]))[0], ROUTER)
+                text = (await fetch_metrics(http, [stack.target + "/metrics"]))[0]
+                got = values(text, ROUTER)
                 row.update(queue=int(sum(got["queue"])), inflight=[int(v) for v in got["inflight"]],
-                           limit=[int(v) for v in got["limit"]])
+                           limit=[int(v) for v in got["limit"]], decided=decided(text, seen))
             rows.append(row)
             await asyncio.sleep(max(0.0, len(rows) * POLL_S - (time.perf_counter() - t0)))
 

@@ -285,10 +285,11 @@ class Simulation:
             self._scrape(now)
 
     def _scrape(self, now: float) -> None:
-        """The router reads each engine's running batch and queue, as it scrapes /metrics; it may then send more
-        of the requests waiting in its queue (the engines' capacity moved)."""
+        """The router reads each engine's running batch, queue and KV usage, as it scrapes /metrics (the load
+        routing weighs, the capacity the queue holds requests at); it may then send more of the requests waiting in
+        its queue (the engines' capacity moved)."""
         for i in self._live():
-            self.fleet.observe_capacity(i.name, i.model.num_waiting, i.model.num_running, i.model.kv_usage)
+            self.fleet.engine_load(i.name, i.model.num_waiting, i.model.num_running, i.model.kv_usage)
         if self.admission.waiters:
             self._pump(now)
         if self._pending_work():
@@ -388,7 +389,7 @@ class Simulation:
             self._push(t, self.ARRIVE, ("scale", delta))
         if self.autoscaler is not None:
             self._push(self.s.autoscale.interval_s, self.ARRIVE, ("tick",))
-        if self.admission_on and self.s.engine_capacity is None:
+        if self.admission_on:
             self._push(self.s.scrape_interval_s, self.ARRIVE, ("scrape",))
         now = 0.0
         while self._heap:
