@@ -37,7 +37,10 @@ class SlotWait(Scorer):
         # (req.miss is alpha x the uncached tokens: with a shared weight of 0 it says nothing to weigh again)
         if req.holder != SHARED or extra <= 0 or req.alpha <= 0:
             return waits
-        if min(waits) <= 0 and (not self.copy_only_hot or req.hot or len(req.depths) < 2):  # one has room
+        saturated = min(waits) > 0  # no candidate has room
+        # (a SHARED prompt with holders has several: prefix_match calls a single holder's PRIVATE or SWAMPED)
+        needless_copy = self.copy_only_hot and bool(req.depths) and not req.hot
+        if not (saturated or needless_copy):
             return waits
         get, miss_all, per_token = req.miss.get, req.miss_all, extra / req.alpha
         return [w + per_token * get(i.name, miss_all) / i.prefill_tokens_per_s for w, i in zip(waits, candidates)]
