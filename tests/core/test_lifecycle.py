@@ -75,7 +75,7 @@ def books(f, adm) -> tuple:
     """Everything a request can leave open, as one comparable value."""
     per_instance = tuple((i.name, i.inflight, i.pending, i.inflight_prompt_tokens, i.queued_prefill_tokens)
                          for i in f.instances.values())
-    return per_instance, dict(adm.waiters), dict(adm.reserved), adm.bytes, dict(adm.active_tenants)
+    return per_instance, dict(adm.waiters), dict(adm.reserved), adm.bytes, dict(adm.active_tenants), len(f.prefills)
 
 
 def at_zero(f, adm) -> bool:

@@ -33,6 +33,7 @@ KNOBS = {
     "tenant_queue_share": ("1.5", 1.5),
     "tenant_pending": ("3", 3),
     "prefill_budget": ("4096", 4096),
+    "shared_prefill_wait_s": ("2.5", 2.5),
 }
 FORMER = {"queue_timeout": "timeout_s", "queue_max_requests": "max_requests", "queue_max_bytes": "max_bytes",
           "queue_lifo_after": "lifo_after_s", "queue_aging": "aging_tokens_per_s", "admission": "enabled"}

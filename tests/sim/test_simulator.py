@@ -314,3 +314,27 @@ def test_cli_simulates_a_strategy_defined_in_a_config_file(tmp_path):
                         "--strategies", "mine"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert "strategies.mine: the last stage must be a picker" in p.stderr
+
+
+def _shared_burst(wait_s: float):
+    """16 clients at once on one instance, on prompts that share long prefixes (the `shared` workload)."""
+    s = small(instances=1, requests=48, rate=None, concurrency=16,
+              routing=StrategySettings(admission={"shared_prefill_wait_s": wait_s}))
+    return Simulation(s, make_workload("shared", seed=1), "cache_aware").run()
+
+
+def test_a_request_whose_prefix_its_instance_is_still_computing_waits_for_it_and_finds_it_cached():
+    """Sent at once, a request whose prefix another request at its instance is computing would compute it too (the
+    engine reuses only computed blocks); held until that one's first token, it finds it cached."""
+    held, off = _shared_burst(10.0), _shared_burst(0.0)
+    waited = [x for x in held.records if x.sent > x.arrival]
+    assert waited and all(x.cached_tokens > 0 for x in waited)
+    assert not any(x.sent > x.arrival for x in off.records)
+    assert sum(x.cached_tokens for x in held.records) > sum(x.cached_tokens for x in off.records)
+    assert all(x.done is not None for x in held.records)
+
+
+def test_a_request_is_held_for_another_prefill_no_longer_than_shared_prefill_wait_s():
+    r = _shared_burst(0.05)
+    waits = [x.sent - x.arrival for x in r.records if x.sent > x.arrival]
+    assert waits and max(waits) <= 0.05 + 1e-9 and all(x.done is not None for x in r.records)

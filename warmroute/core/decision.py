@@ -51,6 +51,7 @@ class Decision:
     match: str = ""
     waited_for: str = ""  # why it waited in the router's queue (core/admission's WAIT_REASONS); "": it did not
     note: str = ""  # why the match is approximate where precise mode could not help (TOKENIZE_FAILED)
+    depth: int = 0  # blocks of `blocks` the chosen instance is predicted to hold (its prefix-index match)
 
     @property
     def uncached_tokens(self) -> int:

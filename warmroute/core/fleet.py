@@ -16,6 +16,7 @@ from warmroute.core.engine_capacity import EngineCapacity
 from warmroute.core.engine_load import EngineLoad, foreign_requests, observe
 from warmroute.core.fading import FadingUnit
 from warmroute.core.block_hash import BLOCK_BYTES_DEFAULT
+from warmroute.core.prefills import Prefills
 from warmroute.core.prefix_index import BYTES_PER_ENTRY, PrefixIndex
 from warmroute.core.routing_key import BYTES_PER_TOKEN
 
@@ -94,6 +95,8 @@ class Fleet:
     settings: FleetSettings = field(default_factory=FleetSettings)
     instances: dict[str, Instance] = field(default_factory=dict)
     index: PrefixIndex = field(init=False)
+    # The prefixes each instance is computing now for requests without a first token (core/prefills.py)
+    prefills: Prefills = field(default_factory=Prefills, init=False)
     cache_scale: fb.CapacityScale = field(default_factory=fb.CapacityScale)  # learnt from engine feedback
     mean_uncached_tokens: float = 0.0  # per request sent, a running mean (sizes other routers' queued requests)
     # Seconds from sending a request to its first token, a running mean over the fleet (how long cache_aware
@@ -150,6 +153,7 @@ class Fleet:
         self.instances.pop(name, None)
         self.ramps.pop(name, None)
         self.index.remove_instance(name)
+        self.prefills.forget(name)
         self._serving.clear()
         self.disaggregated = any(i.role != "both" for i in self.instances.values())
 

@@ -4,8 +4,10 @@ received -> keyed -> admitted (or waiting -> admitted) -> dispatched -> first_to
 cancelled as the other ends; a failure before the first token may go back to admitted (a retry elsewhere). Each
 `Leg` is the request's stay at one instance: it opens the fleet's and the admission's books when sent and closes
 each exactly once, whichever way the request ends. A disaggregated request has two legs (core/disaggregation.py):
-a prefill leg handed over to a decode leg (`handover`), or both sent at once (`alongside`). An event the current state does not allow raises
-`OutOfOrder` and changes nothing. Pure: no I/O and no clock of its own (the shell passes one); the shell's side
+a prefill leg handed over to a decode leg (`handover`), or both sent at once (`alongside`). A leg may be held
+between being sent and reaching its engine while another request there computes the prefix they share
+(`prefill_leader`, core/prefills.py); it counts at its instance meanwhile. An event the current state does not allow
+raises `OutOfOrder` and changes nothing. Pure: no I/O and no clock of its own (the shell passes one); the shell's side
 effects (metrics, other replicas, waking the queue) hang on `Hooks`.
 """
 
@@ -64,9 +66,10 @@ class Leg:
     """The request's stay at one instance, from being sent there to its end there."""
 
     __slots__ = ("decision", "instance", "role", "uncached_tokens", "kv_tokens", "blocks", "queued_ahead",
-                 "prefill_ahead", "sent_at", "got_first", "done", "recorded", "fed_back")
+                 "prefill_ahead", "sent_at", "held_s", "leads", "got_first", "done", "recorded", "fed_back")
 
-    def __init__(self, decision: Decision, blocks: Sequence[int] | None, sent_at: float, role: str = "") -> None:
+    def __init__(self, decision: Decision, blocks: Sequence[int] | None, sent_at: float, role: str = "",
+                 leads: bool = True) -> None:
         self.decision = decision
         self.instance = decision.instance
         self.role = role  # "prefill" or "decode" for a leg of a disaggregated request; "" for a whole one
@@ -76,7 +79,11 @@ class Leg:
         self.blocks = blocks  # its chain, where the strategy keeps a prefix index
         self.queued_ahead = 0  # requests sent there before it still waiting for their first token
         self.prefill_ahead = 0.0  # the prefill the instance does before this one's first token, its own included
-        self.sent_at = sent_at
+        self.sent_at = sent_at  # when it went to its engine (after any hold for another's prefill)
+        self.held_s = 0.0  # how long it was held for another request's prefill of its prefix (`resumed`)
+        # Whether its first token marks the end of its prefill, so others may wait for it (a streamed answer, a
+        # prefill leg's one token); never a decode leg, which computes no prompt.
+        self.leads = leads and role != "decode"
         self.got_first = self.done = self.recorded = self.fed_back = False
 
 
@@ -162,11 +169,13 @@ class Lifecycle:
         self.state = State.REFUSED
 
     # -- at an instance ------------------------------------------------------------------------------------
-    def dispatch(self, decision: Decision, record: bool = True, role: str = "", alongside: bool = False) -> Leg:
+    def dispatch(self, decision: Decision, record: bool = True, role: str = "", alongside: bool = False,
+                 leads: bool = True) -> Leg:
         """Sent to `decision`'s instance: a leg opens its books there. Its chain goes into the index now, or
         (`record` off) when the shell calls `record`, once the request is on its way. `role`: the leg's part in a
         disaggregated request; `alongside`: a second leg sent while the first is still open (the decode leg of a
-        request whose legs go at once), which then answers."""
+        request whose legs go at once), which then answers; `leads`: its first token will mark the end of its
+        prefill (see Leg.leads)."""
         if alongside:
             self._expect("dispatched alongside", State.DISPATCHED)
             if len(self.open_legs()) != 1:
@@ -174,7 +183,7 @@ class Lifecycle:
         else:
             self._expect("dispatched", State.ADMITTED)
         fleet = self.fleet
-        leg = Leg(decision, decision.blocks if self.records_prefixes else None, self.clock(), role)
+        leg = Leg(decision, decision.blocks if self.records_prefixes else None, self.clock(), role, leads)
         inst = fleet.instances.get(leg.instance)
         leg.prefill_ahead = leg.uncached_tokens + (inst.queued_prefill_tokens if inst is not None else 0.0)
         leg.queued_ahead = fleet.dispatched(leg.instance, leg.uncached_tokens, prompt_tokens=leg.kv_tokens)
@@ -193,7 +202,24 @@ class Lifecycle:
             return
         leg.recorded = True
         self.fleet.index.record(leg.instance, leg.blocks)  # an instance removed meanwhile: a no-op
+        if leg.leads:
+            self.fleet.prefills.started(leg, leg.decision.depth)
         self.hooks.recorded(self, leg)
+
+    def prefill_leader(self, leg: Leg) -> Leg | None:
+        """The leg of another request at `leg`'s instance still computing the prefix `leg` is predicted to find
+        cached there (core/prefills.py): the shell may hold `leg` until that one's first token or end, then send it
+        (`resumed`). None where nothing is being computed for it, or for a decode leg."""
+        if not leg.blocks or leg.role == "decode" or leg.got_first or leg.done:
+            return None
+        return self.fleet.prefills.leader(leg, leg.decision.depth)  # type: ignore[return-value]
+
+    def resumed(self, leg: Leg) -> None:
+        """Held for another request's prefill (`prefill_leader`), `leg` goes to its engine now: its time to first
+        token counts from here, as the engine sees it."""
+        now = self.clock()
+        leg.held_s += now - leg.sent_at
+        leg.sent_at = now
 
     def first_token(self) -> Leg:
         """Its first token came: its prefill no longer queues ahead of others there."""
@@ -282,6 +308,8 @@ class Lifecycle:
 
     def _close_leg(self, leg: Leg) -> Leg:
         leg.done = True
+        if leg.recorded and leg.leads:
+            self.fleet.prefills.ended(leg, leg.decision.depth)
         seconds = self.clock() - leg.sent_at
         self.fleet.finished(leg.instance, leg.uncached_tokens, leg.got_first, leg.blocks, leg.kv_tokens, seconds)
         self.admission.ended(self.tenant, leg.instance, leg.got_first, leg.uncached_tokens)

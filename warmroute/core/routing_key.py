@@ -54,6 +54,7 @@ class RoutingKey:
     untokenized: str | None = None  # precise mode could not tokenize it: why (prompt_tokens.Untokenizable.cause)
     _token_blocks: dict[int, Sequence[int]] = field(default_factory=dict, repr=False)
     _data: bytes | None = field(default=None, repr=False, compare=False)
+    streams: bool = False  # the request asked for a streamed answer ("stream": true): its first chunk is its first token
 
     @property
     def data(self) -> bytes:
@@ -234,6 +235,12 @@ def key_for_json(path: str, body: Any, session: str | None = None) -> RoutingKey
     """Routing key of an OpenAI-style JSON request on `path` (body already parsed)."""
     if not isinstance(body, dict):
         raise KeyError_("request body must be a JSON object")
+    key = _key_for_json(path, body, session)
+    key.streams = body.get("stream") is True
+    return key
+
+
+def _key_for_json(path: str, body: dict, session: str | None) -> RoutingKey:
     seed, model = _seed(body)
     session = session or (body.get("user") if isinstance(body.get("user"), str) else None)
     if path in CHAT_ROUTES:

@@ -287,8 +287,10 @@ class CacheAwareStrategy(Strategy):
         self.pipeline.stage("prefix_match").exact = index
 
     def decision(self, req: Request, instance: str, reason: str) -> Decision:
-        matched = min(req.prompt, req.depths.get(instance, 0) * req.block_tokens)
+        depth = req.depths.get(instance, 0)
+        matched = min(req.prompt, depth * req.block_tokens)
         d = Decision(instance, reason, matched, req.prompt, req.blocks, req.holder == PRIVATE and reason == CACHE_HIT)
+        d.depth = depth
         if req.precise is not None:
             share = req.precise.get(instance)
             d.match = APPROXIMATE if share is None else PRECISE

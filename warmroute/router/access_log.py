@@ -33,6 +33,7 @@ STARTED = RequestKey("warmroute_started", float)
 FIRST_BYTE = RequestKey("warmroute_first_byte", float)
 PREFILL = RequestKey("warmroute_prefill", str)  # where a split request's prefill leg went (router/disaggregated.py)
 WAITED = RequestKey("warmroute_waited", float)  # seconds it waited in the router's queue (Router.admit), if it did
+HELD = RequestKey("warmroute_held", float)  # seconds held for another's prefill (Router.hold_for_prefill), if it was
 
 
 class JsonAccessLogger(AbstractAccessLogger):
@@ -63,6 +64,9 @@ class JsonAccessLogger(AbstractAccessLogger):
             waited = request.get(WAITED)
             if waited is not None:
                 line["queued_ms"] = round(waited * 1000, 3)
+            held = request.get(HELD)
+            if held is not None:
+                line["held_ms"] = round(held * 1000, 3)
         self.logger.info(json.dumps(line, separators=(",", ":")))
 
 

@@ -139,6 +139,11 @@ class Metrics:
                                   "share (its tenant at its tenant_queue_share there) or prefill (its instance at its "
                                   "prefill_budget)",
                                   ["how"], registry=r)
+        self.shared_prefill_waits = Histogram(
+            "warmroute_shared_prefill_wait_seconds", "Seconds a request was held in the router while a request sent "
+            "before it to the same instance computed the prefix they share (shared_prefill_wait_s), by outcome: "
+            "computed (that one's first token or end came) or timeout", ["outcome"], buckets=_WAIT_BUCKETS,
+            registry=r)
         self.sheds = Counter("warmroute_sheds", "Requests that left the router's queue unserved, by reason (queue_full, "
                              "preempted, deadline: 429; no_instance: 503; client_closed) and priority", ["reason", "priority"],
                              registry=r)
@@ -303,6 +308,9 @@ class Metrics:
         self.queue_wait.labels(self.priority_label(priority), label, "shed" if shed else "admitted").observe(seconds)
         if shed:
             self.sheds.labels(shed, self.priority_label(priority)).inc()
+
+    def shared_prefill_wait(self, outcome: str, seconds: float) -> None:
+        self.shared_prefill_waits.labels(outcome).observe(seconds)
 
     def untokenized(self, cause: str) -> None:
         self.untokenized_requests.labels(cause).inc()

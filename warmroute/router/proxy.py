@@ -184,7 +184,8 @@ class Proxy(Addresses):
         decision = plan.prefill
         assert decision is not None and life.key is not None
         for _ in (0, 1):
-            self.router.dispatch(life, decision, defer_record=True, role=PREFILL)
+            leg = self.router.dispatch(life, decision, defer_record=True, role=PREFILL)
+            await self.router.hold_for_prefill(life, leg)
             answer = await self._side_answer(request, leg_body, decision)
             if answer is not None:
                 life.first_token()
@@ -277,8 +278,11 @@ class Proxy(Addresses):
         for attempt in (0, 1):
             last = attempt == 1 or policy == "off"
             request[access.DECISION], request[access.ATTEMPTS] = decision, attempt + 1  # for the access log
-            self.router.dispatch(life, decision, defer_record=True, role=role, alongside=alongside)
+            leg = self.router.dispatch(life, decision, defer_record=True, role=role, alongside=alongside)
             try:
+                held = await self.router.hold_for_prefill(life, leg)  # another request there computes its prefix
+                if held:
+                    request[access.HELD] = held
                 response = await self._exchange(request, body if leg_body is None else leg_body, life)
                 if role:
                     self.router.metrics.pd_leg(role, "ok", decision.uncached_tokens)
@@ -327,7 +331,8 @@ class Proxy(Addresses):
             life.first_token()
             request[access.FIRST_BYTE] = time.perf_counter()
             self._note_status(name, upstream.status)
-            resp = self._response_for(upstream, decision, request.get(access.WAITED), request.get(access.PREFILL))
+            resp = self._response_for(upstream, decision, request.get(access.WAITED), request.get(access.PREFILL),
+                                      request.get(access.HELD))
             await resp.prepare(request)
             readable = upstream.status == 200 and "Content-Encoding" not in upstream.headers
             tap = UsageTap() if readable and is_routed(request.path) else None
@@ -387,19 +392,22 @@ class Proxy(Addresses):
             upstream.close()
 
     def _response_for(self, upstream: UpstreamResponse, decision: Decision, waited: float | None = None,
-                      prefill: str | None = None) -> web.StreamResponse:
+                      prefill: str | None = None, held: float | None = None) -> web.StreamResponse:
         resp = _Relayed(status=upstream.status, reason=upstream.reason,
                                   headers=_filter(upstream.headers, _NOT_FORWARDED_DOWN))
         if upstream.content_length is not None:
             resp.content_length = upstream.content_length  # same bytes, same length
         if self.settings.decision_headers:
             resp.headers["x-warmroute-instance"] = decision.instance
-            # How the depth was known ("match=precise") and how long it waited in the router's queue and why, if it
-            # did: "cache_hit; match=precise; queued=0.153s; engine_full".
+            # How the depth was known ("match=precise"), how long it waited in the router's queue and why, and how long
+            # it was held for another request's prefill of its prefix, if it was:
+            # "cache_hit; match=precise; queued=0.153s; engine_full; held=0.412s; shared_prefill".
             reason = decision.reason if not decision.match else f"{decision.reason}; match={decision.match}"
             reason = reason if not decision.note else f"{reason}; {decision.note}"
             if waited is not None:
                 reason = f"{reason}; queued={waited:.3f}s" + (f"; {decision.waited_for}" if decision.waited_for else "")
+            if held is not None:
+                reason = f"{reason}; held={held:.3f}s; shared_prefill"
             resp.headers["x-warmroute-reason"] = reason
             # what the router expects the engine to report cached, so a client can measure its prediction
             resp.headers["x-warmroute-predicted-hit"] = f"{decision.matched_ratio:.4f}"

@@ -95,6 +95,9 @@ class Router:
         # What autoscalers read: demand per model, and what each instance's cache is worth.
         self.signals = FleetSignals(self.fleet, self.admission, settings, settings.concurrency_threshold)
         self._hooks = _Books(self)
+        # Legs others wait for while they compute a prefix those others share (`hold_for_prefill`), each with the
+        # event its first token or end sets.
+        self._prefill_waits: dict[Leg, asyncio.Event] = {}
 
     # -- deciding ------------------------------------------------------------------------------------------
     def key_of(self, path: str, body: bytes, session: str | None, parsed: Any = None) -> RoutingKey:
@@ -334,10 +337,41 @@ class Router:
             blocks = self.exact.instances.get(decision.instance)
             if blocks is not None and blocks.block_size:
                 self.exact.speculate(decision.instance, key.token_blocks(blocks.block_size), time.monotonic())
-        leg = life.dispatch(decision, record=not defer_record, role=role, alongside=alongside)
+        # A streamed answer's first chunk marks the end of its prefill (a prefill leg's answer is one token)
+        leads = role == PREFILL or (key is not None and key.streams)
+        leg = life.dispatch(decision, record=not defer_record, role=role, alongside=alongside, leads=leads)
         if defer_record and leg.blocks:
             asyncio.get_running_loop().call_soon(life.record, leg)
         return leg
+
+    async def hold_for_prefill(self, life: Lifecycle, leg: Leg) -> float:
+        """Hold `leg`, sent but not yet on its way, while another request at its instance is still computing the
+        prefix it is predicted to find there (core/prefills.py), for at most shared_prefill_wait_s: until that one's
+        first token or end. Returns the seconds held (0.0: it was not)."""
+        adm = self.admission.settings
+        if not adm.enabled or adm.shared_prefill_wait_s <= 0:
+            return 0.0
+        leader = life.prefill_leader(leg)
+        if leader is None:
+            return 0.0
+        done = self._prefill_waits.get(leader)
+        if done is None:
+            done = self._prefill_waits[leader] = asyncio.Event()
+        try:
+            async with asyncio.timeout(adm.shared_prefill_wait_s):
+                await done.wait()
+            outcome = "computed"
+        except TimeoutError:
+            outcome = "timeout"
+        life.resumed(leg)
+        self.metrics.shared_prefill_wait(outcome, leg.held_s)
+        return leg.held_s
+
+    def _prefill_over(self, leg: Leg) -> None:
+        """`leg`'s first token or end: whoever waits for its prefill goes."""
+        done = self._prefill_waits.pop(leg, None)
+        if done is not None:
+            done.set()
 
     def engine_usage(self, life: Lifecycle, usage: EngineUsage) -> None:
         """The engine said how much of this request's prompt it had cached: count it, correct the index."""
@@ -387,6 +421,7 @@ class _Books(Hooks):
 
     def first_token(self, life: Lifecycle, leg: Leg, seconds: float) -> None:
         router = self.router
+        router._prefill_over(leg)
         router.signals.first_token(leg.instance, leg.prefill_ahead, seconds)
         router.metrics.first_byte(leg.instance, seconds)
         adm = router.admission
@@ -395,6 +430,7 @@ class _Books(Hooks):
 
     def finished(self, life: Lifecycle, leg: Leg, seconds: float) -> None:
         router = self.router
+        router._prefill_over(leg)
         router.pump()  # room was made: a waiting request may go
         if leg.got_first and leg.blocks and router.shared is not None:
             # The refresh at finish (core/fleet.py) too: otherwise the other replicas / workers age this chain

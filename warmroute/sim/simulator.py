@@ -23,7 +23,7 @@ from warmroute.core.cache_value import CacheValue, scale_in_victim
 from warmroute.core.demand import DemandMeter, fleet_demand
 from warmroute.core.disaggregation import DECODE, PREFILL, SPLIT, DisaggregationSettings, Plan, decode_after, plan
 from warmroute.core.fleet import Fleet, FleetSettings
-from warmroute.core.lifecycle import Lifecycle
+from warmroute.core.lifecycle import Leg, Lifecycle
 from warmroute.core.routing_key import BYTES_PER_TOKEN, RoutingKey, key_for_json
 from warmroute.core.stages import Handles
 from warmroute.core.strategies import (Decision, NoInstanceAvailable, Strategy, StrategyProfile, StrategySettings,
@@ -211,6 +211,12 @@ class Simulation:
         self._plans: dict[Lifecycle, Plan] = {}  # split requests' plans until their decode leg goes
         self._prefilling: dict[int, tuple[RequestRecord, Lifecycle, _Instance]] = {}  # prefill legs, by engine seq
         self._held: dict[int, tuple[_Instance, int]] = {}  # decode seq -> the prefill instance and seq holding its KV
+        # Requests held for another's prefill of their prefix (Lifecycle.prefill_leader), as the router holds them:
+        # engine seq -> (the leg waited for, its own leg, what sends it to its engine); and each leg's waiting seqs.
+        self._holding: dict[int, tuple[Leg, Lifecycle, Leg, Callable[[float], None]]] = {}
+        self._waiting_on: dict[Leg, list[int]] = {}
+        hold = self.admission.settings.shared_prefill_wait_s
+        self._hold_s = hold if self.admission_on and hold > 0 else 0.0
         self._starting: dict[int, float] = {}  # instances being started: id -> creation time
         self._starting_ids = itertools.count()
         self._cancelled_s = 0.0  # instance-seconds of starting instances cancelled before they were ready
@@ -283,6 +289,32 @@ class Simulation:
             self._join(now, created)
         elif kind == "scrape":
             self._scrape(now)
+        elif kind == "unhold" and (held := self._holding.pop(event[1], None)) is not None:
+            leader, life, leg, submit = held
+            self._waiting_on[leader].remove(event[1])
+            self._resume(now, life, leg, submit)
+
+    def _hold_or_submit(self, now: float, seq: int, life: Lifecycle, leg: Leg, submit: Callable[[float], None]) -> None:
+        """Send a leg to its engine now, or hold it while another request there computes its prefix (for at most
+        shared_prefill_wait_s), as the router does (Router.hold_for_prefill)."""
+        leader = life.prefill_leader(leg) if self._hold_s else None
+        if leader is None:
+            submit(now)
+            return
+        self._holding[seq] = (leader, life, leg, submit)
+        self._waiting_on.setdefault(leader, []).append(seq)
+        self._push(now + self._hold_s, self.ARRIVE, ("unhold", seq))
+
+    def _prefill_over(self, now: float, leg: Leg) -> None:
+        """`leg`'s first token: the requests held for its prefill go."""
+        for seq in self._waiting_on.pop(leg, ()):
+            _, life, held, submit = self._holding.pop(seq)
+            self._resume(now, life, held, submit)
+
+    @staticmethod
+    def _resume(now: float, life: Lifecycle, leg: Leg, submit: Callable[[float], None]) -> None:
+        life.resumed(leg)
+        submit(now)
 
     def _scrape(self, now: float) -> None:
         """The router reads each engine's running batch, queue and KV usage, as it scrapes /metrics (the load
@@ -542,7 +574,7 @@ class Simulation:
             self._send_prefill(now, arrival, life, d)
             return
         self._note_prefix(key.prefix_hash(self.s.routing.prefix_length), d.instance)
-        life.dispatch(d)
+        leg = life.dispatch(d)
         if self.autoscaler is not None:
             self.demand.dispatched(self.fleet.instances[d.instance], now, d.uncached_tokens)
         if self.cache_value is not None and d.blocks:
@@ -552,9 +584,14 @@ class Simulation:
         seq = next(self._seq)
         self._inflight[seq] = (rec, life)
         inst = self.instances[d.instance]
-        inst.model.submit(seq, self._engine_blocks(key), key.tokens, max(1, req.max_tokens))
-        if not inst.busy:
-            self._start_step(now, inst)
+
+        def submit(at: float) -> None:
+            rec.sent = at
+            inst.model.submit(seq, self._engine_blocks(key), key.tokens, max(1, req.max_tokens))
+            if not inst.busy:
+                self._start_step(at, inst)
+
+        self._hold_or_submit(now, seq, life, leg, submit)
 
     # -- a split request (core/disaggregation.py): prefill here, then its KV moves to the decode instance -------
     def _send_prefill(self, now: float, arrival: float, life: Lifecycle, d: Decision) -> None:
@@ -562,16 +599,21 @@ class Simulation:
         key, (req, _) = life.key, life.shell
         assert key is not None
         self._note_prefix(key.prefix_hash(self.s.routing.prefix_length), d.instance)
-        life.dispatch(d, role=PREFILL)
+        leg = life.dispatch(d, role=PREFILL)
         rec = RequestRecord(arrival, "", key.tokens, d.reason, tag=req.tag, sent=now, tenant=req.tenant,
                             prefill_instance=d.instance)
         self.records.append(rec)
         seq = next(self._seq)
         inst = self.instances[d.instance]
         self._prefilling[seq] = (rec, life, inst)
-        inst.model.submit(seq, self._engine_blocks(key), key.tokens, 1, hold=True)
-        if not inst.busy:
-            self._start_step(now, inst)
+
+        def submit(at: float) -> None:
+            rec.sent = at
+            inst.model.submit(seq, self._engine_blocks(key), key.tokens, 1, hold=True)
+            if not inst.busy:
+                self._start_step(at, inst)
+
+        self._hold_or_submit(now, seq, life, leg, submit)
 
     def _send_decode(self, now: float, life: Lifecycle, rec: RequestRecord, prefill: _Instance, pseq: int) -> None:
         """The decode leg, once the prefill leg has answered: admitted there, it loads the KV it lacks."""
@@ -639,12 +681,13 @@ class Simulation:
             if seq in self._prefilling:
                 rec, life, _ = self._prefilling[seq]
                 rec.prefill_cached_tokens = cached
-                life.first_token()
+                self._prefill_over(now, life.first_token())
                 life.feedback(cached)
                 continue
             rec, life = self._inflight[seq]
             rec.first_token, rec.cached_tokens = now, cached
             leg = life.first_token()
+            self._prefill_over(now, leg)
             books = self.fleet.instances.get(inst.name)
             if self.autoscaler is not None and books is not None and not leg.queued_ahead:
                 # Nothing was queued ahead of it there: its time to first token was its own prefill.

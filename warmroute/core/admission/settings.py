@@ -84,6 +84,14 @@ class AdmissionConfig(SettingsModel):
     token, so 1 is strict: nothing may await a first token there (the heaviest isolation, at a latency cost to the
     heavy tenant even below overload; docs/deployment.md). 0: no budget. One tenant alone is never held."""
 
+    shared_prefill_wait_s: float = Field(10.0, ge=0.0, le=600)
+    """Seconds a request may wait in the router while a request sent before it to the same instance is still computing
+    the prefix they share (until that one's first token or end; then it goes, and finds the prefix cached). Engines
+    reuse a block of KV cache only once it is computed, so sent at once it would compute the prefix again, and both
+    would wait for that. Only a streamed request (or a prefill leg) is waited for: its first token marks the end of its
+    prefill. It counts at its instance meanwhile, and x-warmroute-reason says `held=...; shared_prefill`. 0: never
+    waits. With admission off, no request waits."""
+
     @field_validator("tenant_weights", mode="before")
     @classmethod
     def _parse_weights(cls, v: Any) -> Any:
@@ -144,6 +152,7 @@ class AdmissionSettings:
     tenant_queue_share: float = _default("tenant_queue_share")
     tenant_pending: int = _default("tenant_pending")
     prefill_budget: int = _default("prefill_budget")
+    shared_prefill_wait_s: float = _default("shared_prefill_wait_s")
     # Record a waiting request's chain in the prefix index at the instance it waits for, as the strategy's
     # books do when a request is sent (the shells set it to the strategy's records_prefixes).
     record_queued: bool = True
