@@ -19,9 +19,9 @@ from test_lifecycle import Clock, books
 
 def at_zero(f: Fleet, adm: Admission) -> bool:
     """Nothing left open: no request in flight or pending anywhere, nothing waiting or reserved."""
-    instances, waiters, reserved, size, tenants = books(f, adm)
+    instances, waiters, reserved, size, tenants, prefills = books(f, adm)
     return all(not any(counts) for _, *counts in instances) and not (waiters or any(reserved.values())
-                                                                           or size or tenants)
+                                                                           or size or tenants or prefills)
 
 
 def pd_fleet(prefill: int = 2, decode: int = 2, both: int = 0) -> Fleet:

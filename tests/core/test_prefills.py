@@ -56,8 +56,20 @@ def test_a_request_routed_before_the_other_chain_was_recorded_waits_too():
     there, and the first of its blocks is the one being computed."""
     t = Fleet()
     _, leg = t.send(t.a, (1, 2, 3, 4))
-    other, follower = t.send(t.a, (1, 2, 7), depth=0)
+    other, follower = t.send(t.a, (1, 2, 3, 7), depth=0)
     assert other.prefill_leader(follower) is leg
+
+
+def test_a_request_sharing_only_a_short_start_of_a_long_prefill_does_not_wait_for_all_of_it():
+    """The engine computes a prompt in order: a short system prompt ahead of another request's long document is
+    cached long before that request's first token."""
+    t = Fleet()
+    t.send(t.a, (1, 2, *range(100, 110)))
+    other, follower = t.send(t.a, (1, 2, *range(200, 210)), depth=2)
+    assert other.prefill_leader(follower) is None
+    half = t.send(t.a, (1, 2, 3, 4, 5, *range(300, 305)), depth=0)[1]
+    other, follower = t.send(t.a, (1, 2, 3, 4, 5, 9), depth=5)
+    assert other.prefill_leader(follower) is half  # half of what that one computes is its prefix
 
 
 def test_a_prefix_cached_before_either_request_came_holds_nobody():
