@@ -93,20 +93,22 @@ async def test_only_a_streamed_request_is_waited_for():
 
 
 async def test_the_wait_ends_at_shared_prefill_wait_s():
-    async with _stack(time_scale=8.0, shared_prefill_wait_s=0.05) as (router, client):
+    async with _stack(shared_prefill_wait_s=0.02) as (router, client):
         _, second = await _two_at_once(client, router.url, _chat(0, 1), _chat(0, 2))
         held = float(second.reason.split("held=")[1].split("s;")[0])
-        assert 0.05 <= held < 0.5 and _held(router, "timeout") == 1
+        assert 0.02 <= held < 0.5 and _held(router, "timeout") == 1 and _held(router, "computed") == 0
 
 
 async def test_a_client_that_leaves_while_held_leaves_nothing_behind():
-    async with _stack(time_scale=8.0) as (router, client):
+    async with _stack() as (router, client):
+        busy = asyncio.ensure_future(ask(client, router.url, _chat(9, 0)))  # the leader waits its turn behind it
+        await asyncio.sleep(0.05)
         leader = asyncio.ensure_future(ask(client, router.url, _chat(0, 1)))
         await asyncio.sleep(0.05)
         follower = asyncio.ensure_future(ask(client, router.url, _chat(0, 2)))
         r = router.app[ROUTER]
         await wait_for(lambda: bool(r._prefill_waits))
-        assert r.fleet.instances["e0"].inflight == 2  # the held request counts at its instance
+        assert r.fleet.instances["e0"].inflight == 3  # the held request counts at its instance
         follower.cancel()
-        await wait_for(lambda: r.fleet.instances["e0"].inflight == 1)
-        assert (await leader).cached_tokens == 0
+        await wait_for(lambda: r.fleet.instances["e0"].inflight == 2)
+        assert (await leader).cached_tokens == 0 and (await busy).cached_tokens == 0
