@@ -202,7 +202,7 @@ class Lifecycle:
             return
         leg.recorded = True
         self.fleet.index.record(leg.instance, leg.blocks)  # an instance removed meanwhile: a no-op
-        if leg.leads:
+        if leg.leads and not leg.got_first:
             self.fleet.prefills.started(leg, leg.decision.depth)
         self.hooks.recorded(self, leg)
 
@@ -231,6 +231,8 @@ class Lifecycle:
 
     def _first(self, leg: Leg) -> None:
         leg.got_first = True
+        if leg.recorded and leg.leads:
+            self.fleet.prefills.ended(leg)
         seconds = self.clock() - leg.sent_at
         self.fleet.first_token(leg.instance, leg.uncached_tokens, seconds)
         self.admission.first_token(self.tenant, leg.instance, leg.uncached_tokens)
@@ -308,8 +310,8 @@ class Lifecycle:
 
     def _close_leg(self, leg: Leg) -> Leg:
         leg.done = True
-        if leg.recorded and leg.leads:
-            self.fleet.prefills.ended(leg, leg.decision.depth)
+        if leg.recorded and leg.leads and not leg.got_first:
+            self.fleet.prefills.ended(leg)
         seconds = self.clock() - leg.sent_at
         self.fleet.finished(leg.instance, leg.uncached_tokens, leg.got_first, leg.blocks, leg.kv_tokens, seconds)
         self.admission.ended(self.tenant, leg.instance, leg.got_first, leg.uncached_tokens)
