@@ -14,6 +14,7 @@ import heapq
 import math
 import itertools
 import random
+from functools import partial
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -583,14 +584,7 @@ class Simulation:
         self.records.append(rec)
         seq = next(self._seq)
         self._inflight[seq] = (rec, life)
-        inst = self.instances[d.instance]
-
-        def submit(at: float) -> None:
-            rec.sent = at
-            inst.model.submit(seq, self._engine_blocks(key), key.tokens, max(1, req.max_tokens))
-            if not inst.busy:
-                self._start_step(at, inst)
-
+        submit = partial(self._submit, self.instances[d.instance], seq, rec, key, max(1, req.max_tokens), False)
         self._hold_or_submit(now, seq, life, leg, submit)
 
     # -- a split request (core/disaggregation.py): prefill here, then its KV moves to the decode instance -------
@@ -606,14 +600,15 @@ class Simulation:
         seq = next(self._seq)
         inst = self.instances[d.instance]
         self._prefilling[seq] = (rec, life, inst)
+        self._hold_or_submit(now, seq, life, leg, partial(self._submit, inst, seq, rec, key, 1, True))
 
-        def submit(at: float) -> None:
-            rec.sent = at
-            inst.model.submit(seq, self._engine_blocks(key), key.tokens, 1, hold=True)
-            if not inst.busy:
-                self._start_step(at, inst)
-
-        self._hold_or_submit(now, seq, life, leg, submit)
+    def _submit(self, inst: _Instance, seq: int, rec: RequestRecord, key: RoutingKey, max_tokens: int,
+                hold: bool, at: float) -> None:
+        """A leg reaches its engine at `at` (`hold`: a prefill leg, whose blocks stay for its decode instance)."""
+        rec.sent = at
+        inst.model.submit(seq, self._engine_blocks(key), key.tokens, max_tokens, hold=hold)
+        if not inst.busy:
+            self._start_step(at, inst)
 
     def _send_decode(self, now: float, life: Lifecycle, rec: RequestRecord, prefill: _Instance, pseq: int) -> None:
         """The decode leg, once the prefill leg has answered: admitted there, it loads the KV it lacks."""
