@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from types import SimpleNamespace
 from typing import Any
 
 import dev
@@ -17,7 +18,7 @@ def _build(monkeypatch, importable: bool) -> list[tuple[list[str], dict[str, str
         probe = "-c" in cmd
         return subprocess.CompletedProcess(cmd, 0 if (importable or not probe) else 1)
 
-    monkeypatch.setattr(dev.subprocess, "run", run)
+    monkeypatch.setattr(dev, "subprocess", SimpleNamespace(run=run))  # dev's own name only, not the module
     dev._install_llama()
     return calls
 
